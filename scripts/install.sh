@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Install everything dsec needs on a fresh Debian 12 machine (as root), start the embedded
+# single-machine server and run a live sandbox demo (examples/quickstart.py).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export DEBIAN_FRONTEND=noninteractive
+echo "== Debian packages"
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends crun erofs-utils debootstrap busybox-static musl-tools \
+  gcc libc6-dev zstd tar util-linux iproute2 procps ca-certificates sqlite3 >/dev/null
+echo "== host setup"
+bash scripts/host-setup.sh
+echo "== Python environment (.venv)"
+python3 -m venv .venv
+.venv/bin/pip install -q --upgrade pip >/dev/null 2>&1 || true
+.venv/bin/pip install -q -e '.[test]'
+echo "== built-in images (busybox, debian-python via debootstrap; cached after the first run)"
+.venv/bin/dsec image build busybox --builtin
+.venv/bin/dsec image build debian-python --builtin
+if [ "${DSEC_INSTALL_ONLY:-0}" = 1 ]; then exit 0; fi
+echo "== starting dsec (embedded: apiserver + edge + SQLite) and running a live sandbox"
+.venv/bin/dsec up --background
+.venv/bin/python examples/quickstart.py
+echo "dsec is running in the background: '.venv/bin/dsec sandbox ls', '.venv/bin/dsec down' to stop it"

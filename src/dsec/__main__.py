@@ -1,0 +1,3 @@
+from dsec.sdk.cli import main
+
+main()

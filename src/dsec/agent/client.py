@@ -1,0 +1,379 @@
+"""asyncio client for the in-sandbox agent, used by the edge.
+
+One connection carries many concurrent requests: a single reader task demultiplexes
+incoming frames by chan into per-request queues. Exec chans are chosen by the caller
+(1 .. 0x7fffffff); file operations and pings use chans allocated here from 0x80000000
+upward so they never collide. When the connection dies, every pending request raises
+AgentDisconnected; errors reported by the agent raise AgentError(errno, message).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from . import protocol as P
+from .protocol import MsgType, Tag
+
+log = logging.getLogger("dsec.agent")
+
+INTERNAL_CHAN_BASE = 0x80000000
+_CHAN_MAX = 0xFFFFFFFF
+_STDIN_CHUNK = 1 << 20
+_GONE = object()  # queue sentinel: the connection is gone
+
+
+class AgentError(Exception):
+    """The agent answered ERROR."""
+
+    def __init__(self, errno: int, message: str):
+        super().__init__(errno, message)
+        self.errno = errno
+        self.message = message
+
+    def __str__(self) -> str:
+        name = os.strerror(self.errno) if self.errno > 0 else "error"
+        return f"[{self.errno}] {name}: {self.message}"
+
+
+class AgentDisconnected(ConnectionError):
+    """The connection to the agent is closed (or could not be opened)."""
+
+
+@dataclass
+class Output:
+    stream: Literal["stdout", "stderr"]
+    data: bytes
+
+
+@dataclass
+class Exit:
+    exit_code: int | None  # None if killed by a signal
+    signal: int | None  # None if it exited
+    timed_out: bool
+    truncated: bool
+    session_ended: bool
+    stdout_total: int
+    stderr_total: int
+
+
+@dataclass
+class DirEntry:
+    name: str
+    kind: Literal["file", "dir", "symlink", "other"]
+    mode: int
+    size: int
+    mtime: float
+
+
+def _exit_from_wire(info: P.ExitInfo) -> Exit:
+    signalled = info.signal != 0
+    return Exit(
+        exit_code=None if signalled else info.exit_code,
+        signal=info.signal if signalled else None,
+        timed_out=info.timed_out,
+        truncated=info.truncated,
+        session_ended=info.session_ended,
+        stdout_total=info.stdout_total,
+        stderr_total=info.stderr_total,
+    )
+
+
+class AgentClient:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self._reader = reader
+        self._writer = writer
+        self._queues: dict[int, asyncio.Queue] = {}
+        self._next_chan = INTERNAL_CHAN_BASE
+        self._closed = False
+        self._reason = "connection closed"
+        self._task = asyncio.get_running_loop().create_task(self._read_loop())
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    async def connect(cls, socket_path: str | Path, timeout: float = 5.0) -> "AgentClient":
+        """Connect to the agent's socket and check it answers PING."""
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_unix_connection(str(socket_path), limit=1 << 20), timeout
+            )
+        except (OSError, asyncio.TimeoutError) as e:
+            raise AgentDisconnected(f"cannot connect to agent at {socket_path}: {e!r}") from e
+        client = cls(reader, writer)
+        try:
+            await asyncio.wait_for(client.ping(), timeout)
+        except asyncio.TimeoutError as e:
+            await client.close()
+            raise AgentDisconnected(f"agent at {socket_path} did not answer PING") from e
+        except BaseException:
+            await client.close()
+            raise
+        return client
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def close(self) -> None:
+        self._shutdown("closed by client")
+        if not self._task.done():
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        try:
+            await self._writer.wait_closed()
+        except Exception:
+            pass
+
+    async def __aenter__(self) -> "AgentClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    def _shutdown(self, reason: str) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._reason = reason
+        log.debug("agent connection closed: %s", reason)
+        try:
+            self._writer.close()
+        except Exception:
+            pass
+        for q in self._queues.values():
+            q.put_nowait(_GONE)
+
+    async def _read_loop(self) -> None:
+        reason = "connection closed by agent"
+        try:
+            while True:
+                head = await self._reader.readexactly(P.HEADER_SIZE)
+                length, type_, chan = P.decode_header(head)
+                payload = await self._reader.readexactly(length) if length else b""
+                q = self._queues.get(chan)
+                if q is not None:  # else: nobody waits for it any more (e.g. abandoned exec)
+                    q.put_nowait((type_, payload))
+        except asyncio.IncompleteReadError:
+            pass
+        except P.ProtocolError as e:
+            reason = f"protocol error: {e}"
+        except (ConnectionError, OSError) as e:
+            reason = f"connection error: {e!r}"
+        except asyncio.CancelledError:
+            reason = "closed by client"
+        finally:
+            self._shutdown(reason)
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _register(self, chan: int) -> asyncio.Queue:
+        if self._closed:
+            raise AgentDisconnected(self._reason)
+        if chan in self._queues:
+            raise ValueError(f"chan {chan:#x} is already in use on this connection")
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[chan] = q
+        return q
+
+    def _unregister(self, chan: int, q: asyncio.Queue) -> None:
+        if self._queues.get(chan) is q:
+            del self._queues[chan]
+
+    def _alloc_chan(self) -> int:
+        while True:
+            chan = self._next_chan
+            self._next_chan = chan + 1 if chan < _CHAN_MAX else INTERNAL_CHAN_BASE
+            if chan not in self._queues:
+                return chan
+
+    async def _send(self, type_: int, chan: int, *parts: bytes) -> None:
+        if self._closed:
+            raise AgentDisconnected(self._reason)
+        length = sum(len(p) for p in parts)
+        head = P.encode_header(type_, chan, length)
+        try:
+            # consecutive write() calls without an await in between: frames never interleave
+            self._writer.write(head)
+            for part in parts:
+                if part:
+                    self._writer.write(part)
+            await self._writer.drain()
+        except (ConnectionError, OSError) as e:
+            self._shutdown(f"connection error: {e!r}")
+            raise AgentDisconnected(self._reason) from e
+
+    async def _next(self, q: asyncio.Queue) -> tuple[int, bytes]:
+        item = await q.get()
+        if item is _GONE:
+            raise AgentDisconnected(self._reason)
+        type_, payload = item
+        if type_ == MsgType.ERROR:
+            raise AgentError(*P.decode_error(payload))
+        return type_, payload
+
+    async def _request(self, type_: int, *parts: bytes) -> tuple[int, bytes]:
+        """One request on an internal chan, answered by one frame."""
+        chan = self._alloc_chan()
+        q = self._register(chan)
+        try:
+            await self._send(type_, chan, *parts)
+            return await self._next(q)
+        finally:
+            self._unregister(chan, q)
+
+    async def _stream(self, type_: int, chan: int, *parts: bytes) -> AsyncIterator[Output | Exit]:
+        q = self._register(chan)
+        try:
+            await self._send(type_, chan, *parts)
+            while True:
+                t, payload = await self._next(q)
+                if t == MsgType.STDOUT:
+                    yield Output("stdout", payload)
+                elif t == MsgType.STDERR:
+                    yield Output("stderr", payload)
+                elif t == MsgType.EXIT:
+                    # free the chan before handing out Exit: callers often stop iterating there
+                    self._unregister(chan, q)
+                    yield _exit_from_wire(P.decode_exit(payload))
+                    return
+        finally:
+            self._unregister(chan, q)
+
+    @staticmethod
+    def _check_exec_chan(chan: int) -> None:
+        if not 0 < chan < INTERNAL_CHAN_BASE:
+            raise ValueError(f"exec chan must be in 1..{INTERNAL_CHAN_BASE - 1:#x}, got {chan}")
+
+    # ------------------------------------------------------------------ API
+
+    async def ping(self) -> None:
+        _, payload = await self._request(MsgType.PING)
+        P.decode_pong(payload)
+
+    def exec(
+        self,
+        chan: int,
+        *,
+        cmd: str,
+        uid: int,
+        gid: int,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout_ms: int = 0,
+        cap: int = 1 << 20,
+        session: str | None = None,
+        stdin: bytes | None = None,
+        keep_stdin: bool = False,
+    ) -> AsyncIterator[Output | Exit]:
+        """Run `cmd`; yields Output items as they arrive, the last item is Exit."""
+        self._check_exec_chan(chan)
+        fields: list[tuple[int, P.FieldValue]] = [
+            (Tag.CMD, cmd), (Tag.UID, uid), (Tag.GID, gid),
+            (Tag.TIMEOUT_MS, timeout_ms), (Tag.CAP, cap),
+        ]
+        if cwd is not None:
+            fields.append((Tag.CWD, cwd))
+        for key, value in (env or {}).items():
+            fields.append((Tag.ENV, f"{key}={value}"))
+        if session is not None:
+            fields.append((Tag.SESSION, session))
+        if keep_stdin:
+            fields.append((Tag.KEEP_STDIN, 1))
+        head = P.encode_fields(fields)
+        if stdin is not None:  # sent without copying the data into one buffer
+            head += P.FIELD_HEAD.pack(Tag.STDIN, len(stdin))
+            return self._stream(MsgType.EXEC, chan, head, bytes(stdin))
+        return self._stream(MsgType.EXEC, chan, head)
+
+    def attach(self, chan: int) -> AsyncIterator[Output | Exit]:
+        """Replay the retained output of `chan` (stdout, then stderr), then follow it live."""
+        self._check_exec_chan(chan)
+        return self._stream(MsgType.ATTACH, chan)
+
+    async def release(self, chan: int) -> None:
+        await self._send(MsgType.RELEASE, chan)
+
+    async def signal(self, chan: int, sig: int) -> None:
+        await self._send(MsgType.SIGNAL, chan, P.U32.pack(int(sig)))
+
+    async def send_stdin(self, chan: int, data: bytes) -> None:
+        """Feed stdin of a KEEP_STDIN exec; b"" closes it."""
+        if not data:
+            await self._send(MsgType.STDIN, chan)
+            return
+        view = memoryview(data)
+        for i in range(0, len(view), _STDIN_CHUNK):
+            await self._send(MsgType.STDIN, chan, bytes(view[i : i + _STDIN_CHUNK]))
+
+    async def read_file(self, path: str, *, uid: int, gid: int, maxlen: int = 64 << 20) -> bytes:
+        chan = self._alloc_chan()
+        q = self._register(chan)
+        try:
+            payload = P.encode_fields([(Tag.PATH, path), (Tag.UID, uid), (Tag.GID, gid), (Tag.MAXLEN, maxlen)])
+            await self._send(MsgType.FILE_READ, chan, payload)
+            buf = bytearray()
+            while True:
+                t, data = await self._next(q)
+                if t == MsgType.DATA:
+                    buf += data
+                    if len(buf) > maxlen:
+                        raise P.ProtocolError("agent sent more than MAXLEN bytes")
+                elif t == MsgType.OK:
+                    total = P.decode_ok_total(data)
+                    if total is not None and total != len(buf):
+                        raise P.ProtocolError(f"FILE_READ total {total} != {len(buf)} bytes received")
+                    return bytes(buf)
+        finally:
+            self._unregister(chan, q)
+
+    async def write_file(
+        self, path: str, data: bytes, *, uid: int, gid: int, mode: int = 0o644, mkdirs: bool = True
+    ) -> None:
+        head = P.encode_fields(
+            [(Tag.PATH, path), (Tag.UID, uid), (Tag.GID, gid), (Tag.MODE, mode), (Tag.MKDIRS, int(mkdirs))]
+        )
+        head += P.FIELD_HEAD.pack(Tag.DATA, len(data))
+        if len(head) + len(data) > P.MAX_PAYLOAD:
+            raise ValueError(f"file of {len(data)} bytes is too large for one FILE_WRITE")
+        await self._request(MsgType.FILE_WRITE, head, bytes(data))
+
+    async def list_dir(self, path: str, *, uid: int, gid: int) -> list[DirEntry]:
+        _, payload = await self._request(
+            MsgType.LIST, P.encode_fields([(Tag.PATH, path), (Tag.UID, uid), (Tag.GID, gid)])
+        )
+        entries = [
+            DirEntry(
+                name=os.fsdecode(e.name),
+                kind=P.KIND_NAMES.get(e.kind, "other"),  # type: ignore[arg-type]
+                mode=e.mode,
+                size=e.size,
+                mtime=e.mtime_ns / 1e9,
+            )
+            for e in P.decode_listing(payload)
+        ]
+        entries.sort(key=lambda e: e.name)
+        return entries
+
+    async def remove(self, path: str, *, uid: int, gid: int) -> None:
+        await self._request(MsgType.REMOVE, P.encode_fields([(Tag.PATH, path), (Tag.UID, uid), (Tag.GID, gid)]))
+
+    async def mkdir(self, path: str, *, uid: int, gid: int, mode: int = 0o755) -> None:
+        await self._request(
+            MsgType.MKDIR, P.encode_fields([(Tag.PATH, path), (Tag.UID, uid), (Tag.GID, gid), (Tag.MODE, mode)])
+        )
+
+    async def close_session(self, name: str) -> None:
+        await self._request(MsgType.SESSION_CLOSE, P.encode_fields([(Tag.SESSION, name)]))
+
+    async def list_execs(self) -> list[tuple[int, bool]]:
+        _, payload = await self._request(MsgType.LIST_EXECS)
+        return P.decode_execs(payload)

@@ -1,0 +1,228 @@
+"""The apiserver: the one ingress between trusted callers and untrusted sandboxes.
+
+It keeps no per-sandbox state. A sandbox id names its node, so every request after creation is
+forwarded straight to that node's edge; creation asks placement for a node.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Protocol
+
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from dsec.iam import IAM, Principal
+from dsec.images.service import ImageService
+from dsec.placement import Placer
+from dsec.types import (CapacityExceeded, ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult,
+                        FileList, ImageList, InvalidArgument, NodeStatus, NotFound,
+                        SandboxInfo, SandboxList, Unavailable, node_of)
+from dsec.watcher import Watcher
+
+log = logging.getLogger("dsec.apiserver")
+
+MAX_FILE_BYTES = 64 * 1024 * 1024
+PLACEMENT_TRIES = 3
+
+
+class EdgeHandle(Protocol):
+    """What the apiserver needs of an edge (in-process object, Ray actor proxy or HTTP client)."""
+
+    async def status(self) -> NodeStatus: ...
+    async def create(self, project: str, args: ContainerArgs) -> SandboxInfo: ...
+    async def get(self, sandbox_id: str) -> SandboxInfo: ...
+    async def list(self, project: str | None = None, include_ended: bool = False) -> list[SandboxInfo]: ...
+    async def stop(self, sandbox_id: str, reason: str | None = None) -> SandboxInfo: ...
+    def exec_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]: ...
+    async def run(self, sandbox_id: str, req: ExecRequest) -> ExecResult: ...
+    async def attach(self, sandbox_id: str, exec_id: str) -> ExecResult: ...
+    async def close_session(self, sandbox_id: str, name: str) -> None: ...
+    async def read_file(self, sandbox_id: str, path: str, maxlen: int = ...) -> bytes: ...
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = ..., mkdirs: bool = ...) -> None: ...
+    async def list_dir(self, sandbox_id: str, path: str) -> list: ...
+    async def remove_file(self, sandbox_id: str, path: str) -> None: ...
+
+
+@dataclass
+class ApiContext:
+    iam: IAM
+    edges: Mapping[str, EdgeHandle]
+    watcher: Watcher
+    placer: Placer
+    images: ImageService | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def edge_for(self, sandbox_id: str) -> EdgeHandle:
+        node = node_of(sandbox_id)
+        edge = self.edges.get(node)
+        if edge is None:
+            raise NotFound(f"no sandbox {sandbox_id!r}: node {node!r} is unknown", field="sandbox_id",
+                           fix="the node may have left the cluster; list sandboxes with `dsec sandbox ls`")
+        return edge
+
+
+def _principal(request: Request) -> Principal:
+    """Authenticate `Authorization: Bearer <key>`."""
+    auth = request.headers.get("authorization", "")
+    key = auth[7:].strip() if auth.lower().startswith("bearer ") else None
+    return request.app.state.ctx.iam.authenticate(key)
+
+
+# Module level: FastAPI resolves these (string) annotations in the module's globals.
+Who = Annotated[Principal, Depends(_principal)]
+Path_ = Annotated[str, Query(min_length=1, max_length=4096, description="path inside the sandbox")]
+
+
+def create_app(ctx: ApiContext) -> FastAPI:
+    app = FastAPI(title="dsec", version="0.1.0",
+                  description="Elastic sandboxes for agent training and evaluation")
+    app.state.ctx = ctx
+
+    # -- errors: always JSON {"error": {code, message, field, fix}} ------------------------
+    @app.exception_handler(DsecError)
+    async def _dsec_error(_: Request, e: DsecError) -> JSONResponse:
+        return JSONResponse(e.to_body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path", "header")]
+        fieldname = ".".join(loc) or "body"
+        msg = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            fieldname, msg = "body", "request body is not valid JSON"
+        err = InvalidArgument(f"{fieldname}: {msg}", field=fieldname,
+                              fix="see the schema at /openapi.json" + (
+                                  "; allowed fields: " + ", ".join(ContainerArgs.model_fields)
+                                  if first.get("type") == "extra_forbidden" else ""))
+        return JSONResponse(err.to_body(), status_code=err.status)
+
+    async def owned(sandbox_id: str, who: Principal) -> EdgeHandle:
+        edge = ctx.edge_for(sandbox_id)
+        info = await edge.get(sandbox_id)
+        if not ctx.iam.can_access(who, info.project):
+            # same answer as a missing sandbox: ids of other projects are not disclosed
+            raise NotFound(f"no sandbox {sandbox_id!r}", field="sandbox_id", fix="check the id and API key")
+        return edge
+
+    # -- routes --------------------------------------------------------------------------
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"ok": True, "nodes": len(ctx.edges)}
+
+    @app.post("/v1/sandboxes", status_code=201, response_model=SandboxInfo)
+    async def create_sandbox(args: ContainerArgs, who: Who) -> SandboxInfo:
+        excluded: set[str] = set()
+        last: DsecError | None = None
+        for _ in range(PLACEMENT_TRIES):
+            node = ctx.placer.choose(ctx.watcher.nodes(), args.backend, args.cpu_cores, args.memory_mb,
+                                     exclude=excluded)
+            try:
+                return await ctx.edges[node].create(who.project_id, args)
+            except CapacityExceeded as e:   # the edge's own final check: place elsewhere
+                ctx.placer.release(node, args.cpu_cores, args.memory_mb)
+                excluded.add(node)
+                last = e
+            except BaseException:
+                ctx.placer.release(node, args.cpu_cores, args.memory_mb)
+                raise
+        assert last is not None
+        raise last
+
+    @app.get("/v1/sandboxes", response_model=SandboxList)
+    async def list_sandboxes(who: Who, include_ended: bool = False) -> SandboxList:
+        out: list[SandboxInfo] = []
+        for edge in ctx.edges.values():
+            out += [s for s in await edge.list(None, include_ended) if ctx.iam.can_access(who, s.project)]
+        return SandboxList(sandboxes=out)
+
+    @app.get("/v1/sandboxes/{sandbox_id}", response_model=SandboxInfo)
+    async def get_sandbox(sandbox_id: str, who: Who) -> SandboxInfo:
+        edge = await owned(sandbox_id, who)
+        return await edge.get(sandbox_id)
+
+    @app.delete("/v1/sandboxes/{sandbox_id}", response_model=SandboxInfo)
+    async def stop_sandbox(sandbox_id: str, who: Who) -> SandboxInfo:
+        edge = await owned(sandbox_id, who)
+        return await edge.stop(sandbox_id)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/exec", response_model=ExecResult)
+    async def exec_(sandbox_id: str, req: ExecRequest, who: Who) -> ExecResult:
+        edge = await owned(sandbox_id, who)
+        return await edge.run(sandbox_id, req)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/exec/stream",
+              responses={200: {"content": {"application/x-ndjson": {}},
+                               "description": "one ExecEvent JSON object per line"}})
+    async def exec_stream(sandbox_id: str, req: ExecRequest, who: Who) -> StreamingResponse:
+        edge = await owned(sandbox_id, who)
+        events = edge.exec_stream(sandbox_id, req)
+        first = await anext(events)   # errors before the first byte become proper HTTP errors
+
+        async def lines() -> AsyncIterator[bytes]:
+            yield first.model_dump_json().encode() + b"\n"
+            try:
+                async for ev in events:
+                    yield ev.model_dump_json(exclude_none=True).encode() + b"\n"
+            except DsecError as e:
+                yield ExecEvent(type="exit", data=e.message).model_dump_json().encode() + b"\n"
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    @app.get("/v1/sandboxes/{sandbox_id}/execs/{exec_id}", response_model=ExecResult)
+    async def attach(sandbox_id: str, exec_id: str, who: Who) -> ExecResult:
+        edge = await owned(sandbox_id, who)
+        return await edge.attach(sandbox_id, exec_id)
+
+    @app.delete("/v1/sandboxes/{sandbox_id}/sessions/{name}", status_code=204)
+    async def close_session(sandbox_id: str, name: str, who: Who) -> Response:
+        edge = await owned(sandbox_id, who)
+        await edge.close_session(sandbox_id, name)
+        return Response(status_code=204)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/files", response_class=Response,
+             responses={200: {"content": {"application/octet-stream": {}}}})
+    async def read_file(sandbox_id: str, path: Path_, who: Who) -> Response:
+        edge = await owned(sandbox_id, who)
+        return Response(await edge.read_file(sandbox_id, path, MAX_FILE_BYTES), media_type="application/octet-stream")
+
+    @app.put("/v1/sandboxes/{sandbox_id}/files", status_code=204)
+    async def write_file(sandbox_id: str, path: Path_, request: Request, who: Who,
+                         mode: Annotated[int, Query(ge=0, le=0o7777)] = 0o644, mkdirs: bool = True) -> Response:
+        edge = await owned(sandbox_id, who)
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_FILE_BYTES:
+                raise InvalidArgument(f"file larger than {MAX_FILE_BYTES} bytes", field="body",
+                                      fix="split the file, or write it from inside the sandbox")
+        await edge.write_file(sandbox_id, path, bytes(body), mode, mkdirs)
+        return Response(status_code=204)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/files/list", response_model=FileList)
+    async def list_files(sandbox_id: str, path: Path_, who: Who) -> FileList:
+        edge = await owned(sandbox_id, who)
+        return FileList(path=path, entries=await edge.list_dir(sandbox_id, path))
+
+    @app.delete("/v1/sandboxes/{sandbox_id}/files", status_code=204)
+    async def remove_file(sandbox_id: str, path: Path_, who: Who) -> Response:
+        edge = await owned(sandbox_id, who)
+        await edge.remove_file(sandbox_id, path)
+        return Response(status_code=204)
+
+    @app.get("/v1/nodes", response_model=list[NodeStatus])
+    async def nodes(_: Who) -> list[NodeStatus]:
+        return ctx.watcher.nodes()
+
+    @app.get("/v1/images", response_model=ImageList)
+    async def images(_: Who) -> ImageList:
+        if ctx.images is None:
+            raise Unavailable("this apiserver has no image registry attached")
+        return ImageList(images=ctx.images.list())
+
+    return app

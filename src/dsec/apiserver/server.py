@@ -1,0 +1,77 @@
+"""The embedded single-machine deployment: apiserver + one in-process edge + SQLite.
+
+Multi-node keeps the same pieces and swaps the `edges` mapping for Ray actor handles (one edge
+per node) and the SQLite files for PostgreSQL; nothing above the EdgeHandle boundary changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import uvicorn
+
+from dsec import log as dlog
+from dsec.agent.build import agent_binary
+from dsec.apiserver.app import ApiContext, create_app
+from dsec.backends.container.driver import ContainerDriver
+from dsec.config import DEFAULT_PORT, Paths
+from dsec.edge.edge import Edge, EdgeSettings
+from dsec.iam import IAM
+from dsec.images.service import ImageService
+from dsec.placement import Placer
+from dsec.watcher import Watcher
+
+log = logging.getLogger("dsec.server")
+
+
+@dataclass
+class ServerOptions:
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    node_id: str = "local"
+    log_level: str = "INFO"
+
+
+@asynccontextmanager
+async def embedded(paths: Paths, node_id: str = "local"):
+    """Everything one machine needs, started and torn down in order."""
+    paths.ensure()
+    iam = IAM(paths.iam_db)
+    iam.bootstrap(paths.admin_key_file)
+    images = ImageService(paths)
+    driver = ContainerDriver(paths, agent_binary(paths.bin))
+    edge = Edge(paths, images, driver, EdgeSettings(node_id=node_id))
+    await edge.start()
+    watcher = Watcher({node_id: edge}, interval_s=1.0)
+    await watcher.poll_once()
+    await watcher.start()
+    try:
+        yield ApiContext(iam=iam, edges={node_id: edge}, watcher=watcher, placer=Placer(k=2), images=images)
+    finally:
+        await watcher.stop()
+        await edge.close()
+
+
+def serve(paths: Paths, opts: ServerOptions) -> None:
+    dlog.configure(opts.log_level)
+
+    async def main() -> None:
+        async with embedded(paths, opts.node_id) as ctx:
+            config = uvicorn.Config(create_app(ctx), host=opts.host, port=opts.port, log_config=None,
+                                    access_log=False, timeout_graceful_shutdown=2)
+            server = uvicorn.Server(config)
+            paths.server_pid.write_text(str(os.getpid()))
+            log.info("dsec serving", extra={"url": f"http://{opts.host}:{opts.port}", "home": str(paths.home)})
+            try:
+                await server.serve()
+            finally:
+                paths.server_pid.unlink(missing_ok=True)
+
+    try:
+        asyncio.run(main())   # uvicorn turns SIGINT/SIGTERM into a graceful shutdown
+    except KeyboardInterrupt:
+        pass

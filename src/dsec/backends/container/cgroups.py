@@ -1,0 +1,32 @@
+"""Which cgroup layout this host has, and the checks crun needs before it can run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def is_unified() -> bool:
+    """Pure cgroup v2 (production hosts) vs v1/hybrid (these dev machines)."""
+    return (CGROUP_ROOT / "cgroup.controllers").exists()
+
+
+def check_host() -> str | None:
+    """Return an actionable problem description, or None when crun can run here."""
+    if is_unified():
+        return None
+    unified = CGROUP_ROOT / "unified" / "cgroup.controllers"
+    if unified.exists() and "hugetlb" in unified.read_text().split():
+        return ("cgroup v2 at /sys/fs/cgroup/unified holds the hugetlb controller and crun "
+                "refuses this hybrid mode; fix: mkdir -p /sys/fs/cgroup/hugetlb && "
+                "mount -t cgroup -o hugetlb cgroup /sys/fs/cgroup/hugetlb (scripts/host-setup.sh does it)")
+    if not (CGROUP_ROOT / "memory").is_dir():
+        return "no cgroup memory controller mounted at /sys/fs/cgroup/memory"
+    return None
+
+
+def leftover_dirs(rel: str) -> list[Path]:
+    """cgroup directories of a sandbox that still exist (should be none after destroy)."""
+    roots = [CGROUP_ROOT] if is_unified() else [p for p in CGROUP_ROOT.iterdir() if p.is_dir()]
+    return [r / rel.lstrip("/") for r in roots if (r / rel.lstrip("/")).exists()]

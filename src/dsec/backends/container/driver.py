@@ -1,0 +1,155 @@
+"""Container backend: crun over an overlay of read-only EROFS layers.
+
+Per sandbox, under <home>/sb/<id>/: `upper` and `work` (the writable layer, on local disk),
+`rootfs` (mountpoint; the overlay is mounted there only inside a private mount namespace, see
+nsexec.c), `run/agent.sock` (the agent's listening socket, never visible inside the sandbox),
+`run/init.log` (crun's and the agent's own stderr) and `config.json`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import socket
+from pathlib import Path
+
+from dsec.backends.container import cgroups
+from dsec.backends.container.spec import ContainerSpec, build_config, cgroup_path
+from dsec.config import Paths
+from dsec.native import compile_static
+from dsec.types import SandboxFailed, Unavailable
+
+log = logging.getLogger("dsec.backends.container")
+
+NSEXEC_SOURCE = Path(__file__).with_name("nsexec.c")
+
+
+class ContainerDriver:
+    backend = "container"
+
+    def __init__(self, paths: Paths, agent_binary: Path, crun: str = "crun"):
+        self.paths = paths
+        self.agent_binary = agent_binary
+        self.crun = shutil.which(crun) or crun
+        self.nsexec = compile_static(NSEXEC_SOURCE, paths.bin, "dsec-nsexec")
+        self.cgroup_v2 = cgroups.is_unified()
+        problem = cgroups.check_host()
+        if problem:
+            raise Unavailable(problem, fix=problem)
+
+    # -- paths ---------------------------------------------------------------------------
+    def sandbox_dir(self, sandbox_id: str) -> Path:
+        return self.paths.sandboxes / sandbox_id
+
+    def agent_socket(self, sandbox_id: str) -> Path:
+        return self.sandbox_dir(sandbox_id) / "run" / "agent.sock"
+
+    def _crun(self, *args: str) -> list[str]:
+        return [self.crun, "--root", str(self.paths.crun_root), *args]
+
+    # -- lifecycle -----------------------------------------------------------------------
+    async def create(self, sandbox_id: str, spec: ContainerSpec) -> None:
+        d = self.sandbox_dir(sandbox_id)
+        try:
+            await asyncio.to_thread(self._prepare_bundle, d, spec)
+            listener = self._listen(self.agent_socket(sandbox_id))
+            try:
+                await self._run_crun(sandbox_id, d, spec, listener)
+            finally:
+                listener.close()  # the agent holds its own copy (fd 3)
+        except BaseException:
+            await asyncio.shield(self.destroy(sandbox_id))
+            raise
+
+    def _prepare_bundle(self, d: Path, spec: ContainerSpec) -> None:
+        d.mkdir(mode=0o700, parents=True, exist_ok=False)
+        for sub in ("upper", "work", "rootfs", "run"):
+            (d / sub).mkdir(mode=0o700)
+        # overlay needs the upper root to be traversable by the sandbox user
+        os.chmod(d / "upper", 0o755)
+        cfg = build_config(spec, self.agent_binary, cgroup_v2=self.cgroup_v2)
+        (d / "config.json").write_text(json.dumps(cfg))
+
+    @staticmethod
+    def _listen(path: Path) -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.bind(str(path))
+            os.chmod(path, 0o600)
+            s.listen(16)
+        except BaseException:
+            s.close()
+            raise
+        return s
+
+    async def _run_crun(self, sandbox_id: str, d: Path, spec: ContainerSpec,
+                        listener: socket.socket) -> None:
+        lower = ":".join(str(p) for p in reversed(spec.lower_dirs))  # overlay wants top first
+        opts = f"lowerdir={lower},upperdir={d / 'upper'},workdir={d / 'work'}"
+        fd = listener.fileno()
+        argv = [str(self.nsexec), "-o", opts, "-t", str(d / "rootfs"), "-f", str(fd), "--",
+                *self._crun("run", "-d", "--preserve-fds", "1", "--pid-file", str(d / "run" / "pid"),
+                            "--bundle", str(d), sandbox_id)]
+        with open(d / "run" / "init.log", "ab") as logf:
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=logf, stderr=logf, pass_fds=(fd,))
+            rc = await proc.wait()
+        if rc != 0:
+            tail = (d / "run" / "init.log").read_bytes()[-2000:].decode(errors="replace").strip()
+            raise SandboxFailed(f"crun could not start sandbox {sandbox_id} (exit {rc}): {tail}",
+                                fix="check the image and limits; see the edge log")
+        self._protect_agent(d)
+
+    @staticmethod
+    def _protect_agent(d: Path) -> None:
+        """Make the agent the OOM killer's last choice. Set from the host: inside the container
+        it lacks CAP_SYS_RESOURCE. Its children reset themselves to 0 (see dsec-agent.c)."""
+        try:
+            pid = int((d / "run" / "pid").read_text())
+            Path(f"/proc/{pid}/oom_score_adj").write_text("-998")
+        except (OSError, ValueError) as e:
+            # hosts without CAP_SYS_RESOURCE (like these dev machines) cannot lower it
+            log.debug("could not protect agent from the OOM killer", extra={"dir": str(d), "error": str(e)})
+
+    async def destroy(self, sandbox_id: str) -> None:
+        proc = await asyncio.create_subprocess_exec(
+            *self._crun("delete", "-f", sandbox_id), stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        _, err = await proc.communicate()
+        if proc.returncode != 0 and b"does not exist" not in err and b"No such file" not in err:
+            log.warning("crun delete failed", extra={"sandbox": sandbox_id, "stderr": err.decode(errors="replace")})
+        # cgroups that crun could not remove (e.g. it died mid-create) are removed here
+        for cg in cgroups.leftover_dirs(cgroup_path(sandbox_id)):
+            try:
+                cg.rmdir()
+            except OSError as e:
+                log.warning("cgroup left behind", extra={"sandbox": sandbox_id, "path": str(cg), "error": str(e)})
+        d = self.sandbox_dir(sandbox_id)
+        if d.exists():
+            await asyncio.to_thread(shutil.rmtree, d, True)
+
+    async def is_running(self, sandbox_id: str) -> bool:
+        proc = await asyncio.create_subprocess_exec(
+            *self._crun("state", sandbox_id), stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+        out, _ = await proc.communicate()
+        if proc.returncode != 0:
+            return False
+        try:
+            return json.loads(out).get("status") == "running"
+        except ValueError:
+            return False
+
+    async def list_ids(self) -> dict[str, str]:
+        """Every container crun knows in this instance, with its status ('running', 'stopped' ...)."""
+        proc = await asyncio.create_subprocess_exec(
+            *self._crun("list", "--format", "json"), stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+        out, _ = await proc.communicate()
+        try:
+            return {c["id"]: c.get("status", "") for c in json.loads(out or b"[]")}
+        except (ValueError, KeyError, TypeError):
+            return {}

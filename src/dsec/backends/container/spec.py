@@ -1,0 +1,88 @@
+"""The OCI runtime config (config.json) of a container sandbox, built as plain data.
+
+The sandbox is described by one declarative document that crun realises; tests assert on it.
+"""
+
+from __future__ import annotations
+
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsec.security.profile import (CAPABILITIES, MASKED_PATHS, READONLY_PATHS)
+
+AGENT_PATH_IN_SANDBOX = "/.dsec/agent"
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+CPU_PERIOD_US = 100_000
+
+
+@dataclass(frozen=True)
+class ContainerSpec:
+    """What the container driver needs to know, decided by the edge."""
+
+    sandbox_id: str
+    lower_dirs: list[Path]          # mounted EROFS layers, base first
+    cpu_cores: float
+    memory_mb: int
+    pids_limit: int
+    uid: int
+    gid: int
+    workdir: str
+    hostname: str = "sandbox"
+
+
+def cgroup_path(sandbox_id: str) -> str:
+    return f"/dsec/{sandbox_id}"
+
+
+def build_config(spec: ContainerSpec, agent_binary: Path, *, cgroup_v2: bool) -> dict:
+    mem = spec.memory_mb * 1024 * 1024
+    nofile = min(resource.getrlimit(resource.RLIMIT_NOFILE)[1], 65536)
+    namespaces = [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")]
+    if cgroup_v2:
+        namespaces.append({"type": "cgroup"})
+    return {
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": False,
+            # The agent starts as root inside the sandbox so it can run each command as the
+            # sandbox's user (non-root by default); commands get no capabilities unless root.
+            "user": {"uid": 0, "gid": 0},
+            "args": [AGENT_PATH_IN_SANDBOX, "-w", spec.workdir, "-u", str(spec.uid), "-g", str(spec.gid)],
+            "env": [f"PATH={DEFAULT_PATH}", "LANG=C.UTF-8"],
+            "cwd": "/",
+            "capabilities": {k: list(CAPABILITIES) for k in ("bounding", "effective", "permitted")},
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": nofile, "soft": nofile}],
+            "noNewPrivileges": True,
+        },
+        "root": {"path": "rootfs", "readonly": False},
+        "hostname": spec.hostname,
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]},
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+             "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+            {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+             "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
+            {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+             "options": ["nosuid", "noexec", "nodev", "mode=1777", f"size={min(mem, 256 << 20)}"]},
+            {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue",
+             "options": ["nosuid", "noexec", "nodev"]},
+            {"destination": "/sys", "type": "sysfs", "source": "sysfs",
+             "options": ["nosuid", "noexec", "nodev", "ro"]},
+            {"destination": AGENT_PATH_IN_SANDBOX, "type": "bind", "source": str(agent_binary),
+             "options": ["bind", "ro", "nosuid", "nodev"]},
+        ],
+        "linux": {
+            "namespaces": namespaces,
+            "cgroupsPath": cgroup_path(spec.sandbox_id),
+            "resources": {
+                "devices": [{"allow": False, "access": "rwm"}],
+                "memory": {"limit": mem, "swap": mem},   # swap == limit: no swap while running
+                "cpu": {"quota": max(1000, int(spec.cpu_cores * CPU_PERIOD_US)), "period": CPU_PERIOD_US,
+                        "shares": max(2, int(1024 * spec.cpu_cores))},
+                "pids": {"limit": spec.pids_limit},
+            },
+            "maskedPaths": list(MASKED_PATHS),
+            "readonlyPaths": list(READONLY_PATHS),
+        },
+    }

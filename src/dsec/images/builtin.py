@@ -1,0 +1,184 @@
+"""Built-in images used by tests and the quickstart.
+
+busybox        Debian's static /bin/busybox plus a symlink per applet, /etc/passwd and
+               /etc/group with root and `sandbox` (uid/gid 1000, home /work). No Python.
+               Every mtime is the busybox binary's, so the digest only changes with busybox.
+debian-python  debootstrap --variant=minbase bookworm + python3, plus the `sandbox` user.
+               The debootstrap tree is cached under Paths.home/cache/, so rebuilding after
+               `remove` takes seconds and gives the same digest.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+from pathlib import Path
+from typing import Callable
+
+from dsec.types import ImageInfo, NotFound, Unavailable
+
+from .builder import scratch_dir
+from .progress import Progress, report
+from .service import ImageService
+from .store import FileLock
+
+log = logging.getLogger("dsec.images")
+
+SANDBOX_UID = SANDBOX_GID = 1000
+SANDBOX_HOME = "/work"
+BUSYBOX_PATH = Path("/bin/busybox")
+
+
+def _no_builtin(name: str) -> NotFound:
+    return NotFound(f"no built-in image {name!r}", field="name",
+                    fix=f"use one of: {', '.join(BUILTIN_IMAGES)}")
+
+
+def ensure_builtin(service: ImageService, name: str, *,
+                   progress: Progress | None = None) -> ImageInfo:
+    """Return the built-in image `name`, building and registering it first if needed."""
+    if name not in BUILTIN_IMAGES:
+        raise _no_builtin(name)
+    try:
+        return service.get(name)
+    except NotFound:
+        pass
+    # one builder per node; the others wait and then find it registered
+    with FileLock(service.paths.home / "cache" / f".builtin-{name}.lock"):
+        try:
+            return service.get(name)
+        except NotFound:
+            pass
+        report(progress, f"building built-in image {name}", None, level=logging.INFO)
+        return BUILTIN_IMAGES[name](service, progress)
+
+
+# ---------------------------------------------------------------------------------------
+# busybox
+# ---------------------------------------------------------------------------------------
+
+
+def _check_static(busybox: Path) -> None:
+    if not busybox.is_file():
+        raise Unavailable(f"{busybox} is missing: the busybox image copies it",
+                          fix="apt-get install -y busybox-static")
+    with open(busybox, "rb") as f:
+        head = f.read(4096)
+    if head[:4] != b"\x7fELF" or b"/ld-linux" in head or b"/ld-musl" in head:
+        raise Unavailable(f"{busybox} is not a statically linked busybox; it cannot run in a "
+                          "rootfs without a C library", fix="apt-get install -y busybox-static")
+
+
+def _applets(busybox: Path) -> list[str]:
+    """Applet paths relative to /, e.g. 'bin/sh', 'usr/bin/env'."""
+    proc = subprocess.run([str(busybox), "--list-full"], capture_output=True, text=True)
+    if proc.returncode == 0 and proc.stdout.strip():
+        return [ln.strip().lstrip("/") for ln in proc.stdout.splitlines()
+                if "/" in ln.strip().lstrip("/")]
+    proc = subprocess.run([str(busybox), "--list"], capture_output=True, text=True, check=True)
+    return [f"bin/{ln.strip()}" for ln in proc.stdout.splitlines() if ln.strip()]
+
+
+def make_busybox_rootfs(root: Path, busybox: Path = BUSYBOX_PATH) -> None:
+    _check_static(busybox)
+    root.mkdir(parents=True, exist_ok=True)
+    dirs = {"bin": 0o755, "sbin": 0o755, "usr": 0o755, "usr/bin": 0o755, "usr/sbin": 0o755,
+            "etc": 0o755, "root": 0o700, "proc": 0o555, "sys": 0o555, "dev": 0o755,
+            "tmp": 0o1777, "work": 0o755, "var": 0o755, "var/tmp": 0o1777}
+    for d, mode in dirs.items():
+        (root / d).mkdir(parents=True, exist_ok=True)
+        os.chmod(root / d, mode)
+    os.chmod(root, 0o755)
+    os.chown(root / "work", SANDBOX_UID, SANDBOX_GID)
+    target = root / "bin" / "busybox"
+    with open(busybox, "rb") as src, open(target, "wb") as dst:
+        while chunk := src.read(1 << 20):
+            dst.write(chunk)
+    os.chmod(target, 0o755)
+    for rel in _applets(busybox):
+        link = root / rel
+        if rel == "bin/busybox" or link.exists() or link.is_symlink():
+            continue
+        link.parent.mkdir(parents=True, exist_ok=True)
+        os.symlink("/bin/busybox", link)
+    files = {
+        "etc/passwd": "root:x:0:0:root:/root:/bin/sh\n"
+                      f"sandbox:x:{SANDBOX_UID}:{SANDBOX_GID}:sandbox:{SANDBOX_HOME}:/bin/sh\n"
+                      "nobody:x:65534:65534:nobody:/nonexistent:/bin/false\n",
+        "etc/group": f"root:x:0:\nsandbox:x:{SANDBOX_GID}:\nnogroup:x:65534:\n",
+        "etc/hosts": "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n",
+    }
+    for rel, text in files.items():
+        (root / rel).write_text(text)
+        os.chmod(root / rel, 0o644)
+    # fixed timestamps => the image digest depends only on the busybox binary
+    stamp = int(busybox.stat().st_mtime)
+    for dirpath, dirnames, filenames in os.walk(root, topdown=False):
+        for n in filenames + dirnames:
+            os.utime(os.path.join(dirpath, n), (stamp, stamp), follow_symlinks=False)
+    os.utime(root, (stamp, stamp))
+
+
+def _build_busybox(service: ImageService, progress: Progress | None) -> ImageInfo:
+    with scratch_dir(service.paths, "busybox") as work:
+        root = work / "rootfs"
+        make_busybox_rootfs(root)
+        return service.build_from_dir("busybox", root, source="builtin:busybox",
+                                      progress=progress)
+
+
+# ---------------------------------------------------------------------------------------
+# debian-python
+# ---------------------------------------------------------------------------------------
+
+
+def _append_line(path: Path, first_field: str, line: str) -> bool:
+    text = path.read_text() if path.exists() else ""
+    if any(ln.split(":", 1)[0] == first_field for ln in text.splitlines()):
+        return False
+    with open(path, "a") as f:
+        if text and not text.endswith("\n"):
+            f.write("\n")
+        f.write(line + "\n")
+    return True
+
+
+def add_sandbox_user(root: Path, *, shell: str = "/bin/bash") -> None:
+    """Add user and group `sandbox` (1000:1000, home /work) to a Debian rootfs if missing,
+    keeping the mtimes of what it touches so the image digest stays reproducible."""
+    etc = root / "etc"
+    touched = [root, etc] + [etc / n for n in ("passwd", "group", "shadow", "gshadow")]
+    stamps = {p: p.lstat() for p in touched if p.exists()}
+    passwd = (etc / "passwd").read_text() if (etc / "passwd").exists() else ""
+    uids = {ln.split(":")[2] for ln in passwd.splitlines() if ln.count(":") >= 6}
+    if str(SANDBOX_UID) in uids and not any(ln.startswith("sandbox:") for ln in passwd.splitlines()):
+        log.warning("uid %d is taken in %s; not adding user 'sandbox'", SANDBOX_UID, root)
+    else:
+        _append_line(etc / "passwd", "sandbox",
+                     f"sandbox:x:{SANDBOX_UID}:{SANDBOX_GID}:sandbox:{SANDBOX_HOME}:{shell}")
+        _append_line(etc / "group", "sandbox", f"sandbox:x:{SANDBOX_GID}:")
+        if (etc / "shadow").exists():
+            _append_line(etc / "shadow", "sandbox", "sandbox:*:19000:0:99999:7:::")
+        if (etc / "gshadow").exists():
+            _append_line(etc / "gshadow", "sandbox", "sandbox:!::")
+    home = root / SANDBOX_HOME.lstrip("/")
+    if not home.exists():
+        home.mkdir(mode=0o755)
+        os.chmod(home, 0o755)
+        os.chown(home, SANDBOX_UID, SANDBOX_GID)
+        ref = stamps.get(etc / "passwd") or stamps[root]
+        os.utime(home, ns=(ref.st_mtime_ns, ref.st_mtime_ns))
+    for p, st in stamps.items():
+        os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+
+
+def _build_debian_python(service: ImageService, progress: Progress | None) -> ImageInfo:
+    return service.build_debootstrap("debian-python", suite="bookworm", include=["python3"],
+                                     customize=add_sandbox_user, progress=progress)
+
+
+BUILTIN_IMAGES: dict[str, Callable[[ImageService, Progress | None], ImageInfo]] = {
+    "busybox": _build_busybox,
+    "debian-python": _build_debian_python,
+}

@@ -1,0 +1,248 @@
+"""ImageService: build, register, look up, mount and remove images on one node.
+
+An image is an ordered list of EROFS layers, base first (for now every build makes a
+single-layer image). Layer files are content-addressed in Paths.store; the registry is
+SQLite at Paths.images_db; mounts are per node under Paths.layer_mounts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+from dsec.config import Paths
+from dsec.types import ImageInfo, InvalidArgument, LayerInfo, NotFound
+
+from .builder import (check_debootstrap_args, debootstrap_cached, default_mirror,
+                      extract_tarball, safe_rmtree, scratch_dir)
+from .erofs import check_compression, mkfs, sha256_file
+from .mounts import LayerMounts, mounts_under
+from .progress import Progress, report
+from .store import (DIGEST_RE, TMP_PREFIX, FileLock, Registry, check_digest, check_name,
+                    layer_file, now_utc)
+
+log = logging.getLogger("dsec.images")
+
+_LAYER_FILE_RE = re.compile(r"^[0-9a-f]{64}\.erofs$")
+STALE_TEMP_S = 24 * 3600
+
+
+class ImageService:
+    def __init__(self, paths: Paths | None = None):
+        self.paths = paths or Paths.from_env()
+        for d in (self.paths.home, self.paths.store, self.paths.layer_mounts):
+            d.mkdir(parents=True, exist_ok=True)
+        self.registry = Registry(self.paths.images_db)
+        self.mounts = LayerMounts(self.paths)
+        self._store_lock = FileLock(self.paths.store / ".lock")
+        self._sweep_stale_temps()
+
+    # ---- building --------------------------------------------------------------------
+
+    def build_from_dir(self, name: str, path: str | os.PathLike, *, replace: bool = False,
+                       compression: str | None = None, source: str | None = None,
+                       progress: Progress | None = None) -> ImageInfo:
+        """Build a one-layer image from a directory tree (owners, modes, xattrs, mtimes kept)."""
+        check_name(name)
+        check_compression(compression)
+        src = Path(path)
+        if not src.is_dir():
+            raise InvalidArgument(f"{src} is not a directory", field="path",
+                                  fix="pass the root directory of the filesystem tree to pack")
+        src = src.resolve()
+        nested = [m.mountpoint for m in mounts_under(src) if m.mountpoint != str(src)]
+        if nested:
+            raise InvalidArgument(
+                f"{src} has filesystems mounted inside it ({', '.join(nested[:3])}); they would be "
+                "packed into the image", field="path",
+                fix="unmount them (e.g. proc, sys, dev) or build from a copy of the tree")
+        return self._build(name, src, source or f"dir:{src}", replace=replace,
+                           compression=compression, progress=progress)
+
+    def build_from_tar(self, name: str, tarball: str | os.PathLike, *, replace: bool = False,
+                       compression: str | None = None,
+                       customize: Callable[[Path], None] | None = None,
+                       progress: Progress | None = None) -> ImageInfo:
+        """Build a one-layer image from a rootfs tarball (.tar, .tar.gz, .tar.zst, .tar.xz)."""
+        check_name(name)
+        check_compression(compression)
+        tarball = Path(tarball).absolute()
+        with scratch_dir(self.paths, "tar") as work:
+            root = work / "rootfs"
+            extract_tarball(tarball, root, progress=progress)
+            if customize is not None:
+                customize(root)
+            return self._build(name, root, f"tar:{tarball}", replace=replace,
+                               compression=compression, progress=progress)
+
+    def build_debootstrap(self, name: str, suite: str = "bookworm", include: Sequence[str] = (),
+                          *, mirror: str | None = None, replace: bool = False,
+                          compression: str | None = None,
+                          customize: Callable[[Path], None] | None = None, cache: bool = True,
+                          progress: Progress | None = None) -> ImageInfo:
+        """Build a one-layer image with `debootstrap --variant=minbase`. The debootstrap tree
+        is cached as a tarball under Paths.home/cache/ (keyed by suite + packages), so a
+        rebuild skips the download; `customize(rootfs_dir)` runs on every build."""
+        check_name(name)
+        check_compression(compression)
+        pkgs = check_debootstrap_args(suite, include)
+        mirror = mirror or default_mirror()
+        with scratch_dir(self.paths, "debootstrap") as work:
+            root = work / "rootfs"
+            debootstrap_cached(self.paths, root, suite, pkgs, mirror=mirror, cache=cache,
+                               progress=progress)
+            if customize is not None:
+                customize(root)
+            source = f"debootstrap:{suite}" + (f"+{','.join(pkgs)}" if pkgs else "")
+            return self._build(name, root, source, replace=replace, compression=compression,
+                               progress=progress)
+
+    def _build(self, name: str, root: Path, source: str, *, replace: bool,
+               compression: str | None, progress: Progress | None) -> ImageInfo:
+        t0 = time.monotonic()
+        tmp = self.paths.store / f"{TMP_PREFIX}{secrets.token_hex(8)}.erofs"
+        try:
+            mkfs(root, tmp, compression=compression, progress=progress)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            digest = sha256_file(tmp, progress=progress)
+            layer = LayerInfo(digest=digest, size_bytes=tmp.stat().st_size, created_at=now_utc(),
+                              source=source)
+            image = self._commit(name, [(layer, tmp)], replace=replace)
+        finally:
+            tmp.unlink(missing_ok=True)
+        report(progress, f"image {name} = {image.digest[:19]} ({image.size_bytes} bytes) in "
+                         f"{time.monotonic() - t0:.1f}s", 1.0, level=logging.INFO)
+        return image
+
+    def _commit(self, name: str, layers: Sequence[tuple[LayerInfo, Path | None]], *,
+                replace: bool) -> ImageInfo:
+        """Move new layer files into place and register the image, atomically: on any
+        failure the registry is unchanged and no new layer file is left in the store."""
+        added: list[Path] = []
+        with self._store_lock:
+            try:
+                with self.registry.transaction() as db:
+                    image, changed = self.registry.put_image(db, name, [lay for lay, _ in layers],
+                                                             replace=replace)
+                    if changed:
+                        for lay, tmp in layers:
+                            final = layer_file(self.paths, lay.digest)
+                            if final.exists():
+                                continue          # dedup: same bytes already stored
+                            if tmp is None:
+                                raise NotFound(f"layer {lay.digest} is not in the store",
+                                               field="layer", fix="build the layer first")
+                            os.replace(tmp, final)
+                            added.append(final)
+                        _fsync_dir(self.paths.store)
+            except BaseException:
+                for f in added:
+                    f.unlink(missing_ok=True)
+                raise
+            if changed:
+                log.info("registered image %s -> %s (%d layer(s))", name, image.digest,
+                         len(image.layers))
+                self.gc()                    # layers a replaced image no longer needs
+            else:
+                log.info("image %s already registered with digest %s", name, image.digest)
+            return image
+
+    # ---- lookup ----------------------------------------------------------------------
+
+    def get(self, name_or_digest: str) -> ImageInfo:
+        info = None
+        if isinstance(name_or_digest, str):
+            if DIGEST_RE.match(name_or_digest):
+                info = self.registry.get_image_by_digest(name_or_digest)
+            else:
+                info = self.registry.get_image(name_or_digest)
+        if info is None:
+            raise NotFound(f"no image {name_or_digest!r} on this node", field="image",
+                           fix=self._not_found_fix())
+        return info
+
+    def _not_found_fix(self) -> str:
+        names = self.registry.image_names(limit=6)
+        have = (f"use one of: {', '.join(names[:5])}{', ...' if len(names) > 5 else ''}; or "
+                if names else "no images are built yet; ")
+        return (have + "build one, e.g. ensure_builtin(service, 'busybox') or "
+                "'debian-python', or ImageService.build_from_tar(name, 'rootfs.tar.gz') / "
+                "build_from_dir(name, path) / build_debootstrap(name, include=['python3'])")
+
+    def list(self) -> list[ImageInfo]:
+        return self.registry.list_images()
+
+    def layer_path(self, digest: str) -> Path:
+        path = layer_file(self.paths, check_digest(digest))
+        if not path.is_file():
+            raise NotFound(f"layer {digest} is not in the store", field="digest",
+                           fix="use a digest listed in ImageService.get(name).layers")
+        return path
+
+    def mount_image(self, name_or_digest: str) -> list[Path]:
+        """Mount every layer of the image (once per node); returns the dirs, base first."""
+        info = self.get(name_or_digest)
+        return [self.mounts.ensure_mounted(lay.digest) for lay in info.layers]
+
+    # ---- removal ---------------------------------------------------------------------
+
+    def remove(self, name: str) -> list[str]:
+        """Unregister `name`, then delete (after unmounting) every layer no image uses any
+        more. Returns the deleted layer digests. Mounts are detached lazily: sandboxes still
+        using a layer keep their view until they exit."""
+        with self._store_lock:
+            with self.registry.transaction() as db:
+                if not self.registry.delete_image(db, name):
+                    raise NotFound(f"no image {name!r} on this node", field="image",
+                                   fix=self._not_found_fix())
+            log.info("removed image %s", name)
+            return self.gc()
+
+    def gc(self) -> list[str]:
+        """Delete layers referenced by no image, and layer files the registry does not know
+        (left by a crash). Returns the digests deleted."""
+        with self._store_lock:
+            with self.registry.transaction() as db:
+                dead = self.registry.unreferenced_layers(db)
+                for d in dead:
+                    self.registry.delete_layer(db, d)
+            known = self.registry.layer_digests()
+            for f in self.paths.store.iterdir():
+                if _LAYER_FILE_RE.match(f.name):
+                    d = "sha256:" + f.name[:64]
+                    if d not in known and d not in dead:
+                        log.warning("deleting unregistered layer file %s", f)
+                        dead.append(d)
+            for d in dead:
+                self.mounts.unmount(d)
+                layer_file(self.paths, d).unlink(missing_ok=True)
+                log.info("deleted layer %s", d)
+            return dead
+
+    def _sweep_stale_temps(self) -> None:
+        cutoff = time.time() - STALE_TEMP_S
+        try:
+            for f in self.paths.store.glob(f"{TMP_PREFIX}*"):
+                if f.stat().st_mtime < cutoff:
+                    f.unlink(missing_ok=True)
+            build = self.paths.home / "build"
+            if build.is_dir():
+                for d in build.iterdir():
+                    if d.lstat().st_mtime < cutoff:
+                        safe_rmtree(d)
+        except OSError as e:
+            log.warning("could not sweep stale temp files: %s", e)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

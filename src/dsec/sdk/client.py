@@ -1,0 +1,295 @@
+"""Async Python client. The blocking client (dsec.sdk.sync) is generated from this one.
+
+    async with Client() as c:                       # embedded default: starts `dsec up` if needed
+        sb = await c.create_container(ContainerArgs(image="debian-python"))
+        r = await sb.run("python3 -c 'print(6*7)'")  # r.stdout == "42\\n"
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from dsec.config import DEFAULT_PORT, Paths
+from dsec.types import (ERRORS_BY_CODE, ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult,
+                        FileEntry, FileList, ImageInfo, ImageList, NodeStatus, SandboxInfo, SandboxList,
+                        Unavailable)
+
+DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
+AUTOSTART_WAIT_S = 120.0
+JSON = {"Content-Type": "application/json"}
+OCTETS = {"Content-Type": "application/octet-stream"}
+
+
+def _raise_for(resp: httpx.Response, body: bytes) -> None:
+    if resp.status_code < 400:
+        return
+    try:
+        err = json.loads(body)["error"]
+        cls = ERRORS_BY_CODE.get(err.get("code"), DsecError)
+        raise cls(err.get("message", "error"), field=err.get("field"), fix=err.get("fix"))
+    except (ValueError, KeyError, TypeError):
+        raise DsecError(f"HTTP {resp.status_code}: {body[:500].decode(errors='replace')}") from None
+
+
+class ExecFailed(DsecError):
+    """Raised by run(check=True) when the command did not exit 0."""
+
+    def __init__(self, result: ExecResult):
+        super().__init__(f"command exited {result.exit_code} (signal {result.signal}, timed_out={result.timed_out}): "
+                         f"{result.stderr[-500:]}")
+        self.result = result
+
+
+class Client:
+    def __init__(self, url: str | None = None, api_key: str | None = None, *, timeout_s: float = 3600.0,
+                 autostart: bool | None = None, max_connections: int = 256):
+        self.url = (url or os.environ.get("DSEC_URL") or DEFAULT_URL).rstrip("/")
+        # Only the embedded default (no URL given anywhere) starts a local server by itself.
+        self.autostart = autostart if autostart is not None else (url is None and "DSEC_URL" not in os.environ)
+        self._api_key = api_key or os.environ.get("DSEC_API_KEY")
+        self._http = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=10.0),
+                                       limits=httpx.Limits(max_connections=max_connections,
+                                                           max_keepalive_connections=max_connections))
+        self._ready = False
+        self._ready_lock = asyncio.Lock()
+
+    async def __aenter__(self) -> "Client":
+        await self._ensure_ready()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    # -- plumbing ------------------------------------------------------------------------
+    async def _ensure_ready(self) -> None:
+        if self._ready:
+            return
+        async with self._ready_lock:
+            if self._ready:
+                return
+            if not await self._healthy():
+                if not self.autostart:
+                    raise Unavailable(f"no dsec apiserver at {self.url}",
+                                      fix="start one with `dsec up`, or set DSEC_URL")
+                await asyncio.to_thread(start_local_server)
+                deadline = time.monotonic() + AUTOSTART_WAIT_S
+                while not await self._healthy():
+                    if time.monotonic() > deadline:
+                        raise Unavailable(f"dsec apiserver did not come up at {self.url}",
+                                          fix=f"see {Paths.from_env().server_log}")
+                    await asyncio.sleep(0.2)
+            if self._api_key is None:
+                key_file = Paths.from_env().admin_key_file
+                if key_file.exists():
+                    self._api_key = key_file.read_text().strip()
+            if self._api_key:
+                self._http.headers["Authorization"] = f"Bearer {self._api_key}"
+            self._ready = True
+
+    async def _healthy(self) -> bool:
+        try:
+            r = await self._http.get("/healthz", timeout=2.0)
+            return r.status_code == 200
+        except httpx.TransportError:
+            return False
+
+    async def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        await self._ensure_ready()
+        resp = await self._http.request(method, path, **kw)
+        _raise_for(resp, resp.content)
+        return resp
+
+    # -- sandboxes -----------------------------------------------------------------------
+    async def create_container(self, args: ContainerArgs | None = None, **kwargs: Any) -> "Sandbox":
+        """Create a container sandbox. Pass ContainerArgs, or its fields as keywords."""
+        args = args if args is not None else ContainerArgs(**kwargs)
+        resp = await self._request("POST", "/v1/sandboxes", content=args.model_dump_json(), headers=JSON)
+        return Sandbox(self, SandboxInfo.model_validate_json(resp.content))
+
+    async def create_many(self, n: int, args: ContainerArgs, *, concurrency: int = 32
+                          ) -> AsyncIterator["Created"]:
+        """Create n sandboxes; yield each as soon as it is ready (or failed), in completion order.
+
+        Failures are reported per sandbox, never as one exception for the burst. If the caller
+        stops iterating early, creations still in flight are awaited and their sandboxes stopped.
+        """
+        sem = asyncio.Semaphore(concurrency)
+        abandoned = False
+
+        async def one(i: int) -> Created:
+            async with sem:
+                if abandoned:
+                    return Created(i, None, DsecError("not created: the caller stopped iterating"))
+                try:
+                    return Created(i, await self.create_container(args), None)
+                except DsecError as e:
+                    return Created(i, None, e)
+                except httpx.HTTPError as e:
+                    return Created(i, None, Unavailable(f"request failed: {e}"))
+
+        tasks = [asyncio.create_task(one(i)) for i in range(n)]
+        handed_out: set[int] = set()
+        try:
+            for fut in asyncio.as_completed(tasks):
+                res = await fut
+                handed_out.add(res.index)
+                yield res
+        finally:
+            # Structured: nothing outlives the burst. Creations already sent are awaited (a
+            # cancelled request could still create a sandbox server-side) and stopped if the
+            # caller never received them; queued ones are skipped.
+            abandoned = True
+            for res in await asyncio.gather(*tasks, return_exceptions=True):
+                if isinstance(res, Created) and res.index not in handed_out and res.sandbox:
+                    await res.sandbox.stop()
+
+    async def get(self, sandbox_id: str) -> "Sandbox":
+        resp = await self._request("GET", f"/v1/sandboxes/{sandbox_id}")
+        return Sandbox(self, SandboxInfo.model_validate_json(resp.content))
+
+    async def list(self, include_ended: bool = False) -> list[SandboxInfo]:
+        resp = await self._request("GET", "/v1/sandboxes", params={"include_ended": include_ended})
+        return SandboxList.model_validate_json(resp.content).sandboxes
+
+    async def nodes(self) -> list[NodeStatus]:
+        resp = await self._request("GET", "/v1/nodes")
+        return [NodeStatus.model_validate(n) for n in resp.json()]
+
+    async def images(self) -> list[ImageInfo]:
+        resp = await self._request("GET", "/v1/images")
+        return ImageList.model_validate_json(resp.content).images
+
+
+@dataclass
+class Created:
+    """One outcome of create_many: a ready sandbox, or the error for that one creation."""
+
+    index: int
+    sandbox: "Sandbox | None"
+    error: DsecError | None
+
+    @property
+    def ok(self) -> bool:
+        return self.sandbox is not None
+
+
+class Sandbox:
+    def __init__(self, client: Client, info: SandboxInfo):
+        self._c = client
+        self.info = info
+        self.files = Files(self)
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    def __repr__(self) -> str:
+        return f"Sandbox({self.id!r}, state={self.info.state.value})"
+
+    async def __aenter__(self) -> "Sandbox":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    @property
+    def _base(self) -> str:
+        return f"/v1/sandboxes/{self.id}"
+
+    async def run(self, cmd: str, *, session: str | None = None, timeout_s: float = 300.0,
+                  cwd: str | None = None, env: dict[str, str] | None = None, stdin: str | None = None,
+                  user: str | None = None, output_cap_bytes: int | None = None, check: bool = False) -> ExecResult:
+        req = ExecRequest(cmd=cmd, session=session, timeout_s=timeout_s, cwd=cwd, env=env or {},
+                          stdin=stdin, user=user, output_cap_bytes=output_cap_bytes)
+        resp = await self._c._request("POST", f"{self._base}/exec", content=req.model_dump_json(), headers=JSON)
+        result = ExecResult.model_validate_json(resp.content)
+        if check and result.exit_code != 0:
+            raise ExecFailed(result)
+        return result
+
+    async def stream(self, cmd: str, *, session: str | None = None, timeout_s: float = 300.0,
+                     cwd: str | None = None, env: dict[str, str] | None = None, stdin: str | None = None,
+                     user: str | None = None, output_cap_bytes: int | None = None) -> AsyncIterator[ExecEvent]:
+        """Yield ExecEvents as the command produces output; the last one has type 'exit' and .result."""
+        req = ExecRequest(cmd=cmd, session=session, timeout_s=timeout_s, cwd=cwd, env=env or {},
+                          stdin=stdin, user=user, output_cap_bytes=output_cap_bytes)
+        await self._c._ensure_ready()
+        async with self._c._http.stream("POST", f"{self._base}/exec/stream", content=req.model_dump_json(),
+                                       headers=JSON) as resp:
+            if resp.status_code >= 400:
+                _raise_for(resp, await resp.aread())
+            async for line in resp.aiter_lines():
+                if line:
+                    ev = ExecEvent.model_validate_json(line)
+                    if ev.type == "exit" and ev.result is None:
+                        raise DsecError(ev.data or "exec stream ended with an error")
+                    yield ev
+
+    async def attach(self, exec_id: str) -> ExecResult:
+        """Wait for and return the result of an earlier exec (survives client and edge restarts)."""
+        resp = await self._c._request("GET", f"{self._base}/execs/{exec_id}")
+        return ExecResult.model_validate_json(resp.content)
+
+    async def close_session(self, name: str) -> None:
+        await self._c._request("DELETE", f"{self._base}/sessions/{name}")
+
+    async def refresh(self) -> SandboxInfo:
+        resp = await self._c._request("GET", self._base)
+        self.info = SandboxInfo.model_validate_json(resp.content)
+        return self.info
+
+    async def stop(self) -> SandboxInfo:
+        resp = await self._c._request("DELETE", self._base)
+        self.info = SandboxInfo.model_validate_json(resp.content)
+        return self.info
+
+
+class Files:
+    """sb.files: read, write, list and remove files inside the sandbox, as the sandbox user."""
+
+    def __init__(self, sandbox: Sandbox):
+        self._sb = sandbox
+
+    @property
+    def _url(self) -> str:
+        return f"/v1/sandboxes/{self._sb.id}/files"
+
+    async def read(self, path: str) -> bytes:
+        return (await self._sb._c._request("GET", self._url, params={"path": path})).content
+
+    async def read_text(self, path: str, encoding: str = "utf-8") -> str:
+        return (await self.read(path)).decode(encoding)
+
+    async def write(self, path: str, data: bytes | str, *, mode: int = 0o644, mkdirs: bool = True) -> None:
+        body = data.encode() if isinstance(data, str) else data
+        await self._sb._c._request("PUT", self._url, params={"path": path, "mode": mode, "mkdirs": mkdirs},
+                                   content=body, headers=OCTETS)
+
+    async def list(self, path: str = ".") -> list[FileEntry]:
+        resp = await self._sb._c._request("GET", f"{self._url}/list", params={"path": path})
+        return FileList.model_validate_json(resp.content).entries
+
+    async def remove(self, path: str) -> None:
+        await self._sb._c._request("DELETE", self._url, params={"path": path})
+
+
+def start_local_server() -> None:
+    """Start `dsec up` in the background (embedded default), logging to <home>/server.log."""
+    paths = Paths.from_env()
+    paths.home.mkdir(parents=True, exist_ok=True)
+    with open(paths.server_log, "ab") as logf:
+        subprocess.Popen([sys.executable, "-m", "dsec", "up"], stdin=subprocess.DEVNULL, stdout=logf,
+                         stderr=logf, start_new_session=True, env=os.environ.copy())

@@ -1,0 +1,38 @@
+"""The CLI against a live server: `dsec run`, `dsec sandbox create|exec|ls|rm`, `dsec image ls`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def dsec(server, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**server.env, "DSEC_API_KEY": server.key}
+    p = subprocess.run([sys.executable, "-m", "dsec", *args], env=env, capture_output=True, text=True, timeout=120)
+    if check:
+        assert p.returncode == 0, p.stdout + p.stderr
+    return p
+
+
+def test_run_streams_output_and_exit_code(server):
+    p = dsec(server, "run", "busybox", "--", "echo hello; exit 3", check=False)
+    assert p.stdout == "hello\n" and p.returncode == 3
+
+
+def test_sandbox_commands(server):
+    sid = dsec(server, "sandbox", "create", "busybox").stdout.strip()
+    assert sid.startswith("sb-local.")
+    assert dsec(server, "sandbox", "exec", sid, "--", "echo", "from-cli").stdout == "from-cli\n"
+    assert sid in dsec(server, "sandbox", "ls").stdout
+    dsec(server, "sandbox", "rm", sid)
+    assert sid not in dsec(server, "sandbox", "ls").stdout
+
+
+def test_bad_input_is_actionable(server):
+    p = dsec(server, "sandbox", "create", "no-such-image", check=False)
+    assert p.returncode == 2 and "field: image" in p.stderr and "fix:" in p.stderr
+
+
+def test_image_ls(server):
+    out = dsec(server, "image", "ls").stdout
+    assert "busybox" in out and "debian-python" in out

@@ -7,11 +7,11 @@ Landlock, cgroup-BPF network policy). Kept as data so specs and tests can assert
 from __future__ import annotations
 
 # Docker's default set minus NET_RAW (raw sockets / spoofing), MKNOD (device nodes),
-# AUDIT_WRITE and SETFCAP. The agent needs SETUID/SETGID/CHOWN/DAC_OVERRIDE/FOWNER/KILL to run
+# AUDIT_WRITE, SETFCAP and SYS_CHROOT (chroot is also denied by seccomp). The agent needs SETUID/SETGID/CHOWN/DAC_OVERRIDE/FOWNER/KILL to run
 # commands and file operations as the sandbox user; non-root commands get none of these.
 CAPABILITIES: tuple[str, ...] = (
     "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_SETGID", "CAP_SETUID",
-    "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT", "CAP_KILL",
+    "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_KILL",
 )
 
 # Kernel interfaces a sandbox has no business reading: host memory, page metadata (a recursive

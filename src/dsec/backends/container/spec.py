@@ -9,7 +9,8 @@ import resource
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsec.security.profile import (CAPABILITIES, MASKED_PATHS, READONLY_PATHS)
+from dsec.security.profile import CAPABILITIES, MASKED_PATHS, READONLY_PATHS
+from dsec.security.seccomp import seccomp_profile
 
 AGENT_PATH_IN_SANDBOX = "/.dsec/agent"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -82,6 +83,7 @@ def build_config(spec: ContainerSpec, agent_binary: Path, *, cgroup_v2: bool) ->
                         "shares": max(2, int(1024 * spec.cpu_cores))},
                 "pids": {"limit": spec.pids_limit},
             },
+            "seccomp": seccomp_profile(),
             "maskedPaths": list(MASKED_PATHS),
             "readonlyPaths": list(READONLY_PATHS),
         },

@@ -259,9 +259,14 @@ async def test_session_state_and_errors(client, agent):
     assert out == b"/tmp\n42\nfn\n" and ex.exit_code == 1
     out, err, ex = await run(client, 3, "if then fi (", session="s1")
     assert ex.exit_code == 2 and b"syntax error" in err and out == b"" and not ex.session_ended
-    # nothing in CMD can swallow the end markers
+    # nothing in CMD can swallow the end markers or disturb the next command
     out, err, ex = await run(client, 4, "echo 'it''s'; cat <<EOF\nheredoc\nEOF", session="s1")
     assert out == b"its\nheredoc\n" and ex.exit_code == 0
+    for i, cmd in enumerate(["echo a \\", "echo b \\\n", "cat <<'EOF'\nunterminated", "echo \"q'uote\""]):
+        out, _, ex = await run(client, 40 + i, cmd, session="s1")
+        assert ex.exit_code == 0 and not ex.session_ended, (cmd, ex)
+        out, _, ex = await run(client, 50 + i, "echo next", session="s1")
+        assert out == b"next\n" and ex.exit_code == 0, cmd
     out, _, ex = await run(client, 5, "echo $ANSWER; echo partial-line-no-newline", session="s1")
     assert out == b"42\npartial-line-no-newline\n"
     out, _, ex = await run(client, 6, "printf 'no newline'; printf 'err' >&2", session="s1")
@@ -282,6 +287,9 @@ async def test_session_with_dash(agent_bin):
         assert ex.exit_code == 2 and err and not ex.session_ended
         out, _, ex = await run(c, 3, "echo $X; pwd", session="d")
         assert out == b"1\n/\n" and not ex.session_ended
+        for i, cmd in enumerate(["echo a \\", "cat <<'EOF'\nunterminated", "exit 5"]):
+            _, _, ex = await run(c, 10 + i, cmd, session="d")
+        assert ex.exit_code == 5 and ex.session_ended
     finally:
         await a.stop()
 
@@ -350,6 +358,29 @@ async def test_reconnect_and_attach(agent):
     with pytest.raises(AgentError) as ei:
         [i async for i in c2.attach(5)]
     assert ei.value.errno == errno.ENOENT
+
+
+async def test_large_output_live_and_replayed(agent):
+    # paced producers (live output, ATTACH replay, file reads) must never stall, whatever
+    # the socket takes per write; wait_for turns a stall into a failure instead of a hang
+    c1 = await agent.client()
+    out, _, ex = await asyncio.wait_for(run(c1, 1, "yes abcdefg | head -c 6000000", cap=8 << 20), 20)
+    assert len(out) == 6_000_000 and not ex.truncated and ex.stdout_total == 6_000_000
+    await c1.close()
+    c2 = await agent.client()
+
+    async def replay():
+        got = bytearray()
+        async for item in c2.attach(1):
+            if isinstance(item, Output):
+                got += item.data
+        return bytes(got)
+
+    for _ in range(3):
+        assert await asyncio.wait_for(replay(), 20) == out
+    await c2.write_file("f6", out, uid=USER, gid=USER)
+    reads = [c2.read_file("f6", uid=USER, gid=USER) for _ in range(4)]
+    assert await asyncio.wait_for(asyncio.gather(*reads), 30) == [out] * 4
 
 
 async def test_second_connection_replaces_first(agent):
@@ -428,8 +459,8 @@ async def test_file_operations(client, agent):
 
 async def test_big_file_and_maxlen(client, agent):
     blob = os.urandom(20 << 20)
-    await client.write_file("big.bin", blob, uid=USER, gid=USER)
-    assert await client.read_file("big.bin", uid=USER, gid=USER) == blob
+    await asyncio.wait_for(client.write_file("big.bin", blob, uid=USER, gid=USER), 20)
+    assert await asyncio.wait_for(client.read_file("big.bin", uid=USER, gid=USER), 20) == blob
     with pytest.raises(AgentError) as ei:
         await client.read_file("big.bin", uid=USER, gid=USER, maxlen=1 << 20)
     assert ei.value.errno == errno.EFBIG

@@ -63,8 +63,9 @@ extern char **environ;
 #define DEFAULT_MAXLEN (64u << 20)
 #define MAX_FINISHED 64           /* finished, unreleased execs retained */
 #define MAX_FINISHED_BYTES (64u << 20)
-#define MAX_RUNNING 200           /* ~4 fds each: stays under a 1024 fd limit */
-#define MAX_SESSIONS 32
+#define MAX_RUNNING 128           /* <= 4 fds each; with sessions and readers */
+#define MAX_SESSIONS 32           /* everything fits a 1024 fd limit */
+#define MAX_READERS 64
 #define MAX_NAME 256
 #define MAX_ENV 4096
 #define STDIN_QMAX ((size_t)MAX_PAYLOAD * 2)
@@ -299,7 +300,7 @@ enum { SL_SIG, SL_LISTEN, SL_CONN, SL_CTL, SL_OUT0, SL_OUT1, SL_IN };
 struct slot { int kind; struct proc *p; };
 
 static struct {
-	const char *workdir, *shell, *self;
+	const char *workdir, *shell, *self, *self_alt; /* self_alt: argv[0], if /proc is unusable */
 	uid_t uid;
 	gid_t gid;
 	int lfd, conn, sfd, dispatching;
@@ -309,7 +310,8 @@ static struct {
 	struct exec *execs;
 	struct session *sessions;
 	struct freader *readers;
-	int running, nsessions;
+	int running, nsessions, nreaders;
+	int64_t accept_pause;     /* out of fds: stop polling the listener until then */
 	struct pollfd *pfd;
 	struct slot *slot;
 	size_t pcap;
@@ -488,6 +490,16 @@ static void exec_done(struct exec *e)
 	e->env = NULL;
 	rbuf_free(&e->chk[0]);
 	rbuf_free(&e->chk[1]);
+	for (int st = 0; st < 2; st++) { /* retained for a while: give back the slack */
+		struct rbuf *r = &e->out[st];
+		char *np;
+		if (!r->len)
+			rbuf_free(r);
+		else if (r->alloc > r->len && (np = realloc(r->p, r->len))) {
+			r->p = np;
+			r->alloc = r->len;
+		}
+	}
 	if (e->failed_err) { /* the command never ran: answer ERROR, keep nothing */
 		if (attached(e))
 			send_err(e->chan, e->failed_err, "%s%s%s: %s", stage_name(e->failed_stage),
@@ -603,6 +615,8 @@ static struct proc *proc_spawn(int kind, void *owner, uid_t uid, gid_t gid, cons
 	posix_spawnattr_setsigdefault(&at, &all);
 	pid_t spid;
 	int rc = posix_spawn(&spid, G.self, &fa, &at, av, envp);
+	if (rc && G.self_alt)
+		rc = posix_spawn(&spid, G.self_alt, &fa, &at, av, envp);
 	posix_spawn_file_actions_destroy(&fa);
 	posix_spawnattr_destroy(&at);
 	free(av);
@@ -1287,26 +1301,30 @@ static void h_exec(uint32_t chan, const struct fields *f)
 			G.sessions = s;
 			G.nsessions++;
 		}
-		/* CMD goes to the shell single-quoted inside eval, so nothing in it (an unterminated
-		 * here-doc, a trailing backslash, a stray quote) can swallow the end markers. The
-		 * syntax check below protects dash/busybox, which exit on a syntax error in eval. */
+		/* CMD reaches the shell single-quoted in a variable that is then eval'ed, so nothing
+		 * in it (an unterminated here-doc, a trailing backslash, a stray quote) can swallow
+		 * the end markers. (bash 5.2 mis-reads the next input line after eval of a *literal*
+		 * ending in a backslash; eval of a variable is fine in bash, dash and busybox.)
+		 * The syntax check below protects dash/busybox, which exit on a syntax error in eval. */
 		char nonce[17];
 		random_hex(nonce, 8);
 		snprintf(e->marker, sizeof e->marker, "\036DSEC%s:", nonce);
 		size_t cl = strlen(cmd), quotes = 0;
 		for (size_t i = 0; i < cl; i++)
 			quotes += cmd[i] == '\'';
-		const char *tail = "'; } </dev/null; printf '\\036DSEC%s:%%d\\n' \"$?\"; printf '\\036DSEC%s:\\n' >&2\n";
-		size_t sl = 8 + cl + 3 * quotes + strlen(tail) + 2 * sizeof nonce;
-		if (!(e->script = malloc(sl + 1))) {
+		static const char head[] = "__dsec_c='";
+		static const char tail[] = "'; { eval \"$__dsec_c\"; } </dev/null; printf '\\036DSEC%s:%%d\\n' \"$?\"; "
+					   "unset __dsec_c; printf '\\036DSEC%s:\\n' >&2\n";
+		size_t sl = sizeof head + cl + 3 * quotes + sizeof tail + 2 * sizeof nonce;
+		if (!(e->script = malloc(sl))) {
 			send_err(chan, ENOMEM, "out of memory");
 			if (fresh)
 				session_free(s);
 			goto out;
 		}
 		char *w = e->script;
-		memcpy(w, "{ eval '", 8);
-		w += 8;
+		memcpy(w, head, sizeof head - 1);
+		w += sizeof head - 1;
 		for (size_t i = 0; i < cl; i++) {
 			if (cmd[i] == '\'') {
 				memcpy(w, "'\\''", 4);
@@ -1315,7 +1333,7 @@ static void h_exec(uint32_t chan, const struct fields *f)
 				*w++ = cmd[i];
 			}
 		}
-		w += snprintf(w, sl + 1 - (size_t)(w - e->script), tail, nonce, nonce);
+		w += snprintf(w, sl - (size_t)(w - e->script), tail, nonce, nonce);
 		e->script_len = (size_t)(w - e->script);
 		char *av[] = { s->shell_path, "-n", NULL };
 		struct proc *p = proc_spawn(PK_CHECK, e, uid, gid, "/", av, env, 1, &err);
@@ -1537,6 +1555,10 @@ static void h_file_read(uint32_t chan, const struct fields *f)
 		send_err(chan, EINVAL, "integer fields must be 4 bytes");
 		return;
 	}
+	if (G.nreaders >= MAX_READERS) {
+		send_err(chan, EAGAIN, "too many concurrent file reads (%d)", MAX_READERS);
+		return;
+	}
 	fs_as(uid, gid);
 	int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK); /* O_NONBLOCK: a FIFO must not hang us */
 	err = errno;
@@ -1572,6 +1594,7 @@ static void h_file_read(uint32_t chan, const struct fields *f)
 	r->gen = G.gen;
 	r->next = G.readers;
 	G.readers = r;
+	G.nreaders++;
 }
 
 /* Send the next DATA chunks of a file read; returns 1 when the reader is finished. */
@@ -1900,8 +1923,11 @@ static void conn_accept(void)
 {
 	for (;;) {
 		int fd = accept4(G.lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
-		if (fd < 0)
+		if (fd < 0) {
+			if (errno == EMFILE || errno == ENFILE || errno == ENOMEM || errno == ENOBUFS)
+				G.accept_pause = now_ms() + 100; /* else poll() would spin on the listener */
 			return;
+		}
 		conn_close(); /* a new connection replaces the old one (the edge restarted) */
 		bq_free(&G.in);
 		G.conn = fd;
@@ -1910,6 +1936,40 @@ static void conn_accept(void)
 }
 
 /* ------------------------------------------------------------------ main loop */
+
+/* Paced producers: retained exec output and file reads, queued while the queue is short. */
+static void pump_all(void)
+{
+	for (struct exec *e = G.execs, *nx; e; e = nx) {
+		nx = e->next;
+		exec_pump(e);
+	}
+	for (struct freader **pp = &G.readers; *pp;) {
+		struct freader *r = *pp;
+		if (reader_pump(r)) {
+			*pp = r->next;
+			free(r);
+			G.nreaders--;
+		} else {
+			pp = &r->next;
+		}
+	}
+}
+
+/* Is a paced producer waiting for room in the outgoing queue? */
+static int pump_pending(void)
+{
+	if (G.conn < 0)
+		return 0;
+	for (struct freader *r = G.readers; r; r = r->next)
+		if (r->gen == G.gen)
+			return 1;
+	for (struct exec *e = G.execs; e; e = e->next)
+		if (attached(e) && (e->sent[0] < e->out[0].len || e->sent[1] < e->out[1].len ||
+				    (e->phase == PH_DONE && !e->exit_sent)))
+			return 1;
+	return 0;
+}
 
 static void sig_event(void)
 {
@@ -1956,6 +2016,10 @@ static int next_timeout(int64_t now)
 		if (!p->have_status && p->kill_deadline)
 			CAND(p->kill_deadline);
 	}
+	if (G.accept_pause > now)
+		CAND(G.accept_pause);
+	if (!G.out.len && pump_pending()) /* queue drained, producers still waiting */
+		CAND(now);
 #undef CAND
 	if (best < 0)
 		return -1;
@@ -1969,7 +2033,8 @@ static void loop(void)
 		poll_add(&n, G.sfd, POLLIN, SL_SIG, NULL);
 		if (G.conn >= 0) /* before the listener: finish the old connection's frames first */
 			poll_add(&n, G.conn, POLLIN | (G.out.len ? POLLOUT : 0), SL_CONN, NULL);
-		poll_add(&n, G.lfd, POLLIN, SL_LISTEN, NULL);
+		if (now_ms() >= G.accept_pause)
+			poll_add(&n, G.lfd, POLLIN, SL_LISTEN, NULL);
 		for (struct proc *p = G.procs; p; p = p->next) {
 			if (p->zombie)
 				continue;
@@ -2034,20 +2099,14 @@ static void loop(void)
 				pp = &p->next;
 			}
 		}
-		for (struct exec *e = G.execs, *nx; e; e = nx) {
-			nx = e->next;
-			exec_pump(e);
+		/* Refill while the socket takes everything: once the queue is empty no POLLOUT
+		 * would wake us for the rest (bounded, so other fds get their turn). */
+		for (int round = 0; round < 16; round++) {
+			pump_all();
+			conn_flush();
+			if (G.out.len || !pump_pending())
+				break;
 		}
-		for (struct freader **pp = &G.readers; *pp;) {
-			struct freader *r = *pp;
-			if (reader_pump(r)) {
-				*pp = r->next;
-				free(r);
-			} else {
-				pp = &r->next;
-			}
-		}
-		conn_flush();
 	}
 }
 
@@ -2204,8 +2263,8 @@ static int supervise_main(int argc, char **argv)
 	/* drop our copies of C's stdio so EOF depends on C's tree only */
 	int nul = open("/dev/null", O_RDWR | O_CLOEXEC);
 	for (int i = 0; i < 3; i++)
-		if (nul >= 0)
-			dup3(nul, i, 0);
+		if (nul < 0 || dup3(nul, i, 0) < 0)
+			close(i);
 	int m[2];
 	ssize_t r;
 	while ((r = read(ep[0], m, sizeof m)) < 0 && errno == EINTR)
@@ -2287,8 +2346,10 @@ int main(int argc, char **argv)
 	for (int i = 0; i < 3; i++) /* pipes must never land on 0..2 */
 		if (fcntl(i, F_GETFD) < 0 && open("/dev/null", O_RDWR) < 0)
 			_exit(1);
-	if (fcntl(G.lfd, F_GETFD) < 0) {
-		fprintf(stderr, "dsec-agent: listening fd %d is not open\n", G.lfd);
+	int listening = 0;
+	socklen_t sl = sizeof listening;
+	if (getsockopt(G.lfd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &sl) < 0 || !listening) {
+		fprintf(stderr, "dsec-agent: fd %d is not a listening socket\n", G.lfd);
 		return 1;
 	}
 	cloexec_from3(); /* nothing the agent inherited may leak into commands */
@@ -2331,7 +2392,9 @@ int main(int argc, char **argv)
 			perror("dsec-agent: chown workdir");
 	}
 	if (chdir("/") < 0) { /* hold no directory busy */ }
-	G.self = access("/proc/self/exe", X_OK) == 0 ? "/proc/self/exe" : argv[0];
+	/* supervisors are this binary re-executed: exactly this file, even if replaced on disk */
+	G.self = "/proc/self/exe";
+	G.self_alt = argv[0][0] == '/' ? argv[0] : NULL;
 	loop();
 	return 0;
 }

@@ -1,12 +1,14 @@
 """dsec: elastic sandboxes for training and evaluating AI agents."""
 
 from dsec.sdk.client import Client, Created, ExecFailed, Files, Sandbox
+from dsec.types import FnCallRequest, FnCallResult, FnCallStatus
 from dsec.types import (ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult, FileEntry,
-                        SandboxInfo, SandboxState)
+                        NetworkPolicy, NetworkRule, SandboxInfo, SandboxState)
 
 __all__ = ["Client", "Created", "ExecFailed", "Files", "Sandbox", "ContainerArgs", "DsecError",
-           "ExecEvent", "ExecRequest", "ExecResult", "FileEntry", "SandboxInfo", "SandboxState",
-           "SyncClient"]
+           "ExecEvent", "ExecRequest", "ExecResult", "FileEntry", "NetworkPolicy", "NetworkRule",
+           "SandboxInfo", "SandboxState", "SyncClient",
+           "FnCallRequest", "FnCallResult", "FnCallStatus"]
 
 
 def __getattr__(name: str):

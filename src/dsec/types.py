@@ -7,6 +7,7 @@ them and the SDK sends and parses them.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import secrets
 from datetime import datetime
@@ -124,6 +125,68 @@ def _check_env(env: dict[str, str]) -> dict[str, str]:
     return env
 
 
+PORT_RANGE_RE = re.compile(r"^\s*(\d{1,5})\s*(?:-\s*(\d{1,5})\s*)?$")
+RULESET_NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+
+
+class NetworkRule(_Strict):
+    """Allow egress to a destination network, optionally only some ports and one protocol."""
+
+    cidr: Annotated[str, Field(max_length=64, description="IPv4 or IPv6 network or address: '10.0.0.0/8', "
+                                                          "'2001:db8::/32', '151.101.1.1'")]
+    ports: Annotated[list[int | str] | int | str | None,
+                     Field(description="omitted: all ports; 443, [80, 443], '8000-8100' or [443, '8000-8100']")] = None
+    protocol: Literal["tcp", "udp", "any"] = "any"
+
+    @field_validator("cidr")
+    @classmethod
+    def _valid_cidr(cls, v: str) -> str:
+        try:
+            return str(ipaddress.ip_network(v.strip(), strict=False))
+        except ValueError:
+            raise ValueError(f"{v!r} is not an IPv4/IPv6 network; use e.g. '10.0.0.0/8', '1.2.3.4' or '2001:db8::/32'") from None
+
+    @field_validator("ports", mode="before")
+    @classmethod
+    def _valid_ports(cls, v: object) -> object:
+        if v is None:
+            return None
+        items = v if isinstance(v, list) else [v]
+        if not items:
+            raise ValueError("ports must not be empty; omit it to allow all ports")
+        out: list[int | str] = []
+        for p in items:
+            if isinstance(p, bool) or not isinstance(p, (int, str)):
+                raise ValueError(f"port {p!r} must be a number 1-65535 or a range 'LO-HI'")
+            m = PORT_RANGE_RE.match(str(p))
+            if not m:
+                raise ValueError(f"port {p!r} must be a number 1-65535 or a range 'LO-HI'")
+            lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+            if not (1 <= lo <= hi <= 65535):
+                raise ValueError(f"port range {p!r} must lie within 1-65535 with LO <= HI")
+            out.append(lo if lo == hi else f"{lo}-{hi}")
+        return out
+
+    def port_ranges(self) -> list[tuple[int, int]]:
+        if self.ports is None:
+            return [(0, 65535)]
+        ports = self.ports if isinstance(self.ports, list) else [self.ports]
+        out = []
+        for p in ports:
+            lo, _, hi = str(p).partition("-")
+            out.append((int(lo), int(hi or lo)))
+        return out
+
+
+class NetworkPolicy(_Strict):
+    """Egress allow-list of a sandbox. Empty (the default) denies everything but loopback."""
+
+    rules: Annotated[list[NetworkRule], Field(max_length=256)] = Field(default_factory=list)
+    rulesets: Annotated[dict[Annotated[str, Field(pattern=RULESET_NAME_RE)], bool],
+                        Field(description="named rule sets defined by the operator, e.g. {'pypi': true, 'npm': false}")
+                        ] = Field(default_factory=dict)
+
+
 class ContainerArgs(_Strict):
     """A crun container over overlayfs on read-only EROFS layers."""
 
@@ -140,6 +203,8 @@ class ContainerArgs(_Strict):
     output_cap_bytes: Annotated[int, Field(ge=1024, le=64 * 1024 * 1024,
                                            description="per stream per command; beyond it output is dropped and reported")] = 1024 * 1024
     labels: dict[str, str] = Field(default_factory=dict)
+    network: NetworkPolicy = Field(default_factory=NetworkPolicy,
+                                   description="egress allow-list (cgroup-BPF); default: deny all but loopback")
 
     @field_validator("env")
     @classmethod
@@ -174,6 +239,7 @@ class SandboxInfo(BaseModel):
     last_active_at: datetime
     error: str | None = None
     labels: dict[str, str] = Field(default_factory=dict)
+    network: NetworkPolicy | None = Field(None, description="current egress policy (container sandboxes)")
 
 
 class SandboxList(BaseModel):
@@ -310,3 +376,145 @@ class ImageInfo(BaseModel):
 
 class ImageList(BaseModel):
     images: list[ImageInfo]
+
+
+# ---------------------------------------------------------------------------------------
+# FnCall: short stateless code run in a warm pool container (dsec.backends.fncall).
+# ---------------------------------------------------------------------------------------
+
+FNCALL_MAX_TIMEOUT_S = 300.0
+FNCALL_MAX_BYTES = 16 * 1024 * 1024
+FNCALL_DEFAULT_IMAGE = "fncall-python"
+
+
+def _check_rel_path(path: str) -> str:
+    parts = path.split("/")
+    if (not path or len(path) > 1024 or path.startswith("/") or "\0" in path
+            or any(p in ("", ".", "..") for p in parts)):
+        raise ValueError(f"file path {path!r} must be relative to the work dir, without '..', "
+                         "'.', empty parts or NUL, at most 1024 chars")
+    return path
+
+
+class FnCallRequest(_Strict):
+    """One call: code (plus stdin and files) run under its own limits in a fresh work dir."""
+
+    backend: Literal["fncall"] = "fncall"
+    code: Annotated[str, Field(max_length=FNCALL_MAX_BYTES, description="source code of the program")]
+    language: Annotated[str, Field(pattern=r"^[A-Za-z0-9_+#.-]{1,32}$",
+                                   description="python, bash, c, cpp, perl, ... (the image decides which exist)")] = "python"
+    stdin: Annotated[str | None, Field(max_length=FNCALL_MAX_BYTES)] = None
+    files: dict[str, str] = Field(default_factory=dict, description="extra text files: relative path -> content")
+    files_b64: dict[str, str] = Field(default_factory=dict, description="extra binary files: relative path -> base64")
+    fetch_files: Annotated[list[str], Field(max_length=64, description="files to return after the run (base64)")] = []
+    args: Annotated[list[str], Field(max_length=256, description="command-line arguments of the program")] = []
+    env: dict[str, str] = Field(default_factory=dict)
+    timeout_s: Annotated[float, Field(gt=0, le=FNCALL_MAX_TIMEOUT_S, description="wall-clock limit of the run step")] = 10.0
+    compile_timeout_s: Annotated[float, Field(gt=0, le=FNCALL_MAX_TIMEOUT_S)] = 10.0
+    memory_mb: Annotated[int, Field(ge=16, le=4096, description="address space the program may add (RLIMIT_AS)")] = 512
+    max_processes: Annotated[int, Field(ge=1, le=1024, description="processes and threads (RLIMIT_NPROC)")] = 64
+    max_file_mb: Annotated[int, Field(ge=1, le=1024, description="largest file the program may write")] = 64
+    output_cap_bytes: Annotated[int, Field(ge=1024, le=FNCALL_MAX_BYTES,
+                                           description="per stream; beyond it the program is killed (status output-limit)")] = 1024 * 1024
+    image: Annotated[str, Field(pattern=NAME_RE, description="pool image; needs python3")] = FNCALL_DEFAULT_IMAGE
+
+    @field_validator("files", "files_b64")
+    @classmethod
+    def _valid_files(cls, v: dict[str, str]) -> dict[str, str]:
+        if len(v) > 256:
+            raise ValueError("at most 256 files")
+        if sum(len(x) for x in v.values()) > FNCALL_MAX_BYTES:
+            raise ValueError(f"files hold more than {FNCALL_MAX_BYTES} bytes together")
+        for k in v:
+            _check_rel_path(k)
+        return v
+
+    @field_validator("files_b64")
+    @classmethod
+    def _valid_b64(cls, v: dict[str, str]) -> dict[str, str]:
+        import base64
+        import binascii
+        for k, data in v.items():
+            try:
+                base64.b64decode(data, validate=True)
+            except (binascii.Error, ValueError):
+                raise ValueError(f"files_b64[{k!r}] is not valid base64") from None
+        return v
+
+    @field_validator("fetch_files")
+    @classmethod
+    def _valid_fetch(cls, v: list[str]) -> list[str]:
+        for k in v:
+            _check_rel_path(k)
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _valid_env(cls, v: dict[str, str]) -> dict[str, str]:
+        return _check_env(v)
+
+    @field_validator("args")
+    @classmethod
+    def _valid_args(cls, v: list[str]) -> list[str]:
+        if any("\0" in a for a in v):
+            raise ValueError("arguments must not contain NUL bytes")
+        return v
+
+
+class FnCallStatus(str, Enum):
+    ok = "ok"
+    runtime_error = "runtime-error"       # non-zero exit or killed by a signal
+    compile_error = "compile-error"       # the compile step failed (Python: SyntaxError)
+    timeout = "timeout"                   # wall-clock (or CPU) limit of a step
+    memory = "memory"                     # memory limit
+    output_limit = "output-limit"         # stdout or stderr beyond output_cap_bytes
+    sandbox_error = "sandbox-error"       # the platform could not run the call; see `error`
+
+
+class FnCallStep(BaseModel):
+    """One step (compile or run) of a call."""
+
+    exit_code: int | None = Field(description="None when killed by a signal")
+    signal: int | None = None
+    timed_out: bool = False
+    output_limited: bool = False
+    stdout: str = ""
+    stderr: str = ""
+    stdout_bytes: int = Field(0, description="bytes written, including those beyond the cap")
+    stderr_bytes: int = 0
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    max_rss_mb: float = 0.0
+
+
+class FnCallResult(BaseModel):
+    status: FnCallStatus
+    exit_code: int | None = Field(None, description="of the last step that ran")
+    signal: int | None = None
+    stdout: str = ""
+    stderr: str = Field("", description="of the last step that ran (the compiler's on compile-error)")
+    wall_s: float = Field(0.0, description="run step wall time")
+    cpu_s: float = Field(0.0, description="run step CPU time (user + system)")
+    compile: FnCallStep | None = None
+    run: FnCallStep | None = None
+    files: dict[str, str] = Field(default_factory=dict, description="fetch_files found: path -> base64")
+    language: str = ""
+    error: str | None = None
+    queue_s: float = Field(0.0, description="waiting for a warm container")
+    total_s: float = Field(0.0, description="end to end on the node, queueing included")
+    executor: str | None = Field(None, description="id of the pool container that ran it")
+
+    @property
+    def ok(self) -> bool:
+        return self.status == FnCallStatus.ok
+
+
+class FnCallBatch(_Strict):
+    calls: Annotated[list[FnCallRequest], Field(min_length=1, max_length=1024)]
+
+
+class FnCallBatchItem(BaseModel):
+    """One line of the NDJSON answer to a batch, in completion order."""
+
+    index: int
+    result: FnCallResult

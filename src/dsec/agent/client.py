@@ -259,6 +259,12 @@ class AgentClient:
         _, payload = await self._request(MsgType.PING)
         P.decode_pong(payload)
 
+    async def landlock_abi(self) -> int:
+        """The Landlock ABI version the agent confines commands with (0: Landlock not used)."""
+        _, payload = await self._request(MsgType.PING)
+        P.decode_pong(payload)
+        return P.decode_pong_landlock(payload)
+
     def exec(
         self,
         chan: int,

@@ -36,6 +36,7 @@
 #include <string.h>
 #include <sys/fsuid.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -90,12 +91,13 @@ enum { SM_PID = 1, SM_STARTERR = 2, SM_STATUS = 3 };
 struct smsg { int32_t type, a, b; };
 
 /* start-up stages of the command, for error messages */
-enum { ST_FORK = 1, ST_SETSID, ST_SETGROUPS, ST_SETGID, ST_SETUID, ST_CHDIR, ST_EXEC, ST_SUPERVISOR };
+enum { ST_FORK = 1, ST_SETSID, ST_SETGROUPS, ST_SETGID, ST_SETUID, ST_CHDIR, ST_EXEC, ST_SUPERVISOR,
+       ST_RLIMIT, ST_LANDLOCK };
 static const char *stage_name(int s)
 {
 	static const char *n[] = { "start", "fork", "setsid", "setgroups", "setgid", "setuid",
-				   "chdir", "execve", "supervisor" };
-	return (s >= 0 && s <= ST_SUPERVISOR) ? n[s] : "start";
+				   "chdir", "execve", "supervisor", "setrlimit", "landlock" };
+	return (s >= 0 && s <= ST_LANDLOCK) ? n[s] : "start";
 }
 
 /* ------------------------------------------------------------------ small helpers */
@@ -225,6 +227,147 @@ static size_t rbuf_add(struct rbuf *b, const char *d, size_t n, size_t limit)
 }
 static void rbuf_free(struct rbuf *b) { free(b->p); memset(b, 0, sizeof *b); }
 
+/* ------------------------------------------------------------------ Landlock
+ *
+ * Every command, session shell and syntax check gets its own Landlock domain, created in the
+ * forked child right before execve (so each exec/session is a separate domain). Two effects:
+ *  - filesystem: what root inside the sandbox may still not do (table below);
+ *  - ptrace scoping, which Landlock applies to every domain: a process may only ptrace-access
+ *    (and so read /proc/PID/{fd,environ,mem,...}) processes in its own domain or below it. A
+ *    command therefore cannot open another command's or session's pipes through
+ *    /proc/PID/fd (steal its output, inject into its stdin), read its environment or memory,
+ *    and cannot touch the agent or the supervisors at all (they are in no domain).
+ * Reads are not handled (allowed); masked /proc paths are the runtime's job (spec.py).
+ * Landlock grants on hierarchies and cannot subtract, so the sandbox's own tree is granted
+ * entry by entry: every top-level entry of / that exists when the command starts, except
+ * LL_DENY_TOP. Consequence: a command cannot create, remove or rename an entry directly in /
+ * (that would need a grant on / itself, which covers /proc and /dev); new top-level
+ * directories come from the image or the files API (the agent is not confined) and are
+ * writable for every command started after they appear. Symlinks at the top level are
+ * skipped (never followed: `/x -> /proc` must not grant /proc).
+ * Rights are masked by the kernel's ABI; below ABI 2 Landlock is not used at all (ABI 1
+ * forbids every cross-directory rename/link, which breaks ordinary tools).
+ */
+#ifndef SYS_landlock_create_ruleset
+#define SYS_landlock_create_ruleset 444
+#endif
+#ifndef SYS_landlock_add_rule
+#define SYS_landlock_add_rule 445
+#endif
+#ifndef SYS_landlock_restrict_self
+#define SYS_landlock_restrict_self 446
+#endif
+#define LL_CREATE_RULESET_VERSION (1u << 0)
+#define LL_RULE_PATH_BENEATH 1
+#define LL_EXECUTE      (1ull << 0)
+#define LL_WRITE_FILE   (1ull << 1)
+#define LL_REMOVE_DIR   (1ull << 4)
+#define LL_REMOVE_FILE  (1ull << 5)
+#define LL_MAKE_CHAR    (1ull << 6)
+#define LL_MAKE_DIR     (1ull << 7)
+#define LL_MAKE_REG     (1ull << 8)
+#define LL_MAKE_SOCK    (1ull << 9)
+#define LL_MAKE_FIFO    (1ull << 10)
+#define LL_MAKE_BLOCK   (1ull << 11)
+#define LL_MAKE_SYM     (1ull << 12)
+#define LL_REFER        (1ull << 13)  /* ABI 2 */
+#define LL_TRUNCATE     (1ull << 14)  /* ABI 3 */
+#define LL_IOCTL_DEV    (1ull << 15)  /* ABI 5 */
+#define LL_MIN_ABI 2
+
+struct ll_ruleset_attr { uint64_t handled_access_fs, handled_access_net, scoped; };
+struct __attribute__((packed)) ll_path_beneath { uint64_t allowed_access; int32_t parent_fd; };
+
+/* groups of rights */
+#define LL_WFILE (LL_WRITE_FILE | LL_TRUNCATE)
+#define LL_WDIR  (LL_REMOVE_DIR | LL_REMOVE_FILE | LL_MAKE_DIR | LL_MAKE_REG | LL_MAKE_SOCK | \
+		  LL_MAKE_FIFO | LL_MAKE_SYM | LL_REFER)       /* never MAKE_CHAR / MAKE_BLOCK */
+#define LL_TREE  (LL_EXECUTE | LL_WFILE | LL_WDIR)              /* the sandbox's own tree */
+#define LL_FILE_ONLY (LL_EXECUTE | LL_WRITE_FILE | LL_TRUNCATE | LL_IOCTL_DEV) /* rights a file can carry */
+
+/* Top-level entries of / that get nothing: no write, no execute, no device ioctls. */
+static const char *const LL_DENY_TOP[] = { "proc", "sys", "dev", ".dsec" };
+
+/* Exceptions below the denied entries (paths are never followed if they are symlinks). */
+static const struct { const char *path; uint64_t access; } LL_RULES[] = {
+	{ "/dev/null",    LL_WFILE | LL_IOCTL_DEV },
+	{ "/dev/zero",    LL_WFILE },
+	{ "/dev/full",    LL_WFILE },
+	{ "/dev/random",  LL_WFILE },
+	{ "/dev/urandom", LL_WFILE },
+	{ "/dev/tty",     LL_WFILE | LL_IOCTL_DEV },
+	{ "/dev/pts",     LL_WFILE | LL_IOCTL_DEV },        /* ptys; /dev/ptmx -> pts/ptmx */
+	{ "/dev/shm",     LL_WFILE | LL_WDIR },             /* POSIX shm, semaphores: no execute */
+	{ "/dev/mqueue",  LL_WFILE | LL_WDIR },
+};
+
+/* The kernel's Landlock ABI version, 0 if Landlock is unavailable (or disabled). */
+static int ll_probe(void)
+{
+	long v = syscall(SYS_landlock_create_ruleset, NULL, 0, LL_CREATE_RULESET_VERSION);
+	return v > 0 ? (int)v : 0;
+}
+
+static uint64_t ll_handled(int abi)
+{
+	uint64_t h = LL_EXECUTE | LL_WRITE_FILE | LL_REMOVE_DIR | LL_REMOVE_FILE | LL_MAKE_CHAR |
+		     LL_MAKE_DIR | LL_MAKE_REG | LL_MAKE_SOCK | LL_MAKE_FIFO | LL_MAKE_BLOCK | LL_MAKE_SYM;
+	if (abi >= 2)
+		h |= LL_REFER;
+	if (abi >= 3)
+		h |= LL_TRUNCATE;
+	if (abi >= 5)
+		h |= LL_IOCTL_DEV;
+	return h;
+}
+
+static void ll_add(int rs, int dfd, const char *name, uint64_t access)
+{
+	int fd = openat(dfd, name, O_PATH | O_NOFOLLOW | O_CLOEXEC);
+	struct stat st;
+	if (fd < 0)
+		return;
+	if (fstat(fd, &st) == 0 && !S_ISLNK(st.st_mode)) {
+		if (!S_ISDIR(st.st_mode))
+			access &= LL_FILE_ONLY;
+		struct ll_path_beneath pb = { access, fd };
+		if (access) /* failures (odd filesystems) only mean: no grant there */
+			syscall(SYS_landlock_add_rule, rs, LL_RULE_PATH_BENEATH, &pb, 0);
+	}
+	close(fd);
+}
+
+/* Build this process's ruleset and enforce it. Returns 0 or -1 with errno. */
+static int ll_apply(int abi)
+{
+	uint64_t h = ll_handled(abi);
+	struct ll_ruleset_attr ra = { .handled_access_fs = h };
+	int rs = (int)syscall(SYS_landlock_create_ruleset, &ra, sizeof ra, 0);
+	if (rs < 0)
+		return -1;
+	DIR *d = opendir("/");
+	struct dirent *de;
+	while (d && (de = readdir(d))) {
+		const char *nm = de->d_name;
+		int skip = !strcmp(nm, ".") || !strcmp(nm, "..");
+		for (size_t i = 0; !skip && i < sizeof LL_DENY_TOP / sizeof *LL_DENY_TOP; i++)
+			skip = !strcmp(nm, LL_DENY_TOP[i]);
+		if (!skip)
+			ll_add(rs, dirfd(d), nm, LL_TREE & h);
+	}
+	if (d)
+		closedir(d);
+	for (size_t i = 0; i < sizeof LL_RULES / sizeof *LL_RULES; i++)
+		ll_add(rs, AT_FDCWD, LL_RULES[i].path, LL_RULES[i].access & h);
+	int r = -1;
+	if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0)
+		r = (int)syscall(SYS_landlock_restrict_self, rs, 0);
+	int err = errno;
+	close(rs);
+	errno = err;
+	return r < 0 ? -1 : 0;
+}
+
 /* ------------------------------------------------------------------ state */
 
 enum { PK_EXEC, PK_CHECK, PK_SESSION };   /* what a supervised process is for */
@@ -303,6 +446,9 @@ static struct {
 	const char *workdir, *shell, *self, *self_alt; /* self_alt: argv[0], if /proc is unusable */
 	uid_t uid;
 	gid_t gid;
+	int ll_abi;               /* Landlock ABI applied to commands; 0: none */
+	unsigned long nofile;     /* RLIMIT_NOFILE of commands (soft = hard); 0: inherited */
+	unsigned long long fsize; /* RLIMIT_FSIZE of commands in bytes; 0: unlimited */
 	int lfd, conn, sfd, dispatching;
 	uint64_t gen, seq;
 	struct bq in, out;
@@ -315,7 +461,7 @@ static struct {
 	struct pollfd *pfd;
 	struct slot *slot;
 	size_t pcap;
-} G = { .workdir = "/", .lfd = 3, .conn = -1, .sfd = -1, .gen = 1 };
+} G = { .workdir = "/", .lfd = 3, .conn = -1, .sfd = -1, .gen = 1, .ll_abi = -1, .nofile = 4096 };
 
 static char scratch[READ_CHUNK];
 static char combine[READ_CHUNK + 128];
@@ -581,18 +727,20 @@ static struct proc *proc_spawn(int kind, void *owner, uid_t uid, gid_t gid, cons
 		*err = ENOMEM;
 		goto fail;
 	}
-	char us[16], gs[16], ps[16];
+	char us[16], gs[16], ps[16], os[64];
 	snprintf(us, sizeof us, "%u", (unsigned)uid);
 	snprintf(gs, sizeof gs, "%u", (unsigned)gid);
 	snprintf(ps, sizeof ps, "%d", (int)getpid());
+	snprintf(os, sizeof os, "%d:%lu:%llu", G.ll_abi, G.nofile, G.fsize);
 	av[0] = "dsec-supervisor";
 	av[1] = "--supervise";
 	av[2] = us;
 	av[3] = gs;
 	av[4] = (char *)cwd;
 	av[5] = ps;
+	av[6] = os;
 	for (size_t i = 0; i < nc; i++)
-		av[6 + i] = cargv[i];
+		av[7 + i] = cargv[i];
 
 	/* S gets: 0 = C's stdin, 1/2 = output pipes, 3 = control socket; all else is CLOEXEC.
 	 * The sources are never 0..3 themselves (0..2 are always open in the agent). */
@@ -1473,10 +1621,11 @@ static void h_list_execs(uint32_t chan)
 
 static void h_ping(uint32_t chan)
 {
-	uint8_t b[8];
+	uint8_t b[12];
 	put32(b, (uint32_t)getpid());
 	put32(b + 4, PROTO_VERSION);
-	out_frame(T_PONG, chan, b, 8, NULL, 0);
+	put32(b + 8, (uint32_t)G.ll_abi); /* Landlock ABI applied to commands, 0: none */
+	out_frame(T_PONG, chan, b, sizeof b, NULL, 0);
 }
 
 /* ------------------------------------------------------------------ file operations */
@@ -1975,7 +2124,10 @@ static void sig_event(void)
 {
 	struct signalfd_siginfo si;
 	while (read(G.sfd, &si, sizeof si) == (ssize_t)sizeof si) {
-		if (si.ssi_signo == SIGTERM || si.ssi_signo == SIGINT)
+		/* As PID 1, only a signal from outside the sandbox's pid namespace (the runtime:
+		 * sender pid 0 here) stops us; a command's `kill 1` is ignored. SIGKILL/SIGSTOP
+		 * from inside never reach an init at all (the kernel protects it). */
+		if ((si.ssi_signo == SIGTERM || si.ssi_signo == SIGINT) && (getpid() != 1 || si.ssi_pid == 0))
 			_exit(0); /* supervisors get SIGTERM via PDEATHSIG and kill their trees */
 	}
 	while (waitpid(-1, NULL, WNOHANG) > 0) /* supervisors and orphans alike */
@@ -2186,7 +2338,30 @@ static void kill_tree(pid_t c, int *c_alive)
 	}
 }
 
-static void child_exec(uid_t uid, gid_t gid, const char *cwd, char **argv, int ep)
+/* Limits of every command: RLIMIT_CORE 0, RLIMIT_NOFILE and RLIMIT_FSIZE (soft = hard, so
+ * root without CAP_SYS_RESOURCE cannot raise them again). Never raises a limit. */
+static int child_limits(unsigned long nofile, unsigned long long fsize)
+{
+	struct rlimit rl = { 0, 0 };
+	if (setrlimit(RLIMIT_CORE, &rl) < 0)
+		return -1;
+	if (nofile && getrlimit(RLIMIT_NOFILE, &rl) == 0) {
+		rlim_t n = (rlim_t)nofile < rl.rlim_max ? (rlim_t)nofile : rl.rlim_max;
+		rl.rlim_cur = rl.rlim_max = n;
+		if (setrlimit(RLIMIT_NOFILE, &rl) < 0)
+			return -1;
+	}
+	if (fsize && getrlimit(RLIMIT_FSIZE, &rl) == 0) {
+		rlim_t n = (rlim_t)fsize < rl.rlim_max ? (rlim_t)fsize : rl.rlim_max;
+		rl.rlim_cur = rl.rlim_max = n;
+		if (setrlimit(RLIMIT_FSIZE, &rl) < 0)
+			return -1;
+	}
+	return 0;
+}
+
+static void child_exec(uid_t uid, gid_t gid, const char *cwd, char **argv, int ep,
+		       int ll_abi, unsigned long nofile, unsigned long long fsize)
 {
 	sigset_t none;
 	sigemptyset(&none);
@@ -2194,11 +2369,17 @@ static void child_exec(uid_t uid, gid_t gid, const char *cwd, char **argv, int e
 	int stage = ST_SETSID;
 	if (setsid() < 0)
 		goto fail;
-	int fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+	int fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC); /* before Landlock: /proc */
 	if (fd >= 0) {
 		if (write(fd, "0", 1) < 0) { /* best effort */ }
 		close(fd);
 	}
+	stage = ST_RLIMIT;
+	if (child_limits(nofile, fsize) < 0)
+		goto fail;
+	stage = ST_LANDLOCK; /* as root, so every top-level entry can be opened */
+	if (ll_abi >= LL_MIN_ABI && ll_apply(ll_abi) < 0)
+		goto fail; /* the agent saw Landlock working: fail closed */
 	if (geteuid() == 0) {
 		stage = ST_SETGROUPS;
 		if (setgroups(0, NULL) < 0)
@@ -2225,16 +2406,24 @@ fail:;
 	_exit(127);
 }
 
-/* argv: self --supervise UID GID CWD AGENT_PID cmd... ; fds 0-2 for C, 3 = control socket. */
+/* argv: self --supervise UID GID CWD AGENT_PID LL_ABI:NOFILE:FSIZE cmd... ;
+ * fds 0-2 for C, 3 = control socket. */
 static int supervise_main(int argc, char **argv)
 {
-	if (argc < 7)
+	if (argc < 8)
 		return 2;
 	uid_t uid = (uid_t)strtoul(argv[2], NULL, 10);
 	gid_t gid = (gid_t)strtoul(argv[3], NULL, 10);
 	const char *cwd = argv[4];
 	pid_t agent = (pid_t)atoi(argv[5]);
-	char **cargv = argv + 6;
+	int ll_abi = 0;
+	unsigned long nofile = 0;
+	unsigned long long fsize = 0;
+	if (sscanf(argv[6], "%d:%lu:%llu", &ll_abi, &nofile, &fsize) != 3)
+		return 2;
+	char **cargv = argv + 7;
+
+	prctl(PR_SET_DUMPABLE, 0); /* like the agent: no ptrace, no /proc/PID/{fd,mem} from commands */
 
 	fcntl(3, F_SETFD, FD_CLOEXEC); /* C must never see the control socket */
 	cloexec_from3();
@@ -2255,7 +2444,7 @@ static int supervise_main(int argc, char **argv)
 	}
 	pid_t c = fork();
 	if (c == 0)
-		child_exec(uid, gid, cwd, cargv, ep[1]);
+		child_exec(uid, gid, cwd, cargv, ep[1], ll_abi, nofile, fsize);
 	s_msg(SM_PID, c < 0 ? -errno : c, 0);
 	if (c < 0)
 		return 1;
@@ -2321,7 +2510,8 @@ static int supervise_main(int argc, char **argv)
 
 static void usage(void)
 {
-	fputs("usage: dsec-agent [-w WORKDIR] [-u UID] [-g GID] [-f LISTEN_FD] [-s SHELL]\n", stderr);
+	fputs("usage: dsec-agent [-w WORKDIR] [-u UID] [-g GID] [-f LISTEN_FD] [-s SHELL] [-L 0|1]\n"
+	      "                  [-n NOFILE] [-F FSIZE_BYTES]\n", stderr);
 	exit(2);
 }
 
@@ -2330,19 +2520,33 @@ int main(int argc, char **argv)
 	if (argc > 1 && !strcmp(argv[1], "--supervise"))
 		return supervise_main(argc, argv);
 	int opt;
-	while ((opt = getopt(argc, argv, "w:u:g:f:s:")) != -1) {
+	while ((opt = getopt(argc, argv, "w:u:g:f:s:L:n:F:")) != -1) {
 		switch (opt) {
 		case 'w': G.workdir = optarg; break;
 		case 'u': G.uid = (uid_t)strtoul(optarg, NULL, 10); break;
 		case 'g': G.gid = (gid_t)strtoul(optarg, NULL, 10); break;
 		case 'f': G.lfd = atoi(optarg); break;
 		case 's': G.shell = optarg; break;
+		case 'L': G.ll_abi = atoi(optarg) ? -1 : 0; break;
+		case 'n': G.nofile = strtoul(optarg, NULL, 10); break;
+		case 'F': G.fsize = strtoull(optarg, NULL, 10); break;
 		default: usage();
 		}
 	}
 	if (G.workdir[0] != '/' || strlen(G.workdir) >= PATH_MAX - 64)
 		usage();
 	umask(022);
+	/* Nothing in the sandbox may ptrace us or open /proc/1/{fd,environ,mem} (our own stderr
+	 * is the host's init log, fd 3 the edge's socket): without CAP_SYS_PTRACE, which no
+	 * sandbox process has, a non-dumpable process is off limits even to root. */
+	prctl(PR_SET_DUMPABLE, 0);
+	if (G.ll_abi) {
+		int abi = ll_probe();
+		G.ll_abi = abi >= LL_MIN_ABI ? abi : 0;
+		if (!G.ll_abi) /* logged once; seccomp, capabilities, mounts still apply */
+			fprintf(stderr, "dsec-agent: Landlock %s: commands run without it\n",
+				abi ? "ABI 1 is too old (need 2)" : "is not available");
+	}
 	for (int i = 0; i < 3; i++) /* pipes must never land on 0..2 */
 		if (fcntl(i, F_GETFD) < 0 && open("/dev/null", O_RDWR) < 0)
 			_exit(1);

@@ -173,6 +173,11 @@ def decode_pong(payload: bytes) -> tuple[int, int]:
     return PONG_PAYLOAD.unpack_from(payload)
 
 
+def decode_pong_landlock(payload: bytes) -> int:
+    """Landlock ABI the agent applies to every command (0: none; older agents send nothing)."""
+    return U32.unpack_from(payload, PONG_PAYLOAD.size)[0] if len(payload) >= PONG_PAYLOAD.size + 4 else 0
+
+
 def decode_ok_total(payload: bytes) -> int | None:
     return U64.unpack_from(payload)[0] if len(payload) >= U64.size else None
 

@@ -19,8 +19,9 @@ from dsec.iam import IAM, Principal
 from dsec.images.service import ImageService
 from dsec.placement import Placer
 from dsec.types import (CapacityExceeded, ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult,
-                        FileList, ImageList, InvalidArgument, NodeStatus, NotFound,
+                        FileList, ImageList, InvalidArgument, NetworkPolicy, NodeStatus, NotFound,
                         SandboxInfo, SandboxList, Unavailable, node_of)
+from dsec.types import FnCallRequest, FnCallResult
 from dsec.watcher import Watcher
 
 log = logging.getLogger("dsec.apiserver")
@@ -37,6 +38,7 @@ class EdgeHandle(Protocol):
     async def get(self, sandbox_id: str) -> SandboxInfo: ...
     async def list(self, project: str | None = None, include_ended: bool = False) -> list[SandboxInfo]: ...
     async def stop(self, sandbox_id: str, reason: str | None = None) -> SandboxInfo: ...
+    async def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo: ...
     def exec_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]: ...
     async def run(self, sandbox_id: str, req: ExecRequest) -> ExecResult: ...
     async def attach(self, sandbox_id: str, exec_id: str) -> ExecResult: ...
@@ -45,6 +47,7 @@ class EdgeHandle(Protocol):
     async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = ..., mkdirs: bool = ...) -> None: ...
     async def list_dir(self, sandbox_id: str, path: str) -> list: ...
     async def remove_file(self, sandbox_id: str, path: str) -> None: ...
+    async def fncall_run(self, req: FnCallRequest) -> FnCallResult: ...
 
 
 @dataclass
@@ -88,7 +91,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
         return JSONResponse(e.to_body(), status_code=e.status)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
         errs = e.errors()
         first = errs[0] if errs else {}
         loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path", "header")]
@@ -98,7 +101,9 @@ def create_app(ctx: ApiContext) -> FastAPI:
             fieldname, msg = "body", "request body is not valid JSON"
         err = InvalidArgument(f"{fieldname}: {msg}", field=fieldname,
                               fix="see the schema at /openapi.json" + (
-                                  "; allowed fields: " + ", ".join(ContainerArgs.model_fields)
+                                  "; allowed fields: " + ", ".join(
+                                      (FnCallRequest if request.url.path.startswith("/v1/fncall")
+                                       else ContainerArgs).model_fields)
                                   if first.get("type") == "extra_forbidden" else ""))
         return JSONResponse(err.to_body(), status_code=err.status)
 
@@ -150,6 +155,12 @@ def create_app(ctx: ApiContext) -> FastAPI:
     async def stop_sandbox(sandbox_id: str, who: Who) -> SandboxInfo:
         edge = await owned(sandbox_id, who)
         return await edge.stop(sandbox_id)
+
+    @app.put("/v1/sandboxes/{sandbox_id}/network", response_model=SandboxInfo)
+    async def set_network(sandbox_id: str, policy: NetworkPolicy, who: Who) -> SandboxInfo:
+        """Replace the egress policy of a running sandbox (effective for new connections at once)."""
+        edge = await owned(sandbox_id, who)
+        return await edge.set_network(sandbox_id, policy)
 
     @app.post("/v1/sandboxes/{sandbox_id}/exec", response_model=ExecResult)
     async def exec_(sandbox_id: str, req: ExecRequest, who: Who) -> ExecResult:
@@ -214,6 +225,9 @@ def create_app(ctx: ApiContext) -> FastAPI:
         edge = await owned(sandbox_id, who)
         await edge.remove_file(sandbox_id, path)
         return Response(status_code=204)
+
+    from dsec.apiserver.fncall_routes import add_fncall_routes
+    add_fncall_routes(app, ctx)   # /v1/fncall, /v1/fncall/batch, SandboxFusion-compatible /run_code
 
     @app.get("/v1/nodes", response_model=list[NodeStatus])
     async def nodes(_: Who) -> list[NodeStatus]:

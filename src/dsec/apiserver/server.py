@@ -23,6 +23,7 @@ from dsec.edge.edge import Edge, EdgeSettings
 from dsec.iam import IAM
 from dsec.images.service import ImageService
 from dsec.placement import Placer
+from dsec.types import Conflict
 from dsec.watcher import Watcher
 
 log = logging.getLogger("dsec.server")
@@ -44,7 +45,7 @@ async def embedded(paths: Paths, node_id: str = "local"):
     iam.bootstrap(paths.admin_key_file)
     images = ImageService(paths)
     driver = ContainerDriver(paths, agent_binary(paths.bin))
-    edge = Edge(paths, images, driver, EdgeSettings(node_id=node_id))
+    edge = Edge(paths, images, driver, EdgeSettings(node_id=node_id, fncall_project=system_project(iam)))
     await edge.start()
     watcher = Watcher({node_id: edge}, interval_s=1.0)
     await watcher.poll_once()
@@ -54,6 +55,21 @@ async def embedded(paths: Paths, node_id: str = "local"):
     finally:
         await watcher.stop()
         await edge.close()
+
+
+def system_project(iam: IAM) -> str:
+    """Id of the project `system` under the root: it owns platform sandboxes such as the FnCall
+    backend's warm pool containers (visible to the root's keys, counted by admission)."""
+    root = iam.root()
+    for _ in range(2):
+        for p in iam.children(root.id):
+            if p.name == "system":
+                return p.id
+        try:
+            return iam.create_project("system", root.id).id
+        except Conflict:      # created concurrently
+            continue
+    raise Conflict("could not create the system project", field="system")
 
 
 def serve(paths: Paths, opts: ServerOptions) -> None:

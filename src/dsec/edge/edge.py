@@ -20,13 +20,16 @@ from pathlib import Path
 from dsec.agent.client import AgentClient, AgentDisconnected, AgentError, DirEntry, Exit, Output
 from dsec.backends.container.driver import ContainerDriver
 from dsec.backends.container.spec import ContainerSpec
+from dsec.backends.fncall.service import FnCallService
 from dsec.config import Paths
 from dsec.edge.admission import Admission
 from dsec.edge.records import EdgeRecords, SandboxRecord
 from dsec.edge.users import resolve_user
 from dsec.images.service import ImageService
+from dsec.security.netpolicy import RULESETS_FILE, Rulesets, resolve
+from dsec.types import FnCallRequest, FnCallResult
 from dsec.types import (Conflict, ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult,
-                        FileEntry, InvalidArgument, NodeStatus, NotFound, SandboxFailed,
+                        FileEntry, InvalidArgument, NetworkPolicy, NodeStatus, NotFound, SandboxFailed,
                         SandboxInfo, SandboxState, make_sandbox_id)
 
 log = logging.getLogger("dsec.edge")
@@ -48,10 +51,11 @@ class EdgeSettings:
     reap_interval_s: float = 2.0
     keep_ended_s: float = 24 * 3600      # stopped/failed records stay visible this long
     max_parallel_creates: int = 4
+    fncall_project: str = "system"       # owner of the FnCall backend's warm pool containers
 
 
 class Edge:
-    backends = ("container",)
+    backends = ("container", "fncall")
 
     def __init__(self, paths: Paths, images: ImageService, driver: ContainerDriver,
                  settings: EdgeSettings = EdgeSettings(), admission: Admission | None = None):
@@ -69,15 +73,21 @@ class Edge:
         self._dirty: set[str] = set()
         self._create_slots = asyncio.Semaphore(settings.max_parallel_creates)
         self._reaper: asyncio.Task | None = None
+        self.fncall = FnCallService(self, settings.fncall_project)
+        self.rulesets = Rulesets(paths.home / RULESETS_FILE)   # operator's named network rule sets
+        self._net_locks: dict[str, asyncio.Lock] = {}
 
     # -- lifecycle of the edge itself ----------------------------------------------------
     async def start(self) -> None:
         await self._recover()
+        await self.fncall.start()
         self._reaper = asyncio.create_task(self._reap_loop(), name="edge-reaper")
         log.info("edge started", extra={"node": self.node_id, "sandboxes": len(self._live)})
 
     async def close(self) -> None:
-        """Stop serving. Sandboxes keep running; a restarted edge picks them up again."""
+        """Stop serving. Sandboxes keep running; a restarted edge picks them up again (the
+        FnCall backend's pool containers are stopped: they are a cache)."""
+        await self.fncall.close()
         if self._reaper:
             self._reaper.cancel()
             await asyncio.gather(self._reaper, return_exceptions=True)
@@ -104,6 +114,7 @@ class Edge:
         for orphan in (set(runtime) | on_disk) - set(self._live):
             log.warning("removing orphan sandbox", extra={"sandbox": orphan})
             await self.driver.destroy(orphan)
+        await self.driver.recover_network(set(self._live))   # IPs, veths, BPF of the dead; re-attach the live
 
     # -- status for the watcher ----------------------------------------------------------
     async def status(self) -> NodeStatus:
@@ -118,6 +129,7 @@ class Edge:
     async def create(self, project: str, args: ContainerArgs) -> SandboxInfo:
         image = await asyncio.to_thread(self.images.get, args.image)   # NotFound names the field
         uid, gid = resolve_user(args.user)
+        allows = resolve(args.network, self.rulesets)   # 422 for unknown rule sets, before anything exists
         self.admission.admit(await self.status(), args.cpu_cores, args.memory_mb)
         now = time.time()
         rec = SandboxRecord(id=make_sandbox_id(self.node_id), project=project, backend="container",
@@ -131,7 +143,7 @@ class Edge:
                 lower = await asyncio.to_thread(self.images.mount_image, image.digest)
                 spec = ContainerSpec(sandbox_id=rec.id, lower_dirs=lower, cpu_cores=args.cpu_cores,
                                      memory_mb=args.memory_mb, pids_limit=args.pids_limit,
-                                     uid=uid, gid=gid, workdir=args.workdir)
+                                     uid=uid, gid=gid, workdir=args.workdir, network=tuple(allows))
                 await self.driver.create(rec.id, spec)
             await self._agent(rec)   # ready means the agent answers
         except BaseException as e:
@@ -163,6 +175,22 @@ class Edge:
         # live records carry fresher state/activity than the database
         recs = [self._live.get(r.id, r) for r in recs]
         return [r.info(self.node_id) for r in recs if project is None or r.project == project]
+
+    async def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo:
+        """Replace a running sandbox's egress policy; new connections see it immediately."""
+        rec = self._running(sandbox_id)
+        allows = resolve(policy, self.rulesets, field="")
+        async with self._net_locks.setdefault(rec.id, asyncio.Lock()):
+            try:
+                await self.driver.set_network(rec.id, allows)
+            except FileNotFoundError as e:   # stopped (or died) under us
+                raise Conflict(f"sandbox {rec.id} is {rec.state.value}", field="sandbox_id",
+                               fix="create a new sandbox") from e
+            rec.args = {**rec.args, "network": policy.model_dump(mode="json")}
+            self.records.set_args(rec.id, rec.args)
+        self._touch(rec)
+        log.info("network policy replaced", extra={"sandbox": rec.id, "rules": len(allows)})
+        return rec.info(self.node_id)
 
     async def stop(self, sandbox_id: str, reason: str | None = None) -> SandboxInfo:
         rec = self._record(sandbox_id)
@@ -222,6 +250,7 @@ class Edge:
     async def _forget_agent(self, sandbox_id: str) -> None:
         agent = self._agents.pop(sandbox_id, None)
         self._agent_locks.pop(sandbox_id, None)
+        self._net_locks.pop(sandbox_id, None)
         if agent is not None:
             await agent.close()
 
@@ -344,6 +373,19 @@ class Edge:
                 await agent.remove(path, uid=rec.uid, gid=rec.gid)
             except AgentError as e:
                 raise _map_agent_error(e, "path") from e
+
+    # -- FnCall backend: calls run in warm pool containers (dsec.backends.fncall) ------------
+    async def fncall_run(self, req: FnCallRequest) -> FnCallResult:
+        return await self.fncall.run(req)
+
+    @asynccontextmanager
+    async def agent_channel(self, sandbox_id: str):
+        """(agent, exec chan) of a running sandbox, for a backend that drives the agent itself
+        (FnCall's long-lived zygote exec). The sandbox counts as busy while this is held."""
+        async with self._use(sandbox_id) as (rec, agent):
+            chan = self._next_chan[rec.id]
+            self._next_chan[rec.id] = chan + 1
+            yield agent, chan
 
     # -- reaping -----------------------------------------------------------------------------
     async def _reap_loop(self) -> None:

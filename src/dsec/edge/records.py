@@ -73,7 +73,8 @@ class SandboxRecord:
                            cpu_cores=self.cpu_cores, memory_mb=self.memory_mb,
                            ttl_idle_s=self.ttl_idle_s, created_at=ts(self.created_at),
                            last_active_at=ts(self.last_active_at), error=self.error,
-                           labels=self.args.get("labels", {}))
+                           labels=self.args.get("labels", {}),
+                           network=self.args.get("network") if self.backend == "container" else None)
 
 
 class EdgeRecords:
@@ -99,6 +100,10 @@ class EdgeRecords:
         with self._lock:
             self._db.execute("UPDATE sandboxes SET state=?, error=COALESCE(?, error), ended_at=COALESCE(?, ended_at) "
                              "WHERE id=?", (state.value, error, ended, sandbox_id))
+
+    def set_args(self, sandbox_id: str, args: dict) -> None:
+        with self._lock:
+            self._db.execute("UPDATE sandboxes SET args=? WHERE id=?", (json.dumps(args), sandbox_id))
 
     def touch_many(self, items: list[tuple[float, str]]) -> None:
         with self._lock:

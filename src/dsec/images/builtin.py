@@ -6,6 +6,8 @@ busybox        Debian's static /bin/busybox plus a symlink per applet, /etc/pass
 debian-python  debootstrap --variant=minbase bookworm + python3, plus the `sandbox` user.
                The debootstrap tree is cached under Paths.home/cache/, so rebuilding after
                `remove` takes seconds and gives the same digest.
+fncall-python  debian-python + gcc, g++ and numpy: the FnCall backend's pool image
+               (dsec.backends.fncall); cached the same way.
 """
 
 from __future__ import annotations
@@ -178,7 +180,20 @@ def _build_debian_python(service: ImageService, progress: Progress | None) -> Im
                                      customize=add_sandbox_user, progress=progress)
 
 
+# ---------------------------------------------------------------------------------------
+# fncall-python: the FnCall pool image (python, bash, C, C++; numpy preloaded by the zygote)
+# ---------------------------------------------------------------------------------------
+
+FNCALL_PYTHON_PACKAGES = ("python3", "python3-numpy", "gcc", "g++", "libc6-dev")
+
+
+def _build_fncall_python(service: ImageService, progress: Progress | None) -> ImageInfo:
+    return service.build_debootstrap("fncall-python", suite="bookworm", include=FNCALL_PYTHON_PACKAGES,
+                                     customize=add_sandbox_user, progress=progress)
+
+
 BUILTIN_IMAGES: dict[str, Callable[[ImageService, Progress | None], ImageInfo]] = {
     "busybox": _build_busybox,
     "debian-python": _build_debian_python,
+    "fncall-python": _build_fncall_python,
 }

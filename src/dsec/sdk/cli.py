@@ -233,6 +233,16 @@ def bench_core(n_create: int = 200, n_idle: int = 500, n_exec: int = 300,
     run_core_bench(n_create=n_create, n_idle=n_idle, n_exec=n_exec, out=out)
 
 
+@bench_app.command("fncall")
+def bench_fncall(n_python: int = 3000, n_c: int = 300, n_sandbox: int = 30, n_latency: int = 200,
+                 concurrency: int = 64, sandbox_parallel: int = 2,
+                 out: Path = Path("docs/benchmarks.md")) -> None:
+    """FnCall (warm pool) vs a container sandbox per call: calls/s and p50/p99, python and C."""
+    from dsec.bench.fncall import run_fncall_bench
+    run_fncall_bench(n_python=n_python, n_c=n_c, n_sandbox=n_sandbox, n_latency=n_latency,
+                     concurrency=concurrency, sandbox_parallel=sandbox_parallel, out=out)
+
+
 def main() -> None:
     app()
 

@@ -8,20 +8,22 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from dsec.config import DEFAULT_PORT, Paths
+from dsec.types import FnCallBatch, FnCallBatchItem, FnCallRequest, FnCallResult, FnCallStatus
 from dsec.types import (ERRORS_BY_CODE, ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult,
-                        FileEntry, FileList, ImageInfo, ImageList, NodeStatus, SandboxInfo, SandboxList,
+                        FileEntry, FileList, ImageInfo, ImageList, NetworkPolicy, NodeStatus, SandboxInfo, SandboxList,
                         Unavailable)
 
 DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
@@ -172,6 +174,65 @@ class Client:
         resp = await self._request("GET", "/v1/images")
         return ImageList.model_validate_json(resp.content).images
 
+    # -- fncall: short stateless code in warm pool containers ----------------------------
+    async def fncall(self, code: str | FnCallRequest, language: str = "python", *, stdin: str | None = None,
+                     files: dict[str, str | bytes] | None = None, timeout_s: float = 10.0,
+                     memory_mb: int | None = None, **kwargs: Any) -> FnCallResult:
+        """Run one short program in a warm container and return its result (never raises for
+        what the program does: see result.status). Other FnCallRequest fields as keywords:
+        compile_timeout_s, args, env, fetch_files, output_cap_bytes, max_processes, image, ...
+
+            r = await c.fncall("print(input()[::-1])", stdin="abc")     # r.stdout == "cba\n"
+        """
+        req = code if isinstance(code, FnCallRequest) else fncall_request(
+            code, language, stdin=stdin, files=files, timeout_s=timeout_s, memory_mb=memory_mb, **kwargs)
+        resp = await self._request("POST", "/v1/fncall", content=req.model_dump_json(), headers=JSON)
+        return FnCallResult.model_validate_json(resp.content)
+
+    async def fncall_many(self, calls: "Iterable[FnCallRequest | dict[str, Any]]", *, concurrency: int = 64,
+                          batch_size: int | None = None) -> list[FnCallResult]:
+        """Run many calls with at most `concurrency` in flight; results[i] belongs to calls[i].
+
+        Calls are sent in batches (NDJSON answers, each call's result as soon as it is ready).
+        Failures are per call (status sandbox-error with .error), never one exception: an
+        invalid call, or a batch whose request failed, only marks its own calls.
+        """
+        items = list(calls)
+        results: list[FnCallResult | None] = [None] * len(items)
+        valid: list[int] = []
+        reqs: dict[int, FnCallRequest] = {}
+        for i, c in enumerate(items):
+            try:
+                reqs[i] = c if isinstance(c, FnCallRequest) else fncall_request(**c)
+                valid.append(i)
+            except (ValueError, TypeError, DsecError) as e:
+                results[i] = _fncall_failed(c, f"invalid call: {e}")
+        size = batch_size or max(1, min(64, concurrency // 4))
+        chunks = iter([valid[k:k + size] for k in range(0, len(valid), size)])
+
+        async def stream_chunks() -> None:
+            for chunk in chunks:
+                body = FnCallBatch(calls=[reqs[i] for i in chunk]).model_dump_json()
+                try:
+                    await self._ensure_ready()
+                    async with self._http.stream("POST", "/v1/fncall/batch", content=body, headers=JSON) as resp:
+                        if resp.status_code >= 400:
+                            _raise_for(resp, await resp.aread())
+                        async for line in resp.aiter_lines():
+                            if line:
+                                item = FnCallBatchItem.model_validate_json(line)
+                                results[chunk[item.index]] = item.result
+                except (DsecError, httpx.HTTPError, ValueError) as e:
+                    for i in chunk:
+                        if results[i] is None:
+                            results[i] = _fncall_failed(reqs[i], f"batch request failed: {e}")
+                for i in chunk:
+                    if results[i] is None:
+                        results[i] = _fncall_failed(reqs[i], "the server ended the batch without this result")
+
+        await asyncio.gather(*(stream_chunks() for _ in range(max(1, concurrency // size))))
+        return [r for r in results if r is not None]
+
 
 @dataclass
 class Created:
@@ -251,6 +312,18 @@ class Sandbox:
         self.info = SandboxInfo.model_validate_json(resp.content)
         return self.info
 
+    async def set_network(self, policy: NetworkPolicy | dict | None = None, **kwargs: Any) -> SandboxInfo:
+        """Replace the sandbox's egress policy, e.g.
+        `await sb.set_network(rules=[{"cidr": "10.1.2.3", "ports": [443], "protocol": "tcp"}])`,
+        `await sb.set_network(rulesets={"pypi": True})`; `set_network()` denies everything again."""
+        if policy is None:
+            policy = NetworkPolicy(**kwargs)
+        elif isinstance(policy, dict):
+            policy = NetworkPolicy.model_validate(policy)
+        resp = await self._c._request("PUT", f"{self._base}/network", content=policy.model_dump_json(), headers=JSON)
+        self.info = SandboxInfo.model_validate_json(resp.content)
+        return self.info
+
     async def stop(self) -> SandboxInfo:
         resp = await self._c._request("DELETE", self._base)
         self.info = SandboxInfo.model_validate_json(resp.content)
@@ -284,6 +357,22 @@ class Files:
 
     async def remove(self, path: str) -> None:
         await self._sb._c._request("DELETE", self._url, params={"path": path})
+
+
+def fncall_request(code: str, language: str = "python", *, files: dict[str, str | bytes] | None = None,
+                   **kwargs: Any) -> FnCallRequest:
+    """An FnCallRequest; `files` values may be text or bytes (sent as files / files_b64)."""
+    text = {k: v for k, v in (files or {}).items() if isinstance(v, str)}
+    binary = {k: base64.b64encode(v).decode() for k, v in (files or {}).items() if not isinstance(v, str)}
+    fields = {k: v for k, v in kwargs.items() if v is not None}
+    if binary:
+        fields["files_b64"] = {**fields.get("files_b64", {}), **binary}
+    return FnCallRequest(code=code, language=language, files=text, **fields)
+
+
+def _fncall_failed(call: Any, error: str) -> FnCallResult:
+    lang = call.language if isinstance(call, FnCallRequest) else (call.get("language", "") if isinstance(call, dict) else "")
+    return FnCallResult(status=FnCallStatus.sandbox_error, language=str(lang), error=error)
 
 
 def start_local_server() -> None:

@@ -30,3 +30,13 @@ def leftover_dirs(rel: str) -> list[Path]:
     """cgroup directories of a sandbox that still exist (should be none after destroy)."""
     roots = [CGROUP_ROOT] if is_unified() else [p for p in CGROUP_ROOT.iterdir() if p.is_dir()]
     return [r / rel.lstrip("/") for r in roots if (r / rel.lstrip("/")).exists()]
+
+
+def v2_root() -> Path:
+    """Where the cgroup v2 hierarchy is mounted (pure v2: the root; hybrid: .../unified)."""
+    return CGROUP_ROOT if is_unified() else CGROUP_ROOT / "unified"
+
+
+def v2_dir(rel: str) -> Path:
+    """The cgroup v2 directory of a sandbox: cgroup-BPF programs attach here (both layouts)."""
+    return v2_root() / rel.lstrip("/")

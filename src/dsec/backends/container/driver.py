@@ -17,9 +17,11 @@ import socket
 from pathlib import Path
 
 from dsec.backends.container import cgroups
+from dsec.backends.container.network import SandboxNetworks
 from dsec.backends.container.spec import ContainerSpec, build_config, cgroup_path
 from dsec.config import Paths
 from dsec.native import compile_static
+from dsec.security.netpolicy import Allow
 from dsec.types import SandboxFailed, Unavailable
 
 log = logging.getLogger("dsec.backends.container")
@@ -39,6 +41,8 @@ class ContainerDriver:
         problem = cgroups.check_host()
         if problem:
             raise Unavailable(problem, fix=problem)
+        # per-sandbox egress policy (cgroup-BPF) and, when a policy allows anything, a veth
+        self.net = SandboxNetworks(paths, lambda sid: cgroups.v2_dir(cgroup_path(sid)))
 
     # -- paths ---------------------------------------------------------------------------
     def sandbox_dir(self, sandbox_id: str) -> Path:
@@ -60,6 +64,7 @@ class ContainerDriver:
                 await self._run_crun(sandbox_id, d, spec, listener)
             finally:
                 listener.close()  # the agent holds its own copy (fd 3)
+            await self.net.setup(sandbox_id, self._pid(sandbox_id), list(spec.network))
         except BaseException:
             await asyncio.shield(self.destroy(sandbox_id))
             raise
@@ -130,6 +135,25 @@ class ContainerDriver:
         d = self.sandbox_dir(sandbox_id)
         if d.exists():
             await asyncio.to_thread(shutil.rmtree, d, True)
+        await self.net.release(sandbox_id)   # veth (if any), IP, BPF map entries
+
+    def _pid(self, sandbox_id: str) -> int:
+        """Host pid of the sandbox's agent (crun's --pid-file): the way into its namespaces."""
+        return int((self.sandbox_dir(sandbox_id) / "run" / "pid").read_text())
+
+    async def set_network(self, sandbox_id: str, allows: list[Allow]) -> None:
+        """Replace a running sandbox's egress policy (BPF map update; first allow adds a veth)."""
+        await self.net.apply(sandbox_id, self._pid(sandbox_id), allows)
+
+    async def recover_network(self, live_ids: set[str]) -> None:
+        """After an edge restart: free what dead sandboxes left, re-attach live ones."""
+        live: dict[str, int] = {}
+        for sid in live_ids:
+            try:
+                live[sid] = self._pid(sid)
+            except (OSError, ValueError):
+                pass
+        await self.net.recover(live)
 
     async def is_running(self, sandbox_id: str) -> bool:
         proc = await asyncio.create_subprocess_exec(

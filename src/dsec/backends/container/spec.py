@@ -30,6 +30,7 @@ class ContainerSpec:
     gid: int
     workdir: str
     hostname: str = "sandbox"
+    network: tuple = ()             # resolved egress allow-list (dsec.security.netpolicy.Allow)
 
 
 def cgroup_path(sandbox_id: str) -> str:

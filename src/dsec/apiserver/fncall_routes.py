@@ -1,0 +1,221 @@
+"""HTTP routes of the FnCall backend, and a SandboxFusion-compatible `POST /run_code`.
+
+    POST /v1/fncall         FnCallRequest -> FnCallResult
+    POST /v1/fncall/batch   FnCallBatch -> NDJSON FnCallBatchItem lines, in completion order
+    POST /run_code          SandboxFusion's RunCodeRequest -> RunCodeResponse (same field names
+                            and status strings), so verl's sandbox_fusion tool and reward code
+                            switch to dsec by changing their URL. Those clients send no
+                            Authorization header, so the key may also come as ?api_key=...
+                            (e.g. http://host:7620/run_code?api_key=dsk_...).
+
+Placement: every node offering "fncall" can serve a call; calls of one (image, language) go to
+the same node (rendezvous hashing) so they land on its warm pool instead of warming pools on
+every node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import hashlib
+import logging
+import os
+from collections.abc import AsyncIterator
+from enum import Enum
+from typing import TYPE_CHECKING, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from dsec.iam import Principal
+from dsec.types import (DsecError, FnCallBatch, FnCallBatchItem, FnCallRequest, FnCallResult,
+                        FnCallStatus, InvalidArgument, Unavailable)
+
+if TYPE_CHECKING:
+    from dsec.apiserver.app import ApiContext, EdgeHandle
+
+log = logging.getLogger("dsec.apiserver.fncall")
+
+
+# ---------------------------------------------------------------------------------------------
+# SandboxFusion wire models (its public run_code API: field names and status strings match)
+# ---------------------------------------------------------------------------------------------
+
+class CommandRunStatus(str, Enum):
+    Finished = "Finished"
+    Error = "Error"
+    TimeLimitExceeded = "TimeLimitExceeded"
+
+
+class CommandRunResult(BaseModel):
+    status: CommandRunStatus
+    execution_time: Optional[float] = None
+    return_code: Optional[int] = None
+    stdout: Optional[str] = None
+    stderr: Optional[str] = None
+
+
+class RunStatus(str, Enum):
+    Success = "Success"
+    Failed = "Failed"
+    SandboxError = "SandboxError"
+
+
+class RunCodeRequest(BaseModel):
+    # SandboxFusion ignores unknown fields; so do we, so that any of its clients work unchanged.
+    model_config = ConfigDict(extra="ignore")
+
+    code: str = Field(description="the code to run")
+    language: str = Field(description="python, cpp, bash, ... (SandboxFusion names)")
+    compile_timeout: float = Field(10, gt=0, le=300)
+    run_timeout: float = Field(10, gt=0, le=300)
+    memory_limit_MB: int = Field(-1, description="-1: dsec's default")
+    stdin: Optional[str] = None
+    files: dict[str, Optional[str]] = Field(default_factory=dict, description="path -> base64 content")
+    fetch_files: list[str] = Field(default_factory=list)
+    args: list[str] = Field(default_factory=list, description="command-line arguments of the program")
+
+
+class RunCodeResponse(BaseModel):
+    status: RunStatus
+    message: str
+    compile_result: Optional[CommandRunResult] = None
+    run_result: Optional[CommandRunResult] = None
+    executor_pod_name: Optional[str] = None
+    files: dict[str, str] = Field(default_factory=dict)
+
+
+def to_fncall_request(req: RunCodeRequest) -> FnCallRequest:
+    files_b64 = {}
+    for path, content in req.files.items():
+        if content is None:
+            continue
+        try:
+            base64.b64decode(content, validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidArgument(f"files[{path!r}] is not base64", field="files",
+                                  fix="send file contents base64-encoded, as SandboxFusion expects") from None
+        files_b64[path[2:] if path.startswith("./") else path] = content
+    fields: dict = {"code": req.code, "language": req.language, "stdin": req.stdin,
+                    "files_b64": files_b64, "fetch_files": req.fetch_files, "args": req.args,
+                    "timeout_s": req.run_timeout, "compile_timeout_s": req.compile_timeout}
+    if req.memory_limit_MB > 0:
+        fields["memory_mb"] = max(16, min(req.memory_limit_MB, 4096))
+    try:
+        return FnCallRequest(**fields)
+    except ValueError as e:
+        errs = getattr(e, "errors", lambda: [])()
+        loc = ".".join(str(p) for p in errs[0]["loc"]) if errs else "body"
+        raise InvalidArgument(f"{loc}: {errs[0]['msg'] if errs else e}", field=loc) from None
+
+
+def _command(step, *, timed_out: bool | None = None) -> CommandRunResult:
+    if step.timed_out if timed_out is None else timed_out:
+        return CommandRunResult(status=CommandRunStatus.TimeLimitExceeded, execution_time=step.wall_s,
+                                stdout=step.stdout, stderr=step.stderr)
+    code = step.exit_code if step.exit_code is not None else -(step.signal or 0)   # like subprocess
+    return CommandRunResult(status=CommandRunStatus.Finished, execution_time=step.wall_s, return_code=code,
+                            stdout=step.stdout, stderr=step.stderr)
+
+
+def to_run_code_response(res: FnCallResult) -> RunCodeResponse:
+    if res.status == FnCallStatus.sandbox_error:
+        return RunCodeResponse(status=RunStatus.SandboxError, message=res.error or "sandbox error",
+                               executor_pod_name=res.executor)
+    comp = _command(res.compile) if res.compile is not None else None
+    run = None
+    if res.run is not None:
+        run = _command(res.run, timed_out=res.run.timed_out or res.status == FnCallStatus.timeout)
+    outcomes = [c for c in (comp, run) if c is not None]
+    ok = all(c.status == CommandRunStatus.Finished and c.return_code == 0 for c in outcomes) and run is not None
+    return RunCodeResponse(status=RunStatus.Success if ok else RunStatus.Failed, message="",
+                           compile_result=comp, run_result=run, executor_pod_name=res.executor,
+                           files=res.files)
+
+
+# ---------------------------------------------------------------------------------------------
+# routes
+# ---------------------------------------------------------------------------------------------
+
+def _key(request: Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    if auth.lower().startswith("bearer "):
+        return auth[7:].strip()
+    return request.query_params.get("api_key")
+
+
+def _rendezvous(nodes: list[str], key: str) -> list[str]:
+    return sorted(nodes, key=lambda n: hashlib.sha256(f"{n}\0{key}".encode()).digest(), reverse=True)
+
+
+def add_fncall_routes(app: FastAPI, ctx: "ApiContext") -> None:
+    def principal(request: Request) -> Principal:
+        return ctx.iam.authenticate(_key(request))
+
+    def nodes_for(req: FnCallRequest) -> list["EdgeHandle"]:
+        healthy = [n.node_id for n in ctx.watcher.nodes()
+                   if n.healthy and "fncall" in n.backends and n.node_id in ctx.edges]
+        if not healthy:
+            raise Unavailable("no healthy node offers the fncall backend", fix="retry later; see `dsec nodes`")
+        return [ctx.edges[n] for n in _rendezvous(healthy, f"{req.image}\0{req.language.lower()}")]
+
+    async def run_one(req: FnCallRequest) -> FnCallResult:
+        last: DsecError | None = None
+        for edge in nodes_for(req)[:2]:       # the preferred node, then one fallback
+            try:
+                return await edge.fncall_run(req)
+            except Unavailable as e:          # that node is shutting down
+                last = e
+        assert last is not None
+        raise last
+
+    @app.post("/v1/fncall", response_model=FnCallResult, tags=["fncall"])
+    async def fncall(req: FnCallRequest, request: Request) -> FnCallResult:
+        """Run one short stateless program in a warm container."""
+        principal(request)
+        return await run_one(req)
+
+    @app.post("/v1/fncall/batch", tags=["fncall"],
+              responses={200: {"content": {"application/x-ndjson": {}},
+                               "description": "one FnCallBatchItem per line, in completion order"}})
+    async def fncall_batch(batch: FnCallBatch, request: Request) -> StreamingResponse:
+        """Run many calls; each result is one NDJSON line as soon as it is ready. A call that
+        cannot run reports status sandbox-error; it never fails the batch."""
+        principal(request)
+
+        async def one(i: int, req: FnCallRequest) -> FnCallBatchItem:
+            try:
+                res = await run_one(req)
+            except DsecError as e:
+                res = FnCallResult(status=FnCallStatus.sandbox_error, language=req.language,
+                                   error=f"{e.code}: {e.message}" + (f" (field {e.field})" if e.field else ""))
+            return FnCallBatchItem(index=i, result=res)
+
+        async def lines() -> AsyncIterator[bytes]:
+            tasks = [asyncio.create_task(one(i, r)) for i, r in enumerate(batch.calls)]
+            try:
+                for fut in asyncio.as_completed(tasks):
+                    item = await fut
+                    yield item.model_dump_json(exclude_defaults=True).encode() + b"\n"
+            finally:   # the client went away: nothing outlives the request
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    @app.post("/run_code", response_model=RunCodeResponse, tags=["fncall"])
+    async def run_code(req: RunCodeRequest, request: Request) -> RunCodeResponse:
+        """SandboxFusion-compatible: what verl's sandbox_fusion tool and reward code call."""
+        principal(request)
+        try:
+            fc = to_fncall_request(req)
+            res = await run_one(fc)
+        except InvalidArgument:
+            raise
+        except DsecError as e:
+            return RunCodeResponse(status=RunStatus.SandboxError, message=e.message,
+                                   executor_pod_name=os.environ.get("MY_POD_NAME"))
+        return to_run_code_response(res)

@@ -1,0 +1,419 @@
+"""Container sandbox networking: cgroup-BPF policy on every sandbox, a veth only when needed.
+
+Every sandbox starts in a private network namespace with only loopback, and gets the
+network-policy BPF programs attached to its cgroup at creation (a handful of bpf() calls; with no
+map entries they deny everything but loopback, with EPERM). The first time its policy allows
+anything, it is plugged in:
+
+    host:     bridge <bridge> (gateway = first address of <subnet>), NAT to the uplink (nftables)
+    sandbox:  veth "eth0" <ip>/<prefix>, default route via the gateway; host end "dsv<12 hex>"
+              on the bridge as an *isolated* port (sandboxes cannot reach each other at L2)
+
+IPs come from a small IPAM in the edge's SQLite (table net_sandboxes), so an edge restart keeps
+them. The bridge and the NAT table exist only while at least one sandbox is plugged in; the
+host itself (any address, any port) is never reachable from the bridge (nft input drop), nor are
+link-local metadata services. IPv4 only for now; IPv6 rules are enforced but not routed.
+
+Cleanup never depends on this process surviving: veths die with the sandbox's network
+namespace, BPF attachments with its cgroup (no links, nothing pinned); what is left (IPAM rows,
+map entries, a veth whose namespace is kept alive) is reconciled by `release()` and `recover()`.
+One dsec instance per bridge: instances sharing a host set DSEC_NET_BRIDGE / DSEC_NET_SUBNET.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import logging
+import os
+import shutil
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsec.config import Paths
+from dsec.security.netpolicy import Allow, PolicyProgram
+from dsec.types import SandboxFailed, Unavailable
+
+log = logging.getLogger("dsec.backends.container.network")
+
+SYS_NET = Path("/sys/class/net")
+VETH_PREFIX = "dsv"
+SANDBOX_IFNAME = "eth0"
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS net_sandboxes (
+    sandbox_id TEXT PRIMARY KEY,
+    ip TEXT UNIQUE,              -- NULL until the sandbox is first plugged in
+    cgid INTEGER NOT NULL,       -- cgroup id: the key of its BPF map entries
+    allows TEXT NOT NULL,        -- resolved allow-list (JSON) currently in the BPF maps
+    updated_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS net_meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
+"""
+
+
+@dataclass(frozen=True)
+class NetSettings:
+    bridge: str = "dsec0"
+    subnet: str = "10.88.0.0/16"
+
+    @classmethod
+    def from_env(cls) -> "NetSettings":
+        s = cls(os.environ.get("DSEC_NET_BRIDGE", cls.bridge), os.environ.get("DSEC_NET_SUBNET", cls.subnet))
+        net = ipaddress.IPv4Network(s.subnet)       # raises on a bad value at startup
+        if net.prefixlen > 28 or len(s.bridge) > 15:
+            raise ValueError(f"DSEC_NET_SUBNET must be an IPv4 network of /28 or larger and "
+                             f"DSEC_NET_BRIDGE at most 15 characters, got {s.subnet!r}, {s.bridge!r}")
+        return s
+
+    @property
+    def network(self) -> ipaddress.IPv4Network:
+        return ipaddress.IPv4Network(self.subnet)
+
+    @property
+    def gateway(self) -> ipaddress.IPv4Address:
+        return self.network.network_address + 1
+
+    @property
+    def nft_table(self) -> str:
+        return f"dsec_{self.bridge}".replace("-", "_")
+
+
+def veth_name(sandbox_id: str) -> str:
+    tail = sandbox_id.rsplit(".", 1)[-1]
+    if len(tail) != 12:
+        import hashlib
+        tail = hashlib.sha256(sandbox_id.encode()).hexdigest()[:12]
+    return VETH_PREFIX + tail
+
+
+async def _run(*argv: str, stdin: str | None = None, check: bool = True) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    out, _ = await proc.communicate(stdin.encode() if stdin is not None else None)
+    text = out.decode(errors="replace").strip()
+    if check and proc.returncode != 0:
+        raise SandboxFailed(f"{' '.join(argv[:3])} failed (exit {proc.returncode}): {text[-1000:]}",
+                            fix="see the edge log; the host needs iproute2 and nftables (scripts/install.sh)")
+    return proc.returncode or 0, text
+
+
+def _write_sysctl(path: str, value: str) -> str | None:
+    """Write a /proc/sys value; return the previous one (None if the knob does not exist)."""
+    p = Path("/proc/sys") / path
+    try:
+        old = p.read_text().strip()
+        if old != value:
+            p.write_text(value)
+        return old
+    except FileNotFoundError:
+        return None
+
+
+class SandboxNetworks:
+    def __init__(self, paths: Paths, cgroup_dir, settings: NetSettings | None = None):
+        self.paths = paths
+        self.settings = settings or NetSettings.from_env()
+        self._cgroup_dir = cgroup_dir            # sandbox id -> its cgroup v2 directory
+        self._db = sqlite3.connect(str(paths.edge_db), check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(SCHEMA)
+        self._dblock = threading.Lock()
+        self._rows: dict[str, dict] = {r["sandbox_id"]: r for r in self._select()}
+        self._prog: PolicyProgram | None = None
+        self._prog_error: Exception | None = None
+        self._prog_lock = threading.Lock()
+        self._cgids: dict[str, int] = {}          # sandbox id -> cgroup id, for every attached sandbox
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._infra_lock = asyncio.Lock()
+        self._infra_ready = False
+        self._cursor = int(self._meta("ipam_cursor") or max(
+            [int(ipaddress.IPv4Address(r["ip"])) for r in self._rows.values() if r["ip"]],
+            default=int(self.settings.gateway)))
+
+    # -- persistence ---------------------------------------------------------------------
+    def _select(self) -> list[dict]:
+        with self._dblock:
+            rows = self._db.execute("SELECT sandbox_id, ip, cgid, allows FROM net_sandboxes").fetchall()
+        return [{"sandbox_id": r[0], "ip": r[1], "cgid": r[2], "allows": [Allow.from_json(a) for a in json.loads(r[3])]}
+                for r in rows]
+
+    def _save(self, row: dict) -> None:
+        self._rows[row["sandbox_id"]] = row
+        with self._dblock:
+            self._db.execute("INSERT OR REPLACE INTO net_sandboxes VALUES (?,?,?,?,?)",
+                             (row["sandbox_id"], row["ip"], row["cgid"],
+                              json.dumps([a.to_json() for a in row["allows"]]), time.time()))
+
+    def _forget(self, sandbox_id: str) -> None:
+        self._rows.pop(sandbox_id, None)
+        with self._dblock:
+            self._db.execute("DELETE FROM net_sandboxes WHERE sandbox_id=?", (sandbox_id,))
+
+    def _meta(self, k: str, v: str | None = None, delete: bool = False) -> str | None:
+        with self._dblock:
+            if delete:
+                self._db.execute("DELETE FROM net_meta WHERE k=?", (k,))
+                return None
+            if v is not None:
+                self._db.execute("INSERT OR REPLACE INTO net_meta VALUES (?,?)", (k, v))
+                return v
+            r = self._db.execute("SELECT v FROM net_meta WHERE k=?", (k,)).fetchone()
+            return r[0] if r else None
+
+    def ip_of(self, sandbox_id: str) -> str | None:
+        row = self._rows.get(sandbox_id)
+        return row["ip"] if row else None
+
+    # -- BPF -----------------------------------------------------------------------------
+    def program(self) -> PolicyProgram:
+        """The edge's loaded policy program (compiled and loaded on first use)."""
+        with self._prog_lock:
+            if self._prog is None and self._prog_error is None:
+                try:
+                    self._prog = PolicyProgram(self.paths.bin)
+                except Exception as e:   # no clang/libbpf, or the kernel refuses: remembered, not retried
+                    self._prog_error = e
+                    log.error("network policy unavailable", extra={"error": str(e)})
+            if self._prog is None:
+                err = self._prog_error
+                raise err if isinstance(err, Unavailable) else Unavailable(f"network policy unavailable: {err}")
+            return self._prog
+
+    # -- per sandbox ---------------------------------------------------------------------
+    async def setup(self, sandbox_id: str, pid: int, allows: list[Allow]) -> None:
+        """At creation (the agent runs, no user command yet): attach the policy programs and,
+        if the policy allows anything, plug the sandbox in."""
+        try:
+            prog = await asyncio.to_thread(self.program)
+        except Unavailable:
+            if allows:
+                raise
+            return   # deny-all and no BPF here: the sandbox has no route anywhere anyway
+        try:
+            self._cgids[sandbox_id] = prog.attach(self._cgroup_dir(sandbox_id), fresh=True)
+        except OSError as e:
+            if allows:
+                raise SandboxFailed(f"could not attach the network policy to sandbox {sandbox_id}: {e}",
+                                    fix="see the edge log; cgroup v2 must be mounted") from e
+            log.warning("network policy not attached to a deny-all sandbox (it has no route anyway)",
+                        extra={"sandbox": sandbox_id, "error": str(e)})
+            return
+        if allows:
+            await self.apply(sandbox_id, pid, allows)
+
+    async def apply(self, sandbox_id: str, pid: int, allows: list[Allow]) -> None:
+        """Replace the policy of a running sandbox: a map update; the first allow plugs it in."""
+        lock = self._locks.setdefault(sandbox_id, asyncio.Lock())
+        async with lock:
+            prog = await asyncio.to_thread(self.program)
+            cgid = self._cgids.get(sandbox_id)
+            if cgid is None:   # e.g. attached by an earlier edge process: re-attach this generation
+                cgid = self._cgids[sandbox_id] = prog.attach(self._cgroup_dir(sandbox_id))
+            row = self._rows.get(sandbox_id)
+            old = row["allows"] if row else []
+            prog.write(cgid, allows)   # deny before a link exists; effective for new connections now
+            if row is None and not allows:
+                return
+            new_row = {"sandbox_id": sandbox_id, "ip": row["ip"] if row else None, "cgid": cgid, "allows": allows}
+            if allows and new_row["ip"] is None:
+                try:
+                    async with self._infra_lock:
+                        await self._ensure_infra()
+                        new_row["ip"] = self._allocate()
+                        self._save(new_row)   # durable before the veth exists
+                    t0 = time.monotonic()
+                    await self._plug(sandbox_id, pid, new_row["ip"])
+                    log.info("sandbox plugged into the bridge",
+                             extra={"sandbox": sandbox_id, "ip": new_row["ip"],
+                                    "ms": round((time.monotonic() - t0) * 1000, 1)})
+                except BaseException:
+                    await asyncio.shield(self._unplug(sandbox_id))
+                    if row:
+                        self._save(row)
+                    else:
+                        self._forget(sandbox_id)
+                    prog.write(cgid, old)
+                    await asyncio.shield(self._maybe_teardown())
+                    raise
+            else:
+                self._save(new_row)
+
+    async def release(self, sandbox_id: str) -> None:
+        """After the container is gone: map entries, IP, veth. Idempotent; cheap when unplugged."""
+        lock = self._locks.pop(sandbox_id, None)
+        if lock is not None:
+            async with lock:   # let an apply() in flight finish, then undo it
+                pass
+        cgid = self._cgids.pop(sandbox_id, None)
+        row = self._rows.get(sandbox_id)
+        if row is not None:
+            cgid = cgid or row["cgid"]
+        if cgid is not None and self._prog is not None:
+            self._prog.clear(cgid)
+        if row is None:
+            if (SYS_NET / veth_name(sandbox_id)).exists():   # plugged, then killed before the row was read
+                await self._unplug(sandbox_id)
+            return
+        await self._unplug(sandbox_id)
+        self._forget(sandbox_id)
+        await self._maybe_teardown()
+
+    async def recover(self, live: dict[str, int]) -> None:
+        """After an edge restart. `live`: running sandbox id -> agent pid. Frees what dead
+        sandboxes left; re-attaches this process's programs to every live sandbox (the old
+        generation keeps enforcing until then) and re-writes the policies it knew."""
+        for sid in [s for s in self._rows if s not in live]:
+            log.warning("releasing network of a dead sandbox", extra={"sandbox": sid})
+            await self.release(sid)
+        try:
+            prog = await asyncio.to_thread(self.program)
+        except Unavailable:
+            prog = None
+        for sid in live:
+            if prog is None:
+                break
+            try:
+                self._cgids[sid] = prog.attach(self._cgroup_dir(sid))
+            except OSError as e:
+                log.warning("could not re-attach network policy", extra={"sandbox": sid, "error": str(e)})
+                continue
+            row = self._rows.get(sid)
+            if row is not None:
+                prog.write(self._cgids[sid], row["allows"])
+                if row["cgid"] != self._cgids[sid]:
+                    self._save({**row, "cgid": self._cgids[sid]})
+        if any(r["ip"] for r in self._rows.values()):
+            async with self._infra_lock:
+                await self._ensure_infra()
+        else:
+            await self._maybe_teardown()
+
+    # -- IPAM ----------------------------------------------------------------------------
+    def _allocate(self) -> str:
+        """Next free address after the last one handed out (no immediate reuse: stale conntrack
+        entries of a freed address must not reach its next owner)."""
+        net = self.settings.network
+        first, last = int(self.settings.gateway) + 1, int(net.broadcast_address) - 1
+        used = {r["ip"] for r in self._rows.values() if r["ip"]}
+        size = last - first + 1
+        for i in range(size):
+            cand = first + (self._cursor - first + 1 + i) % size
+            ip = str(ipaddress.IPv4Address(cand))
+            if ip not in used:
+                self._cursor = cand
+                self._meta("ipam_cursor", str(cand))   # round robin survives restarts too
+                return ip
+        raise Unavailable(f"no free address left in {net} for another networked sandbox",
+                          fix="set DSEC_NET_SUBNET to a larger network")
+
+    # -- links ---------------------------------------------------------------------------
+    async def _plug(self, sandbox_id: str, pid: int, ip: str) -> None:
+        veth, s = veth_name(sandbox_id), self.settings
+        await _run("ip", "-batch", "-", stdin="\n".join([
+            f"link add {veth} type veth peer name {SANDBOX_IFNAME} netns {pid}",
+            f"link set dev {veth} addrgenmode none",
+            f"link set dev {veth} master {s.bridge}",
+            f"link set dev {veth} type bridge_slave isolated on",
+            f"link set dev {veth} up", ""]))
+        await _run("nsenter", f"--net=/proc/{pid}/ns/net", "ip", "-batch", "-", stdin="\n".join([
+            f"link set dev {SANDBOX_IFNAME} addrgenmode none",
+            f"addr add {ip}/{s.network.prefixlen} dev {SANDBOX_IFNAME}",
+            f"link set dev {SANDBOX_IFNAME} up",
+            f"route add default via {s.gateway} dev {SANDBOX_IFNAME}", ""]))
+
+    async def _unplug(self, sandbox_id: str) -> None:
+        veth = veth_name(sandbox_id)
+        if (SYS_NET / veth).exists():
+            await _run("ip", "link", "del", veth, check=False)
+
+    def _bridge_ports(self) -> list[str]:
+        try:
+            return sorted(p.name for p in (SYS_NET / self.settings.bridge / "brif").iterdir())
+        except FileNotFoundError:
+            return []
+
+    # -- node infrastructure (bridge, NAT), present only while a sandbox is plugged in --------
+    def _nft_rules(self) -> str:
+        s, t = self.settings, self.settings.nft_table
+        br = json.dumps(s.bridge)
+        return f"""table inet {t} {{}}
+flush table inet {t}
+table inet {t} {{
+  chain postrouting {{
+    type nat hook postrouting priority srcnat; policy accept;
+    ip saddr {s.network} oifname != {br} masquerade
+  }}
+  chain forward {{
+    type filter hook forward priority filter; policy accept;
+    iifname {br} oifname {br} drop
+    iifname {br} ip daddr 169.254.0.0/16 drop
+    oifname {br} ct state established,related accept
+    oifname {br} drop
+  }}
+  chain input {{
+    type filter hook input priority filter; policy accept;
+    iifname {br} ct state established,related accept
+    iifname {br} drop
+  }}
+}}
+"""
+
+    async def _ensure_infra(self) -> None:
+        s = self.settings
+        if self._infra_ready and (SYS_NET / s.bridge).exists():
+            return
+        for tool, pkg in (("ip", "iproute2"), ("nft", "nftables"), ("nsenter", "util-linux")):
+            if not shutil.which(tool):
+                raise Unavailable(f"sandbox networking needs `{tool}`", fix=f"apt-get install {pkg}")
+        if not (SYS_NET / s.bridge).exists():
+            await _run("ip", "link", "add", s.bridge, "type", "bridge")
+            _write_sysctl(f"net/ipv6/conf/{s.bridge}/disable_ipv6", "1")
+            await _run("ip", "-batch", "-", stdin=f"addr add {s.gateway}/{s.network.prefixlen} dev {s.bridge}\n"
+                                                 f"link set dev {s.bridge} up\n")
+            log.info("created sandbox bridge", extra={"bridge": s.bridge, "subnet": s.subnet})
+        _write_sysctl(f"net/ipv4/conf/{s.bridge}/forwarding", "1")
+        for dev in await self._uplinks():
+            old = _write_sysctl(f"net/ipv4/conf/{dev}/forwarding", "1")
+            if old is not None and old != "1" and self._meta(f"forwarding:{dev}") is None:
+                self._meta(f"forwarding:{dev}", old)   # restored when the bridge goes away
+        code, _ = await _run("nft", "list", "table", "inet", s.nft_table, check=False)
+        if code != 0:
+            await _run("nft", "-f", "-", stdin=self._nft_rules())
+        self._infra_ready = True
+
+    async def _uplinks(self) -> list[str]:
+        _, out = await _run("ip", "-j", "route", "show", "default", check=False)
+        try:
+            return sorted({r["dev"] for r in json.loads(out or "[]") if r.get("dev") and r["dev"] != self.settings.bridge})
+        except (ValueError, TypeError):
+            return []
+
+    async def _maybe_teardown(self) -> None:
+        """Remove bridge and NAT once no sandbox (of any dsec instance) is plugged in."""
+        async with self._infra_lock:
+            if any(r["ip"] for r in self._rows.values()) or self._bridge_ports():
+                return
+            s = self.settings
+            self._infra_ready = False
+            if (SYS_NET / s.bridge).exists():
+                await _run("ip", "link", "del", s.bridge, check=False)
+                log.info("removed sandbox bridge", extra={"bridge": s.bridge})
+            if shutil.which("nft"):
+                await _run("nft", "delete", "table", "inet", s.nft_table, check=False)
+            with self._dblock:
+                saved = self._db.execute("SELECT k, v FROM net_meta WHERE k LIKE 'forwarding:%'").fetchall()
+            for k, v in saved:
+                _write_sysctl(f"net/ipv4/conf/{k.split(':', 1)[1]}/forwarding", v)
+                self._meta(k, delete=True)
+
+    def close(self) -> None:
+        if self._prog is not None:
+            self._prog.close()
+        self._db.close()

@@ -1,0 +1,8 @@
+"""FnCall backend: short stateless code (OJ tasks, reward checks, compile-and-run) run in
+pre-created warm containers with a pre-forked interpreter, cleaned up after every call.
+
+languages.py  the language table (data)
+zygote.py     the in-container manager/zygote (stdlib only, copied into each pool container)
+pool.py       Worker (one warm container) and Pool (per image and language family)
+service.py    FnCallService: the node's entry point, owned by the edge
+"""

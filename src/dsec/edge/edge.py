@@ -29,11 +29,12 @@ from dsec.images.service import ImageService
 from dsec.security.netpolicy import RULESETS_FILE, Rulesets, resolve
 from dsec.types import FnCallRequest, FnCallResult
 from dsec.types import (Conflict, ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult,
-                        FileEntry, InvalidArgument, NetworkPolicy, NodeStatus, NotFound, SandboxFailed,
+                        FileEntry, ImageInfo, InvalidArgument, NetworkPolicy, NodeStatus, NotFound, SandboxFailed,
                         SandboxInfo, SandboxState, make_sandbox_id)
 
 log = logging.getLogger("dsec.edge")
 
+IMAGE_CACHE_S = 2.0
 LIVE = (SandboxState.creating, SandboxState.running, SandboxState.stopping)
 ERRNO_TO_ERROR = {2: NotFound, 13: InvalidArgument, 21: InvalidArgument, 20: InvalidArgument,
                   16: Conflict, 39: Conflict, 17: Conflict, 36: InvalidArgument, 27: InvalidArgument}
@@ -73,6 +74,8 @@ class Edge:
         self._dirty: set[str] = set()
         self._create_slots = asyncio.Semaphore(settings.max_parallel_creates)
         self._reaper: asyncio.Task | None = None
+        self._image_cache: dict[str, tuple[ImageInfo, float]] = {}
+        self._lower_cache: dict[str, list[Path]] = {}
         self.fncall = FnCallService(self, settings.fncall_project)
         self.rulesets = Rulesets(paths.home / RULESETS_FILE)   # operator's named network rule sets
         self._net_locks: dict[str, asyncio.Lock] = {}
@@ -127,7 +130,7 @@ class Edge:
 
     # -- create / get / list / stop ------------------------------------------------------
     async def create(self, project: str, args: ContainerArgs) -> SandboxInfo:
-        image = await asyncio.to_thread(self.images.get, args.image)   # NotFound names the field
+        image = await self._resolve_image(args.image)   # NotFound names the field
         uid, gid = resolve_user(args.user)
         allows = resolve(args.network, self.rulesets)   # 422 for unknown rule sets, before anything exists
         self.admission.admit(await self.status(), args.cpu_cores, args.memory_mb)
@@ -140,7 +143,7 @@ class Edge:
         self.records.insert(rec)   # durable before anything exists on the host
         try:
             async with self._create_slots:
-                lower = await asyncio.to_thread(self.images.mount_image, image.digest)
+                lower = await self._lower_dirs(image.digest)
                 spec = ContainerSpec(sandbox_id=rec.id, lower_dirs=lower, cpu_cores=args.cpu_cores,
                                      memory_mb=args.memory_mb, pids_limit=args.pids_limit,
                                      uid=uid, gid=gid, workdir=args.workdir, network=tuple(allows))
@@ -159,6 +162,23 @@ class Edge:
         self.records.set_state(rec.id, SandboxState.running)
         log.info("sandbox created", extra={"sandbox": rec.id, "image": args.image, "project": project})
         return rec.info(self.node_id)
+
+    async def _resolve_image(self, name: str) -> ImageInfo:
+        """Name -> image, cached briefly: a burst of 1,000 creations needs one registry read."""
+        hit = self._image_cache.get(name)
+        if hit and hit[1] > time.monotonic():
+            return hit[0]
+        image = await asyncio.to_thread(self.images.get, name)
+        self._image_cache[name] = (image, time.monotonic() + IMAGE_CACHE_S)
+        return image
+
+    async def _lower_dirs(self, digest: str) -> list[Path]:
+        """Mounted layers of an image; mounts are per node and digests immutable, so cache them."""
+        lower = self._lower_cache.get(digest)
+        if lower is None or not all(os.path.ismount(p) for p in lower):
+            lower = await asyncio.to_thread(self.images.mount_image, digest)
+            self._lower_cache[digest] = lower
+        return lower
 
     def _record(self, sandbox_id: str) -> SandboxRecord:
         rec = self._live.get(sandbox_id) or self.records.get(sandbox_id)

@@ -12,3 +12,11 @@ modprobe erofs 2>/dev/null || true
 modprobe overlay 2>/dev/null || true
 grep -qw erofs /proc/filesystems || { echo "kernel has no EROFS support" >&2; exit 1; }
 grep -qw overlay /proc/filesystems || { echo "kernel has no overlayfs support" >&2; exit 1; }
+# Disk quotas (docs/decisions.md D11): the edge loop-mounts one sparse btrfs image per node at
+# DSEC_HOME/sb itself (it needs to know DSEC_HOME); here only the kernel side. Without these
+# dsec still runs, with polled quotas (logged as a warning).
+modprobe loop 2>/dev/null || true
+modprobe btrfs 2>/dev/null || true
+[ -e /dev/loop-control ] || echo "warning: no loop devices: disk quotas will be polled, not enforced" >&2
+grep -qw btrfs /proc/filesystems || echo "warning: kernel has no btrfs: disk quotas will be polled, not enforced" >&2
+command -v mkfs.btrfs >/dev/null || echo "warning: mkfs.btrfs missing (apt-get install btrfs-progs): disk quotas will be polled" >&2

@@ -8,16 +8,17 @@ echo "== Debian packages"
 apt-get update -qq
 apt-get install -y -qq --no-install-recommends crun erofs-utils debootstrap busybox-static musl-tools \
   gcc libc6-dev zstd tar util-linux iproute2 procps ca-certificates sqlite3 \
-  clang libbpf1 linux-libc-dev nftables bpftool >/dev/null
+  clang libbpf1 linux-libc-dev nftables bpftool git btrfs-progs >/dev/null
 echo "== host setup"
 bash scripts/host-setup.sh
 echo "== Python environment (.venv)"
 python3 -m venv .venv
 .venv/bin/pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/pip install -q -e '.[test]'
-echo "== built-in images (busybox, debian-python via debootstrap; cached after the first run)"
+echo "== built-in images (busybox, debian-python, fncall-python via debootstrap; cached after the first run)"
 .venv/bin/dsec image build busybox --builtin
 .venv/bin/dsec image build debian-python --builtin
+.venv/bin/dsec image build fncall-python --builtin    # FnCall pool image: python3, gcc, g++, numpy
 if [ "${DSEC_INSTALL_ONLY:-0}" = 1 ]; then exit 0; fi
 echo "== starting dsec (embedded: apiserver + edge + SQLite) and running a live sandbox"
 .venv/bin/dsec up --background

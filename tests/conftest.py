@@ -21,7 +21,8 @@ import pytest
 
 from dsec.config import Paths
 
-SHARED_CACHE = Path(os.environ.get("DSEC_TEST_CACHE", "/var/cache/dsec-test"))
+# Reuse the install step's debootstrap cache (scripts/install.sh builds the same images there).
+SHARED_CACHE = Path(os.environ.get("DSEC_TEST_CACHE", str(Paths.from_env().home / "cache")))
 
 
 def _free_port() -> int:
@@ -115,6 +116,7 @@ def images(dsec_home):
     svc = ImageService(paths)
     ensure_builtin(svc, "busybox")
     ensure_builtin(svc, "debian-python")
+    ensure_builtin(svc, "fncall-python")
     return svc
 
 

@@ -33,7 +33,7 @@ def agent_bin(tmp_path_factory) -> Path:
 
 
 class Agent:
-    def __init__(self, binary: Path, shell: str | None = None):
+    def __init__(self, binary: Path, shell: str | None = None, extra: tuple[str, ...] = ()):
         # not pytest's tmp_path: its parents are 0700, uid 1000 could not reach the workdir
         self.root = Path(tempfile.mkdtemp(prefix="dsec-agent-", dir="/tmp"))
         self.root.chmod(0o755)
@@ -46,6 +46,7 @@ class Agent:
         args = [str(binary), "-f", str(fd), "-w", str(self.workdir), "-u", str(USER), "-g", str(USER)]
         if shell:
             args += ["-s", shell]
+        args += list(extra)
         self.proc = subprocess.Popen(args, pass_fds=[fd])
         listener.close()
         self.clients: list[AgentClient] = []
@@ -537,3 +538,101 @@ async def test_idle_rss(agent):
     rss = agent.rss_kib()
     print(f"idle agent VmRSS: {rss} kB")
     assert rss < 1024
+
+
+# ---------------------------------------------------------------------------- containment: Landlock, limits
+
+
+def landlock_abi() -> int:
+    import ctypes
+
+    v = ctypes.CDLL(None, use_errno=True).syscall(444, None, 0, 1)   # LANDLOCK_CREATE_RULESET_VERSION
+    return v if v > 0 else 0
+
+
+needs_landlock = pytest.mark.skipif(landlock_abi() < 2, reason="kernel without Landlock ABI >= 2")
+
+
+async def _sibling_probe(c: AgentClient, uid: int, chan: int) -> bytes:
+    """A uid-`uid` session holds a secret in its environment; a plain exec of the same uid
+    tries to read it, to steal the session's input (its stdin pipe, re-opened for reading
+    through /proc) and to forge its output (its stdout pipe, re-opened for writing), and reads
+    the environment of its own child. -> the probe's stdout."""
+    out, _, _ = await run(c, chan, "echo $$", session=f"victim{uid}", uid=uid, gid=uid, env={"SECRET": "s3cr3t"})
+    pid = int(out.split()[-1])
+    probe = (f"tr '\\0' '\\n' < /proc/{pid}/environ | grep SECRET; "
+             f"timeout 1 cat /proc/{pid}/fd/0; echo stdin-open-rc=$?; "
+             f"echo forged > /proc/{pid}/fd/1 && echo forged-ok; "
+             f"sleep 5 & sleep 0.2; tr '\\0' '\\n' < /proc/$!/environ | grep -c ^PATH=; kill $!")
+    out, _, _ = await run(c, chan + 1, probe, uid=uid, gid=uid)
+    return out
+
+
+@needs_landlock
+async def test_landlock_separates_execs_and_sessions(agent_bin):
+    """The point of a domain per exec/session: a sibling's environment and pipes are out of
+    reach, a command's own children stay reachable. Control: the same probes against an
+    agent with Landlock off get through (environ for the same uid; the pipes, which the agent
+    creates as root, for root: sandbox root has CAP_DAC_OVERRIDE)."""
+    a = Agent(agent_bin)
+    try:
+        c = await a.client()
+        assert await c.landlock_abi() == landlock_abi()
+        assert await _sibling_probe(c, USER, 1) == b"stdin-open-rc=1\n1\n"
+        # (on this host root keeps CAP_PERFMON, which lets mm_access() read environ whatever
+        # Landlock says; sandboxes never have it: see test_hardening.py)
+        assert (await _sibling_probe(c, 0, 3)).endswith(b"stdin-open-rc=1\n1\n")
+        out, _, _ = await run(c, 5, "echo $SECRET", session=f"victim{USER}", uid=USER, gid=USER)
+        assert out == b"s3cr3t\n"
+        # the agent itself: not dumpable, outside every domain
+        _, err, ex = await run(c, 6, f"cat /proc/{a.pid}/environ; ls /proc/{a.pid}/fd", uid=USER, gid=USER)
+        assert ex.exit_code != 0 and err.count(b"Permission denied") == 2
+        _, err, ex = await run(c, 7, f"timeout 1 cat /proc/{a.pid}/fd/0")
+        assert ex.exit_code == 1 and b"Permission denied" in err
+    finally:
+        await a.stop()
+    a = Agent(agent_bin, extra=("-L", "0"))
+    try:
+        c = await a.client()
+        assert await c.landlock_abi() == 0
+        assert (await _sibling_probe(c, USER, 1)).startswith(b"SECRET=s3cr3t\n")
+        assert (await _sibling_probe(c, 0, 3)).endswith(b"stdin-open-rc=124\nforged-ok\n1\n")
+    finally:
+        await a.stop()
+
+
+async def test_landlock_filesystem_rules(client, agent):
+    """Root commands (on this host: with every capability) still cannot write /proc, /sys,
+    /dev or create top-level entries, nor make device nodes or run code from /dev/shm."""
+    denied = ["echo x > /proc/self/comm", "touch /dev/dsec-test-x", "mknod /tmp/dsec-test-c c 1 3",
+              "mkdir /dsec-test-newtop", "cp /bin/true /dev/shm/dsec-t && /dev/shm/dsec-t",
+              "echo 1 > /sys/kernel/mm/ksm/run"]
+    for i, cmd in enumerate(denied):
+        _, err, ex = await run(client, 10 + i, cmd)
+        assert ex.exit_code != 0 and (b"Permission denied" in err or b"Read-only" in err), (cmd, err)
+    assert not Path("/dev/dsec-test-x").exists() and not Path("/dsec-test-newtop").exists()
+    ok = (f"echo > /dev/null && echo x > /dev/shm/dsec-f && rm /dev/shm/dsec-f && mkfifo {agent.workdir}/fifo "
+          f"&& echo y > /tmp/dsec-f-$$ && mv /tmp/dsec-f-$$ {agent.workdir}/moved && cat {agent.workdir}/moved "
+          "&& python3 -c 'import pty; pty.openpty()' && echo fine")
+    out, err, ex = await run(client, 30, ok, uid=USER, gid=USER)
+    assert (out, ex.exit_code) == (b"y\nfine\n", 0), err
+
+
+async def test_command_limits(agent_bin):
+    a = Agent(agent_bin, extra=("-n", "200", "-F", str(1 << 20)))
+    try:
+        c = await a.client()
+        out, _, _ = await run(c, 1, "ulimit -Sn; ulimit -Hn; ulimit -c; ulimit -f", uid=USER, gid=USER)
+        assert out.split() == [b"200", b"200", b"0", b"1024"]
+        _, _, ex = await run(c, 2, "ulimit -n 1000")   # hard limit: not even root raises it
+        assert ex.exit_code != 0
+        out, _, _ = await run(c, 3, "head -c 3M /dev/zero > big; stat -c %s big", uid=USER, gid=USER)
+        assert out == b"1048576\n"
+    finally:
+        await a.stop()
+    a = Agent(agent_bin)   # defaults: 4096 open files, no file size limit, no core dumps
+    try:
+        out, _, _ = await run(await a.client(), 1, "ulimit -Sn; ulimit -Hn; ulimit -c; ulimit -f")
+        assert out.split() == [b"4096", b"4096", b"0", b"unlimited"]
+    finally:
+        await a.stop()

@@ -53,10 +53,13 @@ def svc(paths: Paths) -> ImageService:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _no_erofs_left_behind():
-    before = {m.mountpoint for m in mountinfo() if m.fstype == "erofs"}
+def _no_erofs_left_behind(tmp_path_factory):
+    # only this module's homes (under pytest's tmp dir): other servers may mount meanwhile
+    base = str(tmp_path_factory.getbasetemp())
+    ours = lambda: {m.mountpoint for m in mountinfo() if m.fstype == "erofs" and m.mountpoint.startswith(base)}  # noqa: E731
+    before = ours()
     yield
-    after = {m.mountpoint for m in mountinfo() if m.fstype == "erofs"}
+    after = ours()
     assert after - before == set(), f"EROFS mounts left behind: {after - before}"
 
 
@@ -96,7 +99,9 @@ def losetup() -> str:
 
 
 def store_files(paths: Paths) -> list[str]:
-    return sorted(p.name for p in paths.store.iterdir() if p.name != ".lock")
+    # <hex>.chunks.json (per-chunk digests for lazy loading) accompany each layer file
+    return sorted(p.name for p in paths.store.iterdir()
+                  if p.name != ".lock" and not p.name.endswith(".chunks.json"))
 
 
 def leftovers(paths: Paths) -> list[str]:

@@ -192,9 +192,19 @@ class ContainerArgs(_Strict):
 
     backend: Literal["container"] = "container"
     image: Annotated[str, Field(pattern=NAME_RE, description="image name or sha256 digest")]
+    workspace: Annotated[str | None, Field(pattern=NAME_RE,
+                                           description="workspace layer(s) above the base, e.g. 'django-15388@v2'")] = None
+    toolkits: Annotated[list[Annotated[str, Field(pattern=NAME_RE)]],
+                        Field(max_length=32, description="toolkit layers above the workspace, in order: the last is topmost")
+                        ] = Field(default_factory=list)
     cpu_cores: Annotated[float, Field(gt=0, le=64, description="CPU limit in cores (CFS quota)")] = 1.0
     memory_mb: Annotated[int, Field(ge=16, le=256 * 1024, description="memory limit, MiB")] = 512
     pids_limit: Annotated[int, Field(ge=8, le=65536)] = 1024
+    disk_mb: Annotated[int, Field(ge=64, le=1024 * 1024,
+                                  description="quota of the writable layer, MiB: writes beyond it fail with EDQUOT")] = 10240
+    nofile: Annotated[int, Field(ge=64, le=65536, description="open files per process of every command (RLIMIT_NOFILE)")] = 4096
+    max_file_mb: Annotated[int | None, Field(ge=1, le=1024 * 1024,
+                                             description="largest file a command may write (RLIMIT_FSIZE); None: no limit")] = None
     ttl_idle_s: Annotated[int, Field(gt=0, le=MAX_TTL_S, description="reap after this long without a request")] = 600
     user: Annotated[str | None, Field(description="None: non-root 'sandbox' (uid 1000); 'root'; or 'UID[:GID]'",
                                       pattern=r"^(root|sandbox|[0-9]{1,9}(:[0-9]{1,9})?)$")] = None
@@ -372,10 +382,27 @@ class ImageInfo(BaseModel):
     layers: list[LayerInfo]
     size_bytes: int
     created_at: datetime
+    kind: str = Field("image", description="'image' (a base), or 'layer' (workspace/toolkit, NAME@VERSION)")
 
 
 class ImageList(BaseModel):
     images: list[ImageInfo]
+
+
+DEFAULT_SCRUB = ("/tmp", "/var/tmp", "/root/.cache", "/work/.cache", "/home/*/.cache",
+                 "/root/.bash_history", "/home/*/.bash_history", "/root/.ash_history",
+                 "/home/*/.ash_history", "/root/.python_history", "/home/*/.python_history",
+                 "/root/.lesshst", "/home/*/.lesshst", "/root/.viminfo", "/home/*/.viminfo")
+
+
+class PackDiffRequest(_Strict):
+    """Turn a sandbox's writable changes into a new workspace layer NAME@VERSION."""
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:+-]{0,100}@[A-Za-z0-9._+-]{1,26}$",
+                               description="NAME@VERSION of the new workspace, e.g. 'myenv@1'")]
+    scrub: Annotated[list[Annotated[str, Field(pattern=r"^/[^\x00]{0,1023}$")]] | None,
+                     Field(max_length=256, description="absolute paths (fnmatch globs) left out; None: DEFAULT_SCRUB")] = None
+    replace: bool = False
 
 
 # ---------------------------------------------------------------------------------------
@@ -478,6 +505,7 @@ class FnCallStep(BaseModel):
     signal: int | None = None
     timed_out: bool = False
     output_limited: bool = False
+    cached: bool = Field(False, description="compile step skipped: this container compiled the same code before")
     stdout: str = ""
     stderr: str = ""
     stdout_bytes: int = Field(0, description="bytes written, including those beyond the cap")

@@ -296,7 +296,8 @@ static const struct { const char *path; uint64_t access; } LL_RULES[] = {
 	{ "/dev/random",  LL_WFILE },
 	{ "/dev/urandom", LL_WFILE },
 	{ "/dev/tty",     LL_WFILE | LL_IOCTL_DEV },
-	{ "/dev/pts",     LL_WFILE | LL_IOCTL_DEV },        /* ptys; /dev/ptmx -> pts/ptmx */
+	{ "/dev/pts",     LL_WFILE | LL_IOCTL_DEV },        /* ptys (in containers /dev/ptmx -> pts/ptmx) */
+	{ "/dev/ptmx",    LL_WFILE | LL_IOCTL_DEV },        /* where it is a device node instead */
 	{ "/dev/shm",     LL_WFILE | LL_WDIR },             /* POSIX shm, semaphores: no execute */
 	{ "/dev/mqueue",  LL_WFILE | LL_WDIR },
 };
@@ -321,24 +322,26 @@ static uint64_t ll_handled(int abi)
 	return h;
 }
 
-static void ll_add(int rs, int dfd, const char *name, uint64_t access)
+static void ll_add(int rs, int dfd, const char *name, unsigned char dtype, uint64_t access)
 {
+	if (dtype == DT_LNK)
+		return;
 	int fd = openat(dfd, name, O_PATH | O_NOFOLLOW | O_CLOEXEC);
 	struct stat st;
 	if (fd < 0)
 		return;
-	if (fstat(fd, &st) == 0 && !S_ISLNK(st.st_mode)) {
-		if (!S_ISDIR(st.st_mode))
-			access &= LL_FILE_ONLY;
-		struct ll_path_beneath pb = { access, fd };
-		if (access) /* failures (odd filesystems) only mean: no grant there */
-			syscall(SYS_landlock_add_rule, rs, LL_RULE_PATH_BENEATH, &pb, 0);
-	}
+	if (dtype == DT_UNKNOWN) /* readdir could not tell: ask */
+		dtype = fstat(fd, &st) < 0 ? DT_LNK : S_ISLNK(st.st_mode) ? DT_LNK : S_ISDIR(st.st_mode) ? DT_DIR : DT_REG;
+	if (dtype != DT_DIR)
+		access &= LL_FILE_ONLY;
+	struct ll_path_beneath pb = { access, fd };
+	if (access && dtype != DT_LNK) /* failures (odd filesystems) only mean: no grant there */
+		syscall(SYS_landlock_add_rule, rs, LL_RULE_PATH_BENEATH, &pb, 0);
 	close(fd);
 }
 
-/* Build this process's ruleset and enforce it. Returns 0 or -1 with errno. */
-static int ll_apply(int abi)
+/* The ruleset of the sandbox's current top level, as an fd (O_CLOEXEC), or -1 with errno. */
+static int ll_build(int abi)
 {
 	uint64_t h = ll_handled(abi);
 	struct ll_ruleset_attr ra = { .handled_access_fs = h };
@@ -353,19 +356,55 @@ static int ll_apply(int abi)
 		for (size_t i = 0; !skip && i < sizeof LL_DENY_TOP / sizeof *LL_DENY_TOP; i++)
 			skip = !strcmp(nm, LL_DENY_TOP[i]);
 		if (!skip)
-			ll_add(rs, dirfd(d), nm, LL_TREE & h);
+			ll_add(rs, dirfd(d), nm, de->d_type, LL_TREE & h);
 	}
 	if (d)
 		closedir(d);
 	for (size_t i = 0; i < sizeof LL_RULES / sizeof *LL_RULES; i++)
-		ll_add(rs, AT_FDCWD, LL_RULES[i].path, LL_RULES[i].access & h);
-	int r = -1;
-	if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0)
-		r = (int)syscall(SYS_landlock_restrict_self, rs, 0);
-	int err = errno;
-	close(rs);
-	errno = err;
-	return r < 0 ? -1 : 0;
+		ll_add(rs, AT_FDCWD, LL_RULES[i].path, DT_UNKNOWN, LL_RULES[i].access & h);
+	return rs;
+}
+
+/*
+ * The agent keeps one ruleset and rebuilds it only when / changed (its mtime moves whenever
+ * a top-level entry is created, removed or renamed): building costs ~120 us (an open and a
+ * landlock_add_rule per top-level entry), enforcing a ready ruleset a few us. Every
+ * landlock_restrict_self() creates a new domain, so sharing the ruleset does not share
+ * domains: each command and session is still alone in its own.
+ */
+static struct { int fd; struct timespec mtime; ino_t ino; } LL = { -1, { 0, 0 }, 0 };
+
+static int ll_ruleset(int abi)
+{
+	struct stat st;
+	if (stat("/", &st) < 0)
+		return -1;
+	if (LL.fd >= 0 && st.st_ino == LL.ino && st.st_mtim.tv_sec == LL.mtime.tv_sec &&
+	    st.st_mtim.tv_nsec == LL.mtime.tv_nsec)
+		return LL.fd;
+	int fd = ll_build(abi);
+	if (fd < 0)
+		return -1;
+	if (fd < 10) { /* never one of the fds a supervisor gets (0..4): keeps dup2 plain */
+		int hi = fcntl(fd, F_DUPFD_CLOEXEC, 10);
+		close(fd);
+		if ((fd = hi) < 0)
+			return -1;
+	}
+	if (LL.fd >= 0)
+		close(LL.fd);
+	LL.fd = fd;
+	LL.mtime = st.st_mtim;
+	LL.ino = st.st_ino;
+	return fd;
+}
+
+/* In the command's process, before execve: enter a new domain of ruleset `rs`. */
+static int ll_enforce(int rs)
+{
+	if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0)
+		return -1;
+	return syscall(SYS_landlock_restrict_self, rs, 0) < 0 ? -1 : 0;
 }
 
 /* ------------------------------------------------------------------ state */
@@ -742,8 +781,14 @@ static struct proc *proc_spawn(int kind, void *owner, uid_t uid, gid_t gid, cons
 	for (size_t i = 0; i < nc; i++)
 		av[7 + i] = cargv[i];
 
-	/* S gets: 0 = C's stdin, 1/2 = output pipes, 3 = control socket; all else is CLOEXEC.
-	 * The sources are never 0..3 themselves (0..2 are always open in the agent). */
+	/* S gets: 0 = C's stdin, 1/2 = output pipes, 3 = control socket, 4 = the Landlock
+	 * ruleset (if used); all else is CLOEXEC. The sources are never 0..3 themselves (0..2 are
+	 * always open in the agent), and 4 is written last. */
+	int ll = -1;
+	if (G.ll_abi && (ll = ll_ruleset(G.ll_abi)) < 0) { /* fail closed */
+		*err = errno ? errno : EIO;
+		goto fail;
+	}
 	posix_spawn_file_actions_t fa;
 	posix_spawnattr_t at;
 	sigset_t none, all;
@@ -757,6 +802,8 @@ static struct proc *proc_spawn(int kind, void *owner, uid_t uid, gid_t gid, cons
 	posix_spawn_file_actions_adddup2(&fa, o[1], 1);
 	posix_spawn_file_actions_adddup2(&fa, e[1], 2);
 	posix_spawn_file_actions_adddup2(&fa, sp[1], 3);
+	if (ll >= 0)
+		posix_spawn_file_actions_adddup2(&fa, ll, 4);
 	posix_spawnattr_init(&at);
 	posix_spawnattr_setflags(&at, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
 	posix_spawnattr_setsigmask(&at, &none);
@@ -2377,9 +2424,11 @@ static void child_exec(uid_t uid, gid_t gid, const char *cwd, char **argv, int e
 	stage = ST_RLIMIT;
 	if (child_limits(nofile, fsize) < 0)
 		goto fail;
-	stage = ST_LANDLOCK; /* as root, so every top-level entry can be opened */
-	if (ll_abi >= LL_MIN_ABI && ll_apply(ll_abi) < 0)
+	stage = ST_LANDLOCK; /* fd 4: the agent's ruleset; a new domain for this command alone */
+	if (ll_abi && ll_enforce(4) < 0)
 		goto fail; /* the agent saw Landlock working: fail closed */
+	if (ll_abi)
+		close(4);
 	if (geteuid() == 0) {
 		stage = ST_SETGROUPS;
 		if (setgroups(0, NULL) < 0)
@@ -2449,6 +2498,8 @@ static int supervise_main(int argc, char **argv)
 	if (c < 0)
 		return 1;
 	close(ep[1]);
+	if (ll_abi)
+		close(4); /* only C needed the ruleset */
 	/* drop our copies of C's stdio so EOF depends on C's tree only */
 	int nul = open("/dev/null", O_RDWR | O_CLOEXEC);
 	for (int i = 0; i < 3; i++)

@@ -22,6 +22,7 @@ from dsec.types import (CapacityExceeded, ContainerArgs, DsecError, ExecEvent, E
                         FileList, ImageList, InvalidArgument, NetworkPolicy, NodeStatus, NotFound,
                         SandboxInfo, SandboxList, Unavailable, node_of)
 from dsec.types import FnCallRequest, FnCallResult
+from dsec.types import ImageInfo, PackDiffRequest
 from dsec.watcher import Watcher
 
 log = logging.getLogger("dsec.apiserver")
@@ -48,6 +49,8 @@ class EdgeHandle(Protocol):
     async def list_dir(self, sandbox_id: str, path: str) -> list: ...
     async def remove_file(self, sandbox_id: str, path: str) -> None: ...
     async def fncall_run(self, req: FnCallRequest) -> FnCallResult: ...
+    async def fncall_pools(self) -> list[dict]: ...
+    async def pack_diff(self, sandbox_id: str, req: PackDiffRequest) -> ImageInfo: ...
 
 
 @dataclass
@@ -161,6 +164,12 @@ def create_app(ctx: ApiContext) -> FastAPI:
         """Replace the egress policy of a running sandbox (effective for new connections at once)."""
         edge = await owned(sandbox_id, who)
         return await edge.set_network(sandbox_id, policy)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/pack_diff", status_code=201, response_model=ImageInfo)
+    async def pack_diff(sandbox_id: str, req: PackDiffRequest, who: Who) -> ImageInfo:
+        """Snapshot the sandbox's writable changes as a new workspace layer NAME@VERSION."""
+        edge = await owned(sandbox_id, who)
+        return await edge.pack_diff(sandbox_id, req)
 
     @app.post("/v1/sandboxes/{sandbox_id}/exec", response_model=ExecResult)
     async def exec_(sandbox_id: str, req: ExecRequest, who: Who) -> ExecResult:

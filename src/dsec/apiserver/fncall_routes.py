@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dsec.iam import Principal
 from dsec.types import (DsecError, FnCallBatch, FnCallBatchItem, FnCallRequest, FnCallResult,
-                        FnCallStatus, InvalidArgument, Unavailable)
+                        FnCallStatus, InvalidArgument, Unauthorized, Unavailable)
 
 if TYPE_CHECKING:
     from dsec.apiserver.app import ApiContext, EdgeHandle
@@ -194,11 +194,14 @@ def add_fncall_routes(app: FastAPI, ctx: "ApiContext") -> None:
             return FnCallBatchItem(index=i, result=res)
 
         async def lines() -> AsyncIterator[bytes]:
-            tasks = [asyncio.create_task(one(i, r)) for i, r in enumerate(batch.calls)]
+            tasks = {asyncio.create_task(one(i, r)) for i, r in enumerate(batch.calls)}
+            pending = set(tasks)
             try:
-                for fut in asyncio.as_completed(tasks):
-                    item = await fut
-                    yield item.model_dump_json(exclude_defaults=True).encode() + b"\n"
+                while pending:
+                    # every result that is ready goes out in one chunk: one write, one wake-up
+                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    yield b"".join(t.result().model_dump_json(exclude_defaults=True).encode() + b"\n"
+                                   for t in done)
             finally:   # the client went away: nothing outlives the request
                 for t in tasks:
                     t.cancel()
@@ -206,10 +209,24 @@ def add_fncall_routes(app: FastAPI, ctx: "ApiContext") -> None:
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
+    @app.get("/v1/fncall/pools", tags=["fncall"])
+    async def fncall_pools(request: Request) -> list[dict]:
+        """Warm pools per node: workers, idle, starting, waiting callers, calls served."""
+        principal(request)
+        out = []
+        for node, edge in ctx.edges.items():
+            out += [{"node": node, **p} for p in await edge.fncall_pools()]
+        return out
+
     @app.post("/run_code", response_model=RunCodeResponse, tags=["fncall"])
     async def run_code(req: RunCodeRequest, request: Request) -> RunCodeResponse:
         """SandboxFusion-compatible: what verl's sandbox_fusion tool and reward code call."""
-        principal(request)
+        try:
+            principal(request)
+        except Unauthorized as e:
+            raise Unauthorized(e.message, field=e.field,
+                               fix="SandboxFusion clients send no Authorization header: put the key in the "
+                                   "URL, e.g. http://HOST:7620/run_code?api_key=dsk_...") from None
         try:
             fc = to_fncall_request(req)
             res = await run_one(fc)

@@ -28,6 +28,7 @@ from dsec.edge.users import resolve_user
 from dsec.images.service import ImageService
 from dsec.security.netpolicy import RULESETS_FILE, Rulesets, resolve
 from dsec.types import FnCallRequest, FnCallResult
+from dsec.types import DEFAULT_SCRUB, PackDiffRequest
 from dsec.types import (Conflict, ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult,
                         FileEntry, ImageInfo, InvalidArgument, NetworkPolicy, NodeStatus, NotFound, SandboxFailed,
                         SandboxInfo, SandboxState, make_sandbox_id)
@@ -37,13 +38,17 @@ log = logging.getLogger("dsec.edge")
 IMAGE_CACHE_S = 2.0
 LIVE = (SandboxState.creating, SandboxState.running, SandboxState.stopping)
 ERRNO_TO_ERROR = {2: NotFound, 13: InvalidArgument, 21: InvalidArgument, 20: InvalidArgument,
-                  16: Conflict, 39: Conflict, 17: Conflict, 36: InvalidArgument, 27: InvalidArgument}
+                  16: Conflict, 39: Conflict, 17: Conflict, 36: InvalidArgument, 27: InvalidArgument,
+                  122: Conflict, 28: Conflict}
 ERRNO_FIX = {2: "check the path (relative paths are relative to the sandbox workdir)",
              13: "the sandbox user may not access it; create the sandbox with user='root' if needed",
              21: "the path is a directory; use files.list", 20: "a parent of the path is not a directory",
              16: "wait for the running command in this session to finish, or use another session",
              39: "the directory is not empty", 17: "the path already exists",
-             27: "the file is too large for one call"}
+             27: "the file is too large for one call",
+             122: "the sandbox's writable layer is full (disk_mb): delete files, or create it with a larger disk_mb",
+             28: "the sandbox's writable layer is full (disk_mb): delete files, or create it with a larger disk_mb"}
+DISK_POLL_S = float(os.environ.get("DSEC_DISK_POLL_S", "10"))   # fallback quota check interval
 
 
 @dataclass(frozen=True)
@@ -131,6 +136,12 @@ class Edge:
     # -- create / get / list / stop ------------------------------------------------------
     async def create(self, project: str, args: ContainerArgs) -> SandboxInfo:
         image = await self._resolve_image(args.image)   # NotFound names the field
+        # composition, bottom to top: base, workspace, toolkits in the order given (last topmost)
+        stack = [image]
+        if args.workspace is not None:
+            stack.append(await self._resolve_image(args.workspace, "workspace"))
+        for i, name in enumerate(args.toolkits):
+            stack.append(await self._resolve_image(name, f"toolkits[{i}]"))
         uid, gid = resolve_user(args.user)
         allows = resolve(args.network, self.rulesets)   # 422 for unknown rule sets, before anything exists
         self.admission.admit(await self.status(), args.cpu_cores, args.memory_mb)
@@ -143,10 +154,11 @@ class Edge:
         self.records.insert(rec)   # durable before anything exists on the host
         try:
             async with self._create_slots:
-                lower = await self._lower_dirs(image.digest)
+                lower = await self._compose(stack)
                 spec = ContainerSpec(sandbox_id=rec.id, lower_dirs=lower, cpu_cores=args.cpu_cores,
                                      memory_mb=args.memory_mb, pids_limit=args.pids_limit,
-                                     uid=uid, gid=gid, workdir=args.workdir, network=tuple(allows))
+                                     uid=uid, gid=gid, workdir=args.workdir, network=tuple(allows),
+                                     disk_mb=args.disk_mb, nofile=args.nofile, max_file_mb=args.max_file_mb)
                 await self.driver.create(rec.id, spec)
             await self._agent(rec)   # ready means the agent answers
         except BaseException as e:
@@ -163,14 +175,51 @@ class Edge:
         log.info("sandbox created", extra={"sandbox": rec.id, "image": args.image, "project": project})
         return rec.info(self.node_id)
 
-    async def _resolve_image(self, name: str) -> ImageInfo:
+    async def _resolve_image(self, name: str, field: str = "image") -> ImageInfo:
         """Name -> image, cached briefly: a burst of 1,000 creations needs one registry read."""
         hit = self._image_cache.get(name)
         if hit and hit[1] > time.monotonic():
             return hit[0]
-        image = await asyncio.to_thread(self.images.get, name)
+        image = await asyncio.to_thread(self.images.get, name, field)
         self._image_cache[name] = (image, time.monotonic() + IMAGE_CACHE_S)
         return image
+
+    async def _compose(self, stack: list[ImageInfo]) -> list[Path]:
+        """Mounted layers of base + workspace + toolkits, bottom first. A layer listed twice
+        is kept only at its topmost position (overlayfs refuses a lowerdir used twice)."""
+        lower: list[Path] = []
+        for part in stack:
+            lower += await self._lower_dirs(part.digest)
+        seen: set[Path] = set()
+        out: list[Path] = []
+        for p in reversed(lower):
+            if p not in seen:
+                seen.add(p)
+                out.append(p)
+        return out[::-1]
+
+    async def pack_diff(self, sandbox_id: str, req: PackDiffRequest) -> ImageInfo:
+        """The sandbox's writable changes (upper dir: additions, modifications, whiteouts,
+        opaque dirs), minus the scrub list, as a new workspace layer stacked on the
+        workspace the sandbox started from."""
+        rec = self._running(sandbox_id)
+        self._touch(rec)
+        parents = []
+        if rec.args.get("workspace"):
+            parents.append(await self._resolve_image(rec.args["workspace"], "workspace"))
+        scrub = list(DEFAULT_SCRUB if req.scrub is None else req.scrub)
+        upper = self.paths.sandboxes / rec.id / "upper"
+        rec.in_flight += 1      # not reaped while packing
+        try:
+            info = await asyncio.to_thread(
+                self.images.pack_upper, req.name, upper, parents=parents, scrub=scrub,
+                source=f"pack_diff:{rec.id}:base={rec.image_digest}", replace=req.replace)
+        finally:
+            rec.in_flight -= 1
+            self._touch(rec)
+        self._image_cache.pop(req.name, None)
+        log.info("pack_diff", extra={"sandbox": rec.id, "layer": req.name, "digest": info.digest})
+        return info
 
     async def _lower_dirs(self, digest: str) -> list[Path]:
         """Mounted layers of an image; mounts are per node and digests immutable, so cache them."""
@@ -398,6 +447,9 @@ class Edge:
     async def fncall_run(self, req: FnCallRequest) -> FnCallResult:
         return await self.fncall.run(req)
 
+    async def fncall_pools(self) -> list[dict]:
+        return self.fncall.stats()
+
     @asynccontextmanager
     async def agent_channel(self, sandbox_id: str):
         """(agent, exec chan) of a running sandbox, for a backend that drives the agent itself
@@ -413,8 +465,23 @@ class Edge:
             await asyncio.sleep(self.settings.reap_interval_s)
             try:
                 await self.reap_once()
+                await self._poll_disk()
             except Exception:  # the reaper must outlive any single bad sandbox
                 log.exception("reaper iteration failed")
+
+    async def _poll_disk(self) -> None:
+        """Fallback disk quota (no kernel quota on this node, see backends/container/disk.py):
+        every DISK_POLL_S, measure each running sandbox's writable layer and fail the ones
+        beyond disk_mb, saying so in their error."""
+        if getattr(self.driver, "disk_enforced", True) or time.monotonic() < getattr(self, "_disk_next", 0.0):
+            return
+        self._disk_next = time.monotonic() + DISK_POLL_S
+        for rec in [r for r in self._live.values() if r.state == SandboxState.running]:
+            limit = int(rec.args.get("disk_mb", 10240)) << 20
+            used = await asyncio.to_thread(self.driver.disk_usage, rec.id)
+            if used > limit and rec.state == SandboxState.running:
+                await self._fail(rec, f"disk quota exceeded: the writable layer holds {used >> 20} MiB, "
+                                      f"more than disk_mb={limit >> 20}")
 
     async def reap_once(self) -> list[str]:
         self._flush_activity()

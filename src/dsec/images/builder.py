@@ -143,7 +143,8 @@ def inspect_tarball(tarball: Path) -> tuple[str | None, str | None]:
         raise _tarball_error(tarball, f"read error: {e.strerror}") from e
 
 
-def extract_tarball(tarball: Path, dest: Path, *, progress: Progress | None = None) -> None:
+def extract_tarball(tarball: Path, dest: Path, *, progress: Progress | None = None,
+                    exclude: Sequence[str] = ()) -> None:
     """Extract a rootfs tarball into the (empty) directory `dest` as root, keeping numeric
     owners, modes, xattrs and ACLs. tar refuses members escaping `dest` ('..' and absolute
     names are stripped or skipped). Any tar error, including a truncated or corrupt archive,
@@ -152,7 +153,8 @@ def extract_tarball(tarball: Path, dest: Path, *, progress: Progress | None = No
     _, flag = inspect_tarball(tarball)
     dest.mkdir(parents=True, exist_ok=True)
     size = tarball.stat().st_size
-    cmd = ["tar", "-x", "-f", "-", "-C", str(dest), *TAR_EXTRACT_FLAGS]
+    cmd = ["tar", "-x", "-f", "-", "-C", str(dest), *TAR_EXTRACT_FLAGS,
+           *(f"--exclude={x}" for x in exclude)]
     if flag:
         cmd.insert(2, flag)
     report(progress, f"extracting {tarball.name}", 0.0, level=logging.INFO)

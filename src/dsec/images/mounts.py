@@ -16,6 +16,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from dsec.config import Paths
 from dsec.types import DsecError, InvalidArgument, NotFound, Unavailable
@@ -139,8 +140,9 @@ class LayerMounts:
     exclusive flock on Paths.layer_mounts/.lock, and the mount table is re-read under it.
     """
 
-    def __init__(self, paths: Paths):
+    def __init__(self, paths: Paths, source: "Callable[[str], Path] | None" = None):
         self.paths = paths
+        self.source = source      # digest -> file to mount (default: the store's layer file)
         self.root = paths.layer_mounts
         self._lock = FileLock(self.root / ".lock")
 
@@ -172,7 +174,7 @@ class LayerMounts:
         mp = self.mountpoint(digest)
         if self._find(digest) is not None:            # fast path, no lock
             return mp
-        image = layer_file(self.paths, digest)
+        image = self.source(digest) if self.source else layer_file(self.paths, digest)
         with self._lock:
             if self._find(digest) is not None:
                 return mp

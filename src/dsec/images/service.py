@@ -21,6 +21,10 @@ from dsec.types import ImageInfo, InvalidArgument, LayerInfo, NotFound
 from .builder import (check_debootstrap_args, debootstrap_cached, default_mirror,
                       extract_tarball, safe_rmtree, scratch_dir)
 from .erofs import check_compression, mkfs, sha256_file
+from .oci import (DEFAULT_MERGE_BYTES, apply_layer, docker_archive_layers, group_layers,
+                  oci_layout_layers)
+from .lazy import LazyView, lazy_enabled, manifest_file, write_manifest
+from .layers import check_layer_name, chown_tree, copy_upper, git_archive, parse_owner
 from .mounts import LayerMounts, mounts_under
 from .progress import Progress, report
 from .store import (DIGEST_RE, TMP_PREFIX, FileLock, Registry, check_digest, check_name,
@@ -38,7 +42,9 @@ class ImageService:
         for d in (self.paths.home, self.paths.store, self.paths.layer_mounts):
             d.mkdir(parents=True, exist_ok=True)
         self.registry = Registry(self.paths.images_db)
-        self.mounts = LayerMounts(self.paths)
+        # DSEC_LAZY=1: mount layers through the node's lazy FUSE view of the (shared) store
+        self.lazy = LazyView(self.paths) if lazy_enabled() else None
+        self.mounts = LayerMounts(self.paths, source=self.lazy.source if self.lazy else None)
         self._store_lock = FileLock(self.paths.store / ".lock")
         self._sweep_stale_temps()
 
@@ -46,7 +52,7 @@ class ImageService:
 
     def build_from_dir(self, name: str, path: str | os.PathLike, *, replace: bool = False,
                        compression: str | None = None, source: str | None = None,
-                       progress: Progress | None = None) -> ImageInfo:
+                       progress: Progress | None = None, kind: str = "image") -> ImageInfo:
         """Build a one-layer image from a directory tree (owners, modes, xattrs, mtimes kept)."""
         check_name(name)
         check_compression(compression)
@@ -62,7 +68,7 @@ class ImageService:
                 "packed into the image", field="path",
                 fix="unmount them (e.g. proc, sys, dev) or build from a copy of the tree")
         return self._build(name, src, source or f"dir:{src}", replace=replace,
-                           compression=compression, progress=progress)
+                           compression=compression, progress=progress, kind=kind)
 
     def build_from_tar(self, name: str, tarball: str | os.PathLike, *, replace: bool = False,
                        compression: str | None = None,
@@ -102,8 +108,125 @@ class ImageService:
             return self._build(name, root, source, replace=replace, compression=compression,
                                progress=progress)
 
+    # ---- named layers (workspaces, toolkits) ---------------------------------------------
+
+    def build_layer(self, name: str, *, from_dir: str | os.PathLike | None = None,
+                    from_tar: str | os.PathLike | None = None,
+                    from_git: str | os.PathLike | None = None, rev: str = "HEAD",
+                    prefix: str = "", chown: str | None = None, replace: bool = False,
+                    compression: str | None = None,
+                    progress: Progress | None = None) -> ImageInfo:
+        """Build layer NAME@VERSION (kind 'layer') from exactly one of a directory, a tarball
+        or a git checkout (`git archive REV`, files under `prefix`). `chown` ('UID[:GID]')
+        gives every entry that owner (git archives are root-owned otherwise)."""
+        check_layer_name(name)
+        check_compression(compression)
+        owner = parse_owner(chown)
+        given = [x for x in (from_dir, from_tar, from_git) if x is not None]
+        if len(given) != 1:
+            raise InvalidArgument("give exactly one layer source", field="source",
+                                  fix="pass one of from_dir, from_tar, from_git")
+        with scratch_dir(self.paths, "layer") as work:
+            root = work / "rootfs"
+            if from_dir is not None:
+                src = Path(from_dir)
+                if not src.is_dir():
+                    raise InvalidArgument(f"{src} is not a directory", field="from_dir",
+                                          fix="pass the directory whose tree becomes the layer")
+                if owner is None:
+                    return self.build_from_dir(name, src, replace=replace, compression=compression,
+                                               progress=progress, kind="layer")
+                copy_upper(src.resolve(), root)
+                source = f"dir:{src.resolve()}"
+            elif from_tar is not None:
+                extract_tarball(Path(from_tar).absolute(), root, progress=progress)
+                source = f"tar:{Path(from_tar).absolute()}"
+            else:
+                repo = Path(from_git).resolve()     # type: ignore[arg-type]
+                tar = work / "git.tar"
+                git_archive(repo, tar, rev, prefix)
+                extract_tarball(tar, root, progress=progress)
+                source = f"git:{repo}@{rev}"
+            if owner is not None:
+                chown_tree(root, *owner)
+            return self._build(name, root, source, replace=replace, compression=compression,
+                               progress=progress, kind="layer")
+
+    def pack_upper(self, name: str, upper: Path, *, parents: Sequence[ImageInfo] = (),
+                   scrub: Sequence[str] = (), source: str, replace: bool = False,
+                   progress: Progress | None = None) -> ImageInfo:
+        """pack_diff: turn an overlay upper dir (whiteouts and opaque dirs included) into a
+        new layer NAME@VERSION stacked on the layers of `parents` (e.g. the workspace the
+        sandbox started from). Paths matching `scrub` are left out."""
+        check_layer_name(name)
+        if not Path(upper).is_dir():
+            raise NotFound(f"no writable layer at {upper}", field="sandbox_id",
+                           fix="pack_diff needs a running sandbox")
+        with scratch_dir(self.paths, "diff") as work:
+            root = work / "rootfs"
+            n = copy_upper(Path(upper), root, scrub)
+            log.info("pack_diff %s: %d entries from %s", name, n, upper)
+            inherited = [lay for p in parents for lay in p.layers]
+            return self._build(name, root, source, replace=replace, compression=None,
+                               progress=progress, kind="layer", parents=inherited)
+
+    def import_oci(self, name: str, *, oci: str | os.PathLike | None = None,
+                   docker_archive: str | os.PathLike | None = None, ref: str | None = None,
+                   merge_bytes: int = DEFAULT_MERGE_BYTES, replace: bool = False,
+                   compression: str | None = None,
+                   progress: Progress | None = None) -> ImageInfo:
+        """Import an image from an OCI layout directory or a `docker save` archive. Runs of
+        consecutive OCI layers up to `merge_bytes` become one EROFS layer each (whiteouts
+        kept as overlay whiteouts/opaque dirs between them). All or nothing: on any error
+        nothing is registered and no layer file is left in the store."""
+        check_name(name)
+        check_compression(compression)
+        if (oci is None) == (docker_archive is None):
+            raise InvalidArgument("give exactly one of oci and docker_archive", field="source",
+                                  fix="pass an OCI layout dir (oci=) or a docker-archive tar")
+        if not isinstance(merge_bytes, int) or merge_bytes <= 0:
+            raise InvalidArgument(f"bad merge_bytes {merge_bytes!r}", field="merge_bytes",
+                                  fix="a positive size in bytes, e.g. 3<<30")
+        field = "oci" if oci is not None else "docker_archive"
+        src = Path(oci if oci is not None else docker_archive).absolute()  # type: ignore[arg-type]
+        t0 = time.monotonic()
+        tmps: list[Path] = []
+        try:
+            with scratch_dir(self.paths, "oci") as work:
+                blobs = (oci_layout_layers(src, ref) if oci is not None
+                         else docker_archive_layers(src, work))
+                groups = group_layers(blobs, merge_bytes)
+                layers: list[tuple[LayerInfo, Path | None]] = []
+                for gi, group in enumerate(groups):
+                    root = work / f"g{gi}"
+                    root.mkdir(mode=0o755)
+                    for bi, blob in enumerate(group):
+                        report(progress, f"applying layer {bi + 1}/{len(group)} of group "
+                                         f"{gi + 1}/{len(groups)}", None, level=logging.INFO)
+                        apply_layer(blob.path, root, keep_whiteouts=gi > 0, field=field,
+                                    work=work)
+                    tmp = self.paths.store / f"{TMP_PREFIX}{secrets.token_hex(8)}.erofs"
+                    tmps.append(tmp)
+                    mkfs(root, tmp, compression=compression, progress=progress)
+                    with open(tmp, "rb") as f:
+                        os.fsync(f.fileno())
+                    safe_rmtree(root)
+                    digest = sha256_file(tmp, progress=progress)
+                    layers.append((LayerInfo(digest=digest, size_bytes=tmp.stat().st_size,
+                                             created_at=now_utc(),
+                                             source=f"{field}:{src}#{gi}:{len(group)} layer(s)"),
+                                   tmp))
+                image = self._commit(name, layers, replace=replace)
+        finally:
+            for t in tmps:
+                t.unlink(missing_ok=True)
+        log.info("imported %s from %s: %d OCI layer(s) -> %d EROFS layer(s) in %.1fs", name, src,
+                 len(blobs), len(groups), time.monotonic() - t0)
+        return image
+
     def _build(self, name: str, root: Path, source: str, *, replace: bool,
-               compression: str | None, progress: Progress | None) -> ImageInfo:
+               compression: str | None, progress: Progress | None, kind: str = "image",
+               parents: Sequence[LayerInfo] = ()) -> ImageInfo:
         t0 = time.monotonic()
         tmp = self.paths.store / f"{TMP_PREFIX}{secrets.token_hex(8)}.erofs"
         try:
@@ -113,7 +236,8 @@ class ImageService:
             digest = sha256_file(tmp, progress=progress)
             layer = LayerInfo(digest=digest, size_bytes=tmp.stat().st_size, created_at=now_utc(),
                               source=source)
-            image = self._commit(name, [(layer, tmp)], replace=replace)
+            image = self._commit(name, [*((p, None) for p in parents), (layer, tmp)],
+                                 replace=replace, kind=kind)
         finally:
             tmp.unlink(missing_ok=True)
         report(progress, f"image {name} = {image.digest[:19]} ({image.size_bytes} bytes) in "
@@ -121,7 +245,7 @@ class ImageService:
         return image
 
     def _commit(self, name: str, layers: Sequence[tuple[LayerInfo, Path | None]], *,
-                replace: bool) -> ImageInfo:
+                replace: bool, kind: str = "image") -> ImageInfo:
         """Move new layer files into place and register the image, atomically: on any
         failure the registry is unchanged and no new layer file is left in the store."""
         added: list[Path] = []
@@ -129,7 +253,7 @@ class ImageService:
             try:
                 with self.registry.transaction() as db:
                     image, changed = self.registry.put_image(db, name, [lay for lay, _ in layers],
-                                                             replace=replace)
+                                                             replace=replace, kind=kind)
                     if changed:
                         for lay, tmp in layers:
                             final = layer_file(self.paths, lay.digest)
@@ -138,8 +262,11 @@ class ImageService:
                             if tmp is None:
                                 raise NotFound(f"layer {lay.digest} is not in the store",
                                                field="layer", fix="build the layer first")
+                            write_manifest(tmp)      # per-chunk digests for lazy loading
                             os.replace(tmp, final)
                             added.append(final)
+                            added.append(manifest_file(final))
+                            os.replace(manifest_file(tmp), manifest_file(final))
                         _fsync_dir(self.paths.store)
             except BaseException:
                 for f in added:
@@ -155,7 +282,7 @@ class ImageService:
 
     # ---- lookup ----------------------------------------------------------------------
 
-    def get(self, name_or_digest: str) -> ImageInfo:
+    def get(self, name_or_digest: str, field: str = "image") -> ImageInfo:
         info = None
         if isinstance(name_or_digest, str):
             if DIGEST_RE.match(name_or_digest):
@@ -163,7 +290,9 @@ class ImageService:
             else:
                 info = self.registry.get_image(name_or_digest)
         if info is None:
-            raise NotFound(f"no image {name_or_digest!r} on this node", field="image",
+            what = {"image": "image", "name": "image or layer", "workspace": "workspace layer"
+                    }.get(field, "toolkit layer")
+            raise NotFound(f"no {what} {name_or_digest!r} on this node ({field})", field=field,
                            fix=self._not_found_fix())
         return info
 
@@ -222,6 +351,7 @@ class ImageService:
             for d in dead:
                 self.mounts.unmount(d)
                 layer_file(self.paths, d).unlink(missing_ok=True)
+                manifest_file(layer_file(self.paths, d)).unlink(missing_ok=True)
                 log.info("deleted layer %s", d)
             return dead
 

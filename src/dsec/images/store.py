@@ -126,7 +126,14 @@ class Registry:
         with self.connect() as db:
             db.execute("PRAGMA journal_mode=WAL")
             db.executescript(_SCHEMA)
-            db.execute("PRAGMA user_version=1")
+            cols = {r[1] for r in db.execute("PRAGMA table_info(images)")}
+            if "kind" not in cols:   # v1 -> v2: images and named layers share one namespace
+                try:
+                    db.execute("ALTER TABLE images ADD COLUMN kind TEXT NOT NULL DEFAULT 'image'")
+                except sqlite3.OperationalError as e:   # another process migrated first
+                    if "duplicate column" not in str(e):
+                        raise
+            db.execute("PRAGMA user_version=2")
 
     @contextmanager
     def connect(self) -> Iterator[sqlite3.Connection]:
@@ -165,30 +172,30 @@ class Registry:
         return self._layer(row) if row else None
 
     def _image(self, db: sqlite3.Connection, row) -> ImageInfo:
-        name, digest, created = row
+        name, digest, created, kind = row
         layers = [self._layer(r) for r in db.execute(
             "SELECT l.digest, l.size_bytes, l.created_at, l.source FROM image_layers il "
             "JOIN layers l ON l.digest = il.layer WHERE il.name=? ORDER BY il.position", (name,))]
         return ImageInfo(name=name, digest=digest, layers=layers,
                          size_bytes=sum(lay.size_bytes for lay in layers),
-                         created_at=datetime.fromisoformat(created))
+                         created_at=datetime.fromisoformat(created), kind=kind)
 
     def get_image(self, name: str, db: sqlite3.Connection | None = None) -> ImageInfo | None:
         if db is None:
             with self.connect() as db:
                 return self.get_image(name, db)
-        row = db.execute("SELECT name, digest, created_at FROM images WHERE name=?", (name,)).fetchone()
+        row = db.execute("SELECT name, digest, created_at, kind FROM images WHERE name=?", (name,)).fetchone()
         return self._image(db, row) if row else None
 
     def get_image_by_digest(self, digest: str) -> ImageInfo | None:
         with self.connect() as db:
-            row = db.execute("SELECT name, digest, created_at FROM images WHERE digest=? "
+            row = db.execute("SELECT name, digest, created_at, kind FROM images WHERE digest=? "
                              "ORDER BY created_at, name LIMIT 1", (digest,)).fetchone()
             return self._image(db, row) if row else None
 
     def list_images(self) -> list[ImageInfo]:
         with self.connect() as db:
-            rows = db.execute("SELECT name, digest, created_at FROM images ORDER BY name").fetchall()
+            rows = db.execute("SELECT name, digest, created_at, kind FROM images ORDER BY name").fetchall()
             return [self._image(db, r) for r in rows]
 
     def image_names(self, limit: int = 1000) -> list[str]:
@@ -202,7 +209,7 @@ class Registry:
     # ---- writes (callers hold the store lock) ------------------------------------------
 
     def put_image(self, db: sqlite3.Connection, name: str, layers: Sequence[LayerInfo], *,
-                  replace: bool) -> tuple[ImageInfo, bool]:
+                  replace: bool, kind: str = "image") -> tuple[ImageInfo, bool]:
         """Register `name` -> layers inside the caller's transaction.
 
         Returns (image, changed). Same name and same digest: the existing image, unchanged.
@@ -223,8 +230,8 @@ class Registry:
             db.execute("INSERT OR IGNORE INTO layers(digest, size_bytes, created_at, source) "
                        "VALUES (?,?,?,?)",
                        (lay.digest, lay.size_bytes, lay.created_at.isoformat(), lay.source))
-        db.execute("INSERT INTO images(name, digest, created_at) VALUES (?,?,?)",
-                   (name, digest, now_utc().isoformat()))
+        db.execute("INSERT INTO images(name, digest, created_at, kind) VALUES (?,?,?,?)",
+                   (name, digest, now_utc().isoformat(), kind))
         db.executemany("INSERT INTO image_layers(name, position, layer) VALUES (?,?,?)",
                        [(name, i, d) for i, d in enumerate(digests)])
         image = self.get_image(name, db)

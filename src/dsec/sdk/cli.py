@@ -103,7 +103,7 @@ def image_build(name: str,
                 from_tar: Annotated[Optional[Path], typer.Option(help="a rootfs tarball")] = None,
                 debootstrap: Annotated[Optional[str], typer.Option(help="Debian suite, e.g. bookworm")] = None,
                 include: Annotated[str, typer.Option(help="comma-separated packages for debootstrap")] = "",
-                builtin: Annotated[bool, typer.Option(help="build the built-in image NAME (busybox, debian-python)")] = False,
+                builtin: Annotated[bool, typer.Option(help="build the built-in image NAME (busybox, debian-python, fncall-python)")] = False,
                 replace: bool = False) -> None:
     """Build an image (one EROFS layer) and register it under NAME."""
     from dsec.images.builtin import ensure_builtin
@@ -137,6 +137,82 @@ def image_ls() -> None:
 
 @image_app.command("rm")
 def image_rm(name: str) -> None:
+    try:
+        _images().remove(name)
+    except DsecError as e:
+        _fail(e)
+
+
+@image_app.command("import")
+def image_import(name: str,
+                 oci: Annotated[Optional[Path], typer.Option(help="an OCI image layout directory")] = None,
+                 docker_archive: Annotated[Optional[Path], typer.Option(help="a `docker save` tarball")] = None,
+                 ref: Annotated[Optional[str], typer.Option(help="manifest ref name in the OCI index")] = None,
+                 merge_mb: Annotated[int, typer.Option(help="merge consecutive OCI layers up to this size")] = 3072,
+                 replace: bool = False) -> None:
+    """Import an OCI / docker-archive image as EROFS layers (whiteouts kept)."""
+    try:
+        info = _images().import_oci(name, oci=oci, docker_archive=docker_archive, ref=ref,
+                                    merge_bytes=merge_mb << 20, replace=replace)
+    except DsecError as e:
+        _fail(e)
+    console.print(f"{info.name} {info.digest} {len(info.layers)} layer(s) {info.size_bytes / 1e6:.1f} MB")
+
+
+@image_app.command("gc")
+def image_gc() -> None:
+    """Delete layer files no image or layer references any more."""
+    try:
+        dead = _images().gc()
+    except DsecError as e:
+        _fail(e)
+    console.print(f"deleted {len(dead)} layer file(s)")
+
+
+# -- named layers (workspaces, toolkits) -----------------------------------------------------
+layer_app = typer.Typer(no_args_is_help=True, help="build, list, inspect and remove workspace/toolkit layers")
+app.add_typer(layer_app, name="layer")
+
+
+@layer_app.command("build")
+def layer_build(name: Annotated[str, typer.Argument(help="NAME@VERSION, e.g. django-15388@v2")],
+                from_dir: Annotated[Optional[Path], typer.Option(help="a directory (its tree is the layer)")] = None,
+                from_tar: Annotated[Optional[Path], typer.Option(help="a tarball")] = None,
+                from_git: Annotated[Optional[Path], typer.Option(help="a git checkout (git archive REV)")] = None,
+                rev: str = "HEAD",
+                prefix: Annotated[str, typer.Option(help="where git files land, e.g. work/repo")] = "",
+                chown: Annotated[Optional[str], typer.Option(help="UID[:GID] for every entry")] = None,
+                replace: bool = False) -> None:
+    """Build a layer and register it as NAME@VERSION."""
+    try:
+        info = _images().build_layer(name, from_dir=from_dir, from_tar=from_tar, from_git=from_git,
+                                     rev=rev, prefix=prefix, chown=chown, replace=replace)
+    except DsecError as e:
+        _fail(e)
+    console.print(f"{info.name} {info.digest} {info.size_bytes / 1e6:.1f} MB")
+
+
+@layer_app.command("ls")
+def layer_ls() -> None:
+    t = Table("name", "digest", "layers", "size MB", "created")
+    for i in _images().list():
+        if i.kind == "layer":
+            t.add_row(i.name, i.digest[:19], str(len(i.layers)), f"{i.size_bytes / 1e6:.1f}",
+                      i.created_at.isoformat(timespec="seconds"))
+    console.print(t)
+
+
+@layer_app.command("inspect")
+def layer_inspect(name: str) -> None:
+    try:
+        info = _images().get(name, "name")
+    except DsecError as e:
+        _fail(e)
+    print(info.model_dump_json(indent=2))
+
+
+@layer_app.command("rm")
+def layer_rm(name: str) -> None:
     try:
         _images().remove(name)
     except DsecError as e:
@@ -241,6 +317,19 @@ def bench_fncall(n_python: int = 3000, n_c: int = 300, n_sandbox: int = 30, n_la
     from dsec.bench.fncall import run_fncall_bench
     run_fncall_bench(n_python=n_python, n_c=n_c, n_sandbox=n_sandbox, n_latency=n_latency,
                      concurrency=concurrency, sandbox_parallel=sandbox_parallel, out=out)
+
+
+@bench_app.command("images")
+def bench_images(image: str = "debian-python", latency_ms: float = 5.0, chunk_mb: int = 2) -> None:
+    """Lazy (FUSE, on-demand chunks) vs full copy vs tar.gz unpack: bytes fetched, time to ready."""
+    from dsec.bench.images import run_images_bench
+    rows = run_images_bench(image=image, latency_ms=latency_ms, chunk=chunk_mb << 20)
+    t = Table("way", "image MB", "fetched MB", "fetched %", "ready s",
+              title=f"{image}, {latency_ms:g} ms per {chunk_mb} MiB request")
+    for r in rows:
+        t.add_row(r["way"], f"{r['image_bytes'] / 1e6:.1f}", f"{r['bytes_fetched'] / 1e6:.1f}",
+                  f"{100 * r['bytes_fetched'] / r['image_bytes']:.1f}", f"{r['ready_s']:.2f}")
+    console.print(t)
 
 
 def main() -> None:

@@ -22,6 +22,7 @@ import httpx
 
 from dsec.config import DEFAULT_PORT, Paths
 from dsec.types import FnCallBatch, FnCallBatchItem, FnCallRequest, FnCallResult, FnCallStatus
+from dsec.types import PackDiffRequest
 from dsec.types import (ERRORS_BY_CODE, ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult,
                         FileEntry, FileList, ImageInfo, ImageList, NetworkPolicy, NodeStatus, SandboxInfo, SandboxList,
                         Unavailable)
@@ -189,6 +190,10 @@ class Client:
         resp = await self._request("POST", "/v1/fncall", content=req.model_dump_json(), headers=JSON)
         return FnCallResult.model_validate_json(resp.content)
 
+    async def fncall_pools(self) -> list[dict[str, Any]]:
+        """The FnCall backend's warm pools on every node (workers, idle, starting, waiting, calls)."""
+        return (await self._request("GET", "/v1/fncall/pools")).json()
+
     async def fncall_many(self, calls: "Iterable[FnCallRequest | dict[str, Any]]", *, concurrency: int = 64,
                           batch_size: int | None = None) -> list[FnCallResult]:
         """Run many calls with at most `concurrency` in flight; results[i] belongs to calls[i].
@@ -231,7 +236,7 @@ class Client:
                         results[i] = _fncall_failed(reqs[i], "the server ended the batch without this result")
 
         await asyncio.gather(*(stream_chunks() for _ in range(max(1, concurrency // size))))
-        return [r for r in results if r is not None]
+        return [r if r is not None else _fncall_failed(items[i], "no result") for i, r in enumerate(results)]
 
 
 @dataclass
@@ -323,6 +328,16 @@ class Sandbox:
         resp = await self._c._request("PUT", f"{self._base}/network", content=policy.model_dump_json(), headers=JSON)
         self.info = SandboxInfo.model_validate_json(resp.content)
         return self.info
+
+    async def pack_diff(self, name: str, *, scrub: list[str] | None = None,
+                        replace: bool = False) -> ImageInfo:
+        """Snapshot this sandbox's changes as workspace layer `name` ('NAME@VERSION'); start
+        new sandboxes from it with create_container(..., workspace=name). `scrub`: paths
+        left out (default dsec.types.DEFAULT_SCRUB: /tmp, caches, shell history)."""
+        req = PackDiffRequest(name=name, scrub=scrub, replace=replace)
+        resp = await self._c._request("POST", f"{self._base}/pack_diff",
+                                      content=req.model_dump_json(), headers=JSON)
+        return ImageInfo.model_validate_json(resp.content)
 
     async def stop(self) -> SandboxInfo:
         resp = await self._c._request("DELETE", self._base)

@@ -17,6 +17,7 @@ import socket
 from pathlib import Path
 
 from dsec.backends.container import cgroups
+from dsec.backends.container.disk import open_quotas
 from dsec.backends.container.network import SandboxNetworks
 from dsec.backends.container.spec import ContainerSpec, build_config, cgroup_path
 from dsec.config import Paths
@@ -43,6 +44,8 @@ class ContainerDriver:
             raise Unavailable(problem, fix=problem)
         # per-sandbox egress policy (cgroup-BPF) and, when a policy allows anything, a veth
         self.net = SandboxNetworks(paths, lambda sid: cgroups.v2_dir(cgroup_path(sid)))
+        # writable-layer quota: sandbox dirs are btrfs subvolumes with a limit (or polled)
+        self.disk = open_quotas(paths)
 
     # -- paths ---------------------------------------------------------------------------
     def sandbox_dir(self, sandbox_id: str) -> Path:
@@ -70,7 +73,7 @@ class ContainerDriver:
             raise
 
     def _prepare_bundle(self, d: Path, spec: ContainerSpec) -> None:
-        d.mkdir(mode=0o700, parents=True, exist_ok=False)
+        self.disk.create_dir(d, spec.disk_mb << 20)   # mode 0700; a quota'd subvolume if possible
         for sub in ("upper", "work", "rootfs", "run"):
             (d / sub).mkdir(mode=0o700)
         # overlay needs the upper root to be traversable by the sandbox user
@@ -134,8 +137,17 @@ class ContainerDriver:
                 log.warning("cgroup left behind", extra={"sandbox": sandbox_id, "path": str(cg), "error": str(e)})
         d = self.sandbox_dir(sandbox_id)
         if d.exists():
-            await asyncio.to_thread(shutil.rmtree, d, True)
+            await asyncio.to_thread(self.disk.remove_dir, d)
         await self.net.release(sandbox_id)   # veth (if any), IP, BPF map entries
+
+    @property
+    def disk_enforced(self) -> bool:
+        """True when the kernel enforces disk_mb; else the edge polls `disk_usage`."""
+        return self.disk.enforced
+
+    def disk_usage(self, sandbox_id: str) -> int:
+        """Bytes in the sandbox's writable layer (a walk: for the polling fallback only)."""
+        return self.disk.usage(self.sandbox_dir(sandbox_id) / "upper")
 
     def _pid(self, sandbox_id: str) -> int:
         """Host pid of the sandbox's agent (crun's --pid-file): the way into its namespaces."""

@@ -31,6 +31,9 @@ class ContainerSpec:
     workdir: str
     hostname: str = "sandbox"
     network: tuple = ()             # resolved egress allow-list (dsec.security.netpolicy.Allow)
+    disk_mb: int = 10240            # writable-layer quota (disk.py)
+    nofile: int = 4096              # RLIMIT_NOFILE of every command (soft = hard)
+    max_file_mb: int | None = None  # RLIMIT_FSIZE of every command; None: unlimited
 
 
 def cgroup_path(sandbox_id: str) -> str:
@@ -50,11 +53,15 @@ def build_config(spec: ContainerSpec, agent_binary: Path, *, cgroup_v2: bool) ->
             # The agent starts as root inside the sandbox so it can run each command as the
             # sandbox's user (non-root by default); commands get no capabilities unless root.
             "user": {"uid": 0, "gid": 0},
-            "args": [AGENT_PATH_IN_SANDBOX, "-w", spec.workdir, "-u", str(spec.uid), "-g", str(spec.gid)],
+            # The agent confines every command with Landlock (its own domain per exec/session)
+            # and sets the per-command limits below (dsec-agent.c, docs/agent-protocol.md).
+            "args": [AGENT_PATH_IN_SANDBOX, "-w", spec.workdir, "-u", str(spec.uid), "-g", str(spec.gid),
+                     "-n", str(spec.nofile), "-F", str((spec.max_file_mb or 0) << 20)],
             "env": [f"PATH={DEFAULT_PATH}", "LANG=C.UTF-8"],
             "cwd": "/",
             "capabilities": {k: list(CAPABILITIES) for k in ("bounding", "effective", "permitted")},
-            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": nofile, "soft": nofile}],
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": nofile, "soft": nofile},
+                        {"type": "RLIMIT_CORE", "hard": 0, "soft": 0}],
             "noNewPrivileges": True,
         },
         "root": {"path": "rootfs", "readonly": False},

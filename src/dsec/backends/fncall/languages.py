@@ -29,6 +29,7 @@ class Language:
     limit_address_space: bool = True
     min_processes: int = 0                        # runtimes with many threads (JVM) need more
     compile_memory_mb: int = 2048                 # compilers need more than the program
+    artifacts: tuple[str, ...] = ("main",)        # what the compile step makes (kept in the compile cache)
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -55,7 +56,7 @@ LANGUAGES: tuple[Language, ...] = (
              needs=("rustc",), aliases=("rs",)),
     Language("java", "Main.java", ("java", "-Xmx{memory_mb}m", "-Xss64m", "Main"), "native",
              compile=("javac", "-encoding", "UTF-8", "{src}"), needs=("javac", "java"),
-             limit_address_space=False, min_processes=256),
+             limit_address_space=False, min_processes=256, artifacts=("*.class",)),
 )
 
 _BY_NAME: dict[str, Language] = {}

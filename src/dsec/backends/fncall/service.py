@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import itertools
+import json
 import logging
+import os
 import signal
 import time
 from typing import TYPE_CHECKING
@@ -91,6 +94,18 @@ class FnCallService:
     def free_uid(self, uid: int) -> None:
         self._free_uids.insert(0, uid)   # reuse the longest-free first
 
+    def allocate_cpu(self) -> int | None:
+        """The CPU (of those this process may use) with the fewest live workers pinned to it."""
+        if not self.settings.pin_cpu:
+            return None
+        cpus = sorted(os.sched_getaffinity(0))
+        load = {c: 0 for c in cpus}
+        for pool in self.pools.values():
+            for w in pool.workers:
+                if w.cpu in load and not w.dead:
+                    load[w.cpu] += 1
+        return min(cpus, key=lambda c: (load[c], c))
+
     def learn_languages(self, image: str, names: set[str]) -> None:
         self._languages[image] = set(names)
 
@@ -116,10 +131,10 @@ class FnCallService:
         w = await self._acquire(image, langs.resolve(language))
         w.pool.release(w)
 
-    async def _acquire(self, image: str, lang: langs.Language) -> Worker:
+    async def _acquire(self, image: str, lang: langs.Language, prefer: str | None = None) -> Worker:
         self._check_language(lang, image, self._languages.get(image))
         pool = await self._pool(image, lang.family)
-        w = await pool.acquire()
+        w = await pool.acquire(prefer)
         if lang.name not in w.languages:
             pool.release(w)
             self._check_language(lang, image, w.languages)
@@ -128,10 +143,10 @@ class FnCallService:
     async def run(self, req: FnCallRequest) -> FnCallResult:
         t0 = time.monotonic()
         lang = langs.resolve(req.language)
-        w = await self._acquire(req.image, lang)
-        queued = time.monotonic() - t0
         rid = next(self._ids)
         payload = build_payload(req, lang, rid)
+        w = await self._acquire(req.image, lang, prefer=payload["cache_key"])
+        queued = time.monotonic() - t0
         timeout = req.timeout_s + (req.compile_timeout_s if lang.compile else 0) + self.settings.call_slack_s
         w.calls += 1
         try:
@@ -148,6 +163,8 @@ class FnCallService:
         except (DsecError, AgentDisconnected, AgentError, OSError) as e:
             w.pool.release(w, retire=f"call failed: {e}")
             return _failed(lang, f"{e}", queued, t0, w)
+        if raw.get("cache") and payload["cache_key"]:
+            w.remember_compiled(payload["cache_key"])
         w.pool.release(w, retire=None if raw.get("clean") else (raw.get("error") or "cleanup failed"))
         res = to_result(raw, lang, blobs)
         res.queue_s, res.total_s, res.executor = queued, time.monotonic() - t0, w.sandbox_id
@@ -178,7 +195,12 @@ def build_payload(req: FnCallRequest, lang: langs.Language, rid: int) -> dict:
     if lang.source in files:
         raise InvalidArgument(f"files must not contain {lang.source!r}: the code goes there",
                               field="files", fix="pass the program as `code`")
+    key = None
+    if lang.compile:   # same program, same files, same compiler: compiled once per container
+        h = hashlib.sha256(json.dumps([lang.name, steps[0]["argv"], req.code, sorted(files.items())]).encode())
+        key = h.hexdigest()
     return {"id": rid, "source": lang.source, "code": req.code, "files": files,
+            "cache_key": key, "artifacts": list(lang.artifacts),
             "stdin": base64.b64encode(req.stdin.encode()).decode() if req.stdin is not None else None,
             "steps": steps, "env": {**BASE_ENV, **lang.env, **req.env}, "args": list(req.args),
             "max_processes": max(req.max_processes, lang.min_processes), "max_file_mb": req.max_file_mb,
@@ -192,6 +214,7 @@ def _blob(b: dict, blobs: dict[str, bytes]) -> bytes:
 
 def _step(raw: dict, blobs: dict[str, bytes]) -> FnCallStep:
     return FnCallStep(exit_code=raw["exit_code"], signal=raw["signal"], timed_out=raw["timed_out"],
+                      cached=raw.get("cached", False),
                       output_limited=raw["output_limited"],
                       stdout=_blob(raw["stdout"], blobs).decode(errors="replace"),
                       stderr=_blob(raw["stderr"], blobs).decode(errors="replace"),

@@ -35,14 +35,15 @@ files{rel: blob}, clean, error. A blob is {"b64": ...} when small, else {"path":
 (a root-only file under <work root>/out that the edge reads with FILE_READ before the next call).
 """
 
-import atexit  # noqa: F401  (loaded once here: call processes use them)
+import atexit
 import base64
-import builtins  # noqa: F401
+import builtins
 import ctypes
 import gc
-import io  # noqa: F401
+import io
 import json
 import os
+import re
 import resource
 import select
 import shutil
@@ -51,8 +52,8 @@ import socket
 import stat
 import sys
 import time
-import traceback  # noqa: F401
-import types  # noqa: F401
+import traceback
+import types
 
 ROOT = "/fncall"            # the container's workdir; this script lives here
 SHM = "/dev/shm/fncall"     # work root for pools without compiled programs
@@ -111,6 +112,15 @@ def _safe_rel(rel):
 # ------------------------------------------------------------------------------------------
 
 def zygote_main(sock, manager_pid, preload, env):
+    """Fork one call process per request and report how it ended.
+
+    Synchronous on purpose: the manager sends the next request to a zygote only after it
+    reported the previous one done, so a blocking wait4 needs no signal handling and costs no
+    extra wake-ups. Every process of a call descends from its zygote (the child subreaper, so
+    orphans come back here): "no children left" means "nothing of the call is left". The exit
+    report says whether anything is; if so, the manager kills the call uid and the zygote
+    reports "empty" once it has reaped the last of them.
+    """
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != manager_pid:
         os._exit(1)
@@ -129,70 +139,43 @@ def zygote_main(sock, manager_pid, preload, env):
             pass
     gc.collect()
     gc.freeze()               # children share these pages instead of touching them in gc
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_r, False)
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
+    global _VM_SIZE
+    _VM_SIZE = _vm_size() + (8 << 20)   # + slack for what a call process allocates to start
     sock.send(json.dumps({"ready": loaded}).encode())
-    poller = select.poll()
-    poller.register(sock.fileno(), select.POLLIN)
-    poller.register(wake_r, select.POLLIN)
-    current = None
-    waiting_empty = False
     while True:
-        for fd, _ in poller.poll():
-            if fd == wake_r:
-                try:
-                    while os.read(wake_r, 4096):
-                        pass
-                except BlockingIOError:
-                    pass
-                continue
-            msg, fds, _, _ = socket.recv_fds(sock, 64, 5)
-            if not msg:
-                os._exit(0)
-            try:
-                pid = os.fork()
-            except OSError as e:
-                for f in fds:
-                    os.close(f)
-                sock.send(json.dumps({"error": "fork failed: %s" % e}).encode())
-                continue
-            if pid == 0:
-                sock.close()
-                signal.set_wakeup_fd(-1)
-                os.close(wake_r)
-                os.close(wake_w)
-                call_main(int(msg), fds)       # never returns
+        msg, fds, _, _ = socket.recv_fds(sock, 64, 5)
+        if not msg:
+            os._exit(0)
+        try:
+            pid = os.fork()
+        except OSError as e:
             for f in fds:
                 os.close(f)
-            current = pid
-            sock.send(json.dumps({"pid": pid}).encode())
-        # Reap the call process and whatever it left to us. Every process of a call descends
-        # from Z (Z is the subreaper, so orphans come back here), so "Z has no children" means
-        # "nothing of the call is left": the manager skips the kill when the exit says so, and
-        # otherwise waits for "empty" after killing.
-        exit_msg = None
-        while True:
+            sock.send(json.dumps({"error": "fork failed: %s" % e}).encode())
+            continue
+        if pid == 0:
+            sock.close()
+            call_main(int(msg), fds)       # never returns
+        for f in fds:
+            os.close(f)
+        _, status, ru = os.wait4(pid, 0)
+        children = False
+        while True:           # reap what already died; are there others?
             try:
-                pid, status, ru = os.wait4(-1, os.WNOHANG)
+                other, _ = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
-                children = False
                 break
-            if pid == 0:
+            if other == 0:
                 children = True
                 break
-            if pid == current:
-                current = None
-                exit_msg = {"exit": pid, "status": status, "cpu_s": ru.ru_utime + ru.ru_stime,
-                            "max_rss_kb": ru.ru_maxrss, "minflt": ru.ru_minflt}
-        if exit_msg is not None:
-            exit_msg["alive"] = children
-            sock.send(json.dumps(exit_msg).encode())
-            waiting_empty = children
-        elif waiting_empty and not children:
-            waiting_empty = False
+        sock.send(b'{"exit": %d, "status": %d, "cpu_s": %.6f, "max_rss_kb": %d, "minflt": %d, "alive": %s}' % (
+            pid, status, ru.ru_utime + ru.ru_stime, ru.ru_maxrss, ru.ru_minflt, b"true" if children else b"false"))
+        if children:
+            while True:
+                try:
+                    os.waitpid(-1, 0)
+                except ChildProcessError:
+                    break
             sock.send(b'{"empty": true}')
 
 
@@ -249,8 +232,7 @@ def _set_limits(spec, step, warm):
     if step["limit_address_space"]:
         base = 0
         if warm:   # the forked interpreter already maps the preloaded modules
-            with open("/proc/self/statm") as f:
-                base = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+            base = _VM_SIZE or _vm_size()
         else:
             base = 64 << 20   # loader, libc, libstdc++
         _lower(resource.RLIMIT_AS, base + mem)
@@ -262,6 +244,14 @@ def _set_limits(spec, step, warm):
     _lower(resource.RLIMIT_NOFILE, 1024)
     _lower(resource.RLIMIT_CORE, 0)
     _lower(resource.RLIMIT_STACK, min(mem, 256 << 20), soft_only=True)
+
+
+_VM_SIZE = 0     # a zygote's address space size, measured once before it forks calls
+
+
+def _vm_size():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _lower(which, value, soft_only=False, hard=None):
@@ -364,30 +354,49 @@ class Manager:
         self.cfg = cfg
         self.zygotes = {}          # name -> (pid, socket, preloaded module names)
         self._leftovers = set()    # zygotes that still have processes of the current call
+        self._names = None         # regex of module names that pick a bigger zygote
+        self._blobs_left = False   # the last result left files in self.out
+        self._null = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+        self.tmp_dirs = []         # world-writable dirs to clean after every call
+        self._loaded = set()
         root = ROOT
         if cfg.get("work_on_shm") and os.path.isdir("/dev/shm"):
             root = SHM
         self.work = root + "/w"
         self.out = root + "/out"
+        self.cache = CompileCache(ROOT + "/cache", cfg.get("cache_entries", 256), cfg.get("cache_bytes", 256 << 20))
 
     # -- start ----------------------------------------------------------------------------
     def start(self):
         os.umask(0o022)
+        if self.cfg.get("cpu") is not None:
+            try:
+                os.sched_setaffinity(0, {self.cfg["cpu"]})
+            except OSError:
+                pass
         for d, mode in ((ROOT, 0o711), (os.path.dirname(self.work), 0o711), (self.work, 0o711),
                         (self.out, 0o700)):
             os.makedirs(d, exist_ok=True)
             os.chmod(d, mode)
-        for d in (self.work, self.out):
+        for d in (self.work, self.out, self.cache.root):
+            os.makedirs(d, exist_ok=True)
             for name in os.listdir(d):
                 _remove(os.path.join(d, name))
+        os.chmod(self.cache.root, 0o711)
         for d in TMP_DIRS:
             if os.path.isdir(d) and not os.path.islink(d):
                 try:
                     os.chmod(d, 0o1777)
                 except OSError:
                     pass
+                self.tmp_dirs.append(d)
         for name, preload in self.cfg.get("zygotes", {"base": []}).items():
             self._start_zygote(name, preload)
+        # every zygote also has what this script imported before forking it (json, re, ...)
+        self._loaded = {m.split(".")[0] for m in sys.modules}
+        base = set(self.zygotes["base"][2]) | self._loaded
+        extra = sorted({m.split(".")[0] for _, _, mods in self.zygotes.values() for m in mods} - base)
+        self._names = re.compile(r"\b(%s)\b" % "|".join(map(re.escape, extra))) if extra else None
         langs = [name for name, needs in self.cfg.get("probes", {}).items()
                  if all(shutil.which(b) for b in needs)]
         return {"ready": True, "languages": langs, "python": sys.version.split()[0], "uid": self.uid,
@@ -412,20 +421,27 @@ class Manager:
         self.zygotes[name] = (pid, ms, ready["ready"])
 
     def _zygote_for(self, step, code):
-        """Warm Python code goes to the first zygote (besides "base") whose preloaded
-        modules the code names; everything else to "base"."""
-        if step["argv"] is None:
-            for name, (_, sock, mods) in self.zygotes.items():
-                if name != "base" and any(m in code for m in mods):
-                    return sock
-        return self.zygotes["base"][1]
+        """Warm Python code goes to the first zygote (in config order) that preloaded every
+        module the code names, so it forks from the smallest process that has what it needs
+        (fork and exit cost grows with the process size). Everything else goes to "base"."""
+        base = self.zygotes["base"][1]
+        if step["argv"] is None and self._names is not None:
+            named = set(self._names.findall(code))
+            if named:
+                for _, sock, mods in self.zygotes.values():
+                    if named <= set(mods) | self._loaded:
+                        return sock
+                return list(self.zygotes.values())[-1][1]
+        return base
 
     # -- one call -------------------------------------------------------------------------
     def handle(self, req):
         t0 = time.monotonic()
         rid = int(req["id"])
-        for name in os.listdir(self.out):      # blobs of the previous call: the edge has read them
-            _remove(os.path.join(self.out, name))
+        if self._blobs_left:                   # blobs of the previous call: the edge has read them
+            for name in os.listdir(self.out):
+                _remove(os.path.join(self.out, name))
+            self._blobs_left = False
         cwd = "%s/%d" % (self.work, rid)
         result = {"id": rid, "steps": [], "files": {}, "clean": False, "error": None}
         spec_fd = stdin_fd = None
@@ -439,22 +455,31 @@ class Manager:
                         "max_processes": req["max_processes"], "max_file_mb": req["max_file_mb"]}
                 spec_fd = _memfd(json.dumps(spec).encode())
                 stdin = req.get("stdin")
-                stdin_fd = _memfd(base64.b64decode(stdin) if stdin is not None else b"")
+                stdin_fd = _memfd(base64.b64decode(stdin)) if stdin is not None else os.dup(self._null)
             except (ValueError, OSError) as e:
                 result["error"] = "could not prepare the call: %s" % e
                 result["setup_failed"] = True
             else:
                 result["setup_s"] = time.monotonic() - t0
+                key, artifacts = req.get("cache_key"), req.get("artifacts", [])
                 for i, step in enumerate(spec["steps"]):
+                    if step["name"] == "compile" and key and self.cache.fetch(key, cwd):
+                        result["steps"].append(_cached_step())
+                        result["cache"] = "hit"
+                        continue
                     zsock = self._zygote_for(step, req["code"])
                     res = self._run_step(zsock, spec_fd, stdin_fd, i, step,
                                          req["output_cap"], req["inline_max"], rid)
-                    if res.pop("alive"):
+                    alive = res.pop("alive")
+                    if alive:
                         self._leftovers.add(zsock)
                     result["steps"].append(res)
-                    if step["name"] == "compile" and (res["exit_code"] != 0 or res["timed_out"]
-                                                      or res["output_limited"]):
-                        break
+                    if step["name"] == "compile":
+                        if res["exit_code"] != 0 or res["timed_out"] or res["output_limited"]:
+                            break
+                        # only what the compiler alone produced (no process of the call left)
+                        if key and not alive and self.cache.store(key, cwd, artifacts):
+                            result["cache"] = "stored"
         finally:
             for f in (spec_fd, stdin_fd):
                 if f is not None:
@@ -464,11 +489,17 @@ class Manager:
             result["clean"] = clean
             if err:
                 result["error"] = (result["error"] + "; " if result["error"] else "") + err
-            result["files"] = {rel: _blob(data, self.out, "%d.f%d" % (rid, i), req["inline_max"])
+            result["files"] = {rel: self._blob(data, "%d.f%d" % (rid, i), req["inline_max"])
                                for i, (rel, data) in enumerate(files.items())}
             result["cleanup_s"] = time.monotonic() - t1
             result["wall_s"] = time.monotonic() - t0
         return result
+
+    def _blob(self, data, name, inline_max):
+        if len(data) <= inline_max:
+            return {"b64": base64.b64encode(data).decode()}
+        self._blobs_left = True
+        return _blob(data, self.out, name, inline_max)
 
     def _prepare(self, req, cwd):
         os.mkdir(cwd, 0o700)
@@ -513,7 +544,7 @@ class Manager:
         exited = None
         exit_t = None
         killed_t = None
-        timed_out = limited = False
+        timed_out = limited = emptied = False
         try:
             while True:
                 now = time.monotonic()
@@ -538,8 +569,9 @@ class Manager:
                             raise Fatal(msg["error"])
                         if "exit" in msg:
                             exited, exit_t = msg, time.monotonic()
-                        elif msg.get("empty"):     # an earlier step's leftovers are gone
+                        elif msg.get("empty"):     # leftovers (of this or an earlier step) are gone
                             self._leftovers.discard(zsock)
+                            emptied = True
                         continue
                     data = os.read(fd, 1 << 16)
                     if not data:
@@ -573,12 +605,12 @@ class Manager:
         py = {b"C": "compiled", b"S": "syntax"}.get(bytes(status[:1]))
         if b"M" in status:
             py = "memory"
-        return {"name": step["name"], "alive": exited["alive"], "minflt": exited["minflt"],
+        return {"name": step["name"], "alive": exited["alive"] and not emptied, "minflt": exited["minflt"],
                 "exit_code": code, "signal": sig, "timed_out": timed_out,
                 "output_limited": limited, "wall_s": exit_t - t0, "cpu_s": exited["cpu_s"],
                 "max_rss_kb": exited["max_rss_kb"], "python": py,
-                "stdout": _blob(bytes(bufs[out_r]), self.out, "%d.%d.out" % (rid, index), inline_max),
-                "stderr": _blob(bytes(bufs[err_r]), self.out, "%d.%d.err" % (rid, index), inline_max),
+                "stdout": self._blob(bytes(bufs[out_r]), "%d.%d.out" % (rid, index), inline_max),
+                "stderr": self._blob(bytes(bufs[err_r]), "%d.%d.err" % (rid, index), inline_max),
                 "stdout_bytes": totals[out_r], "stderr_bytes": totals[err_r]}
 
     # -- cleanup --------------------------------------------------------------------------
@@ -616,8 +648,8 @@ class Manager:
         if self._leftovers:
             self._kill_all()
             self._wait_empty()
-        if _uid_processes(self.uid):     # cannot happen: every call process descends from a zygote
-            raise Fatal("a process of the call uid outside the zygotes' trees")
+            if _uid_processes(self.uid):     # cannot happen: every call process descends from a zygote
+                raise Fatal("a process of the call uid outside the zygotes' trees")
         files = _read_files(cwd, fetch, fetch_max) if fetch else {}
         problems = []
         if _has_ipc(self.uid):
@@ -628,7 +660,7 @@ class Manager:
                 os.setresuid(-1, 0, -1)
             if _has_ipc(self.uid):
                 problems.append("SysV IPC objects of the call uid survived")
-        for p in [cwd] + [os.path.join(d, n) for d in TMP_DIRS if os.path.isdir(d)
+        for p in [cwd] + [os.path.join(d, n) for d in self.tmp_dirs
                           for n in _owned_entries(d, self.uid)]:
             try:
                 _remove(p)
@@ -664,6 +696,75 @@ class Manager:
                 _write_all(out, (json.dumps({"id": req.get("id"), "fatal": str(e)}) + "\n").encode())
                 raise
             _write_all(out, (json.dumps(res) + "\n").encode())
+
+
+class CompileCache:
+    """Compiled artifacts by key (a hash of language, compiler argv, code and files, made by the
+    edge), so the same program run on many inputs compiles once per container. Entries are
+    root-owned (0755): a call gets hard links it can execute but not modify. Least recently
+    used entries go first beyond `max_entries` or `max_bytes`."""
+
+    def __init__(self, root, max_entries, max_bytes):
+        self.root = root
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.entries = {}          # key -> (size, [names]); dict order = recency
+
+    def fetch(self, key, cwd):
+        entry = self.entries.pop(key, None)
+        if entry is None:
+            return False
+        self.entries[key] = entry
+        d = os.path.join(self.root, key)
+        try:
+            for name in entry[1]:
+                os.link(os.path.join(d, name), os.path.join(cwd, name))
+        except OSError:
+            self._drop(key)
+            return False
+        return True
+
+    def store(self, key, cwd, patterns):
+        import fnmatch
+        if not all(c in "0123456789abcdef" for c in key) or key in self.entries:
+            return False
+        try:
+            names = sorted(n for n in os.listdir(cwd) if any(fnmatch.fnmatchcase(n, p) for p in patterns))
+            if not names:
+                return False
+            tmp = os.path.join(self.root, ".tmp-" + key)
+            _remove(tmp)
+            os.mkdir(tmp, 0o711)
+            size = 0
+            for name in names:
+                data = _read_beneath(cwd, name, self.max_bytes + 1)
+                if len(data) > self.max_bytes:
+                    raise ValueError("artifact too large")
+                fd = os.open(os.path.join(tmp, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o755)
+                try:
+                    _write_all(fd, data)
+                finally:
+                    os.close(fd)
+                size += len(data)
+            os.rename(tmp, os.path.join(self.root, key))
+        except (OSError, ValueError):
+            _remove(os.path.join(self.root, ".tmp-" + key))
+            return False
+        self.entries[key] = (size, names)
+        while len(self.entries) > self.max_entries or sum(e[0] for e in self.entries.values()) > self.max_bytes:
+            self._drop(next(iter(self.entries)))
+        return True
+
+    def _drop(self, key):
+        self.entries.pop(key, None)
+        _remove(os.path.join(self.root, key))
+
+
+def _cached_step():
+    return {"name": "compile", "cached": True, "exit_code": 0, "signal": None, "timed_out": False,
+            "output_limited": False, "wall_s": 0.0, "cpu_s": 0.0, "max_rss_kb": 0, "minflt": 0,
+            "python": None, "stdout": {"b64": ""}, "stderr": {"b64": ""}, "stdout_bytes": 0,
+            "stderr_bytes": 0}
 
 
 def _zmsg(sock, timeout=None):

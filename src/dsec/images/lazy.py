@@ -1,0 +1,194 @@
+"""On-demand layer loading: per-chunk digests recorded at build, and the node's lazy view.
+
+The layer store (Paths.store) may be a shared filesystem. With DSEC_LAZY=1 a node does not
+mount layer files from it directly: it runs one FUSE daemon (lazyfs.py under Debian's
+python3 with python3-pyfuse3) mounted at <home>/lazy/mnt, which exposes every layer as
+<hex>.erofs and fetches aligned chunks on first read into a bounded LRU cache on local disk
+(<home>/lazy/cache, survives restarts), each chunk verified against the digest recorded at
+build time (<hex>.chunks.json next to the layer). EROFS is then mounted file-backed from that
+view. A failing or slow store turns into EIO for the reading process, never a hang.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from dsec.config import Paths
+from dsec.types import InvalidArgument, Unavailable
+
+from .mounts import MNT_DETACH, mountinfo, sys_umount
+from .store import FileLock, check_digest
+
+log = logging.getLogger("dsec.images")
+
+DEFAULT_CHUNK = 2 << 20
+FS_TYPE = "fuse.dsec-lazy"
+LAZYFS = Path(__file__).with_name("lazyfs.py")
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+def manifest_file(layer: Path) -> Path:
+    return layer.with_name(layer.name[:64] + ".chunks.json")
+
+
+def write_manifest(layer: Path, chunk: int = DEFAULT_CHUNK) -> Path:
+    """Record the sha256 of every aligned `chunk`-byte piece of a layer file (atomically)."""
+    if chunk < 4096 or chunk & (chunk - 1) or chunk > 64 << 20:
+        raise InvalidArgument(f"bad chunk size {chunk}", field="chunk",
+                              fix="a power of two between 4 KiB and 64 MiB, e.g. 2 MiB")
+    digests = []
+    size = 0
+    with open(layer, "rb", buffering=0) as f:
+        while data := f.read(chunk):
+            digests.append(hashlib.sha256(data).hexdigest())
+            size += len(data)
+    out = manifest_file(layer)
+    tmp = out.with_name(f".tmp-{os.getpid()}-{out.name}")
+    tmp.write_text(json.dumps({"size": size, "chunk": chunk, "sha256": digests}))
+    os.replace(tmp, out)
+    return out
+
+
+class LazyView:
+    """The node's one lazy FUSE view of the layer store (started on first use, idempotent
+    across threads and processes)."""
+
+    def __init__(self, paths: Paths, *, store: Path | None = None, chunk: int = DEFAULT_CHUNK,
+                 cache_bytes: int | None = None, latency_ms: float | None = None,
+                 timeout_s: float | None = None, root: Path | None = None):
+        self.paths = paths
+        self.store = Path(store or paths.store)
+        self.root = Path(root or paths.home / "lazy")
+        self.mnt = self.root / "mnt"
+        self.cache = self.root / "cache"
+        self.chunk = chunk
+        env = os.environ
+        self.cache_bytes = cache_bytes if cache_bytes is not None else int(
+            env.get("DSEC_LAZY_CACHE_BYTES", str(8 << 30)))
+        self.latency_ms = latency_ms if latency_ms is not None else float(
+            env.get("DSEC_LAZY_LATENCY_MS", "0"))
+        self.timeout_s = timeout_s if timeout_s is not None else float(
+            env.get("DSEC_LAZY_TIMEOUT_S", "30"))
+        self._lock = FileLock(self.root / ".lock")
+
+    def is_mounted(self) -> bool:
+        mp = os.path.realpath(self.mnt)
+        return any(m.mountpoint == mp and m.fstype == FS_TYPE for m in mountinfo())
+
+    def start(self) -> None:
+        if self.is_mounted():
+            return
+        with self._lock:
+            if self.is_mounted():
+                return
+            if not os.path.exists(SYSTEM_PYTHON) or subprocess.run(
+                    [SYSTEM_PYTHON, "-c", "import pyfuse3, trio"], capture_output=True).returncode:
+                raise Unavailable("the lazy layer view needs Debian's python3-pyfuse3",
+                                  fix="apt-get install -y python3-pyfuse3 fuse3, or unset DSEC_LAZY")
+            self.mnt.mkdir(parents=True, exist_ok=True)
+            self.cache.mkdir(parents=True, exist_ok=True)
+            try:                      # a daemon that died leaves "transport endpoint not connected"
+                sys_umount(str(self.mnt), MNT_DETACH)
+            except OSError:
+                pass
+            logf = open(self.root / "lazyfs.log", "ab")
+            proc = subprocess.Popen(
+                [SYSTEM_PYTHON, str(LAZYFS), "--store", str(self.store), "--cache", str(self.cache),
+                 "--mount", str(self.mnt), "--cache-bytes", str(self.cache_bytes),
+                 "--latency-ms", str(self.latency_ms), "--timeout-s", str(self.timeout_s)],
+                stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True,
+                close_fds=True)
+            logf.close()
+            (self.root / "pid").write_text(str(proc.pid))
+            deadline = time.monotonic() + 20
+            while not self.is_mounted():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    proc.kill()
+                    tail = (self.root / "lazyfs.log").read_bytes()[-1500:].decode(errors="replace")
+                    raise Unavailable(f"the lazy layer view did not start: {tail}",
+                                      fix=f"see {self.root / 'lazyfs.log'}")
+                time.sleep(0.02)
+            log.info("lazy layer view of %s at %s (pid %d)", self.store, self.mnt, proc.pid)
+
+    def stop(self) -> None:
+        """Unmount the view (the daemon exits). EROFS mounts still using it keep a reference
+        until they are unmounted; unmount those first."""
+        with self._lock:
+            pid = None
+            try:
+                pid = int((self.root / "pid").read_text())
+            except (OSError, ValueError):
+                pass
+            for _ in range(4):
+                if not self.is_mounted():
+                    break
+                r = subprocess.run(["fusermount3", "-u", "-z", str(self.mnt)], capture_output=True) \
+                    if shutil.which("fusermount3") else None
+                if r is None or r.returncode:
+                    try:
+                        sys_umount(str(self.mnt), MNT_DETACH)
+                    except OSError:
+                        pass
+            # the daemon sees the unmount only once the last user of the (lazily
+            # detached) connection is gone; it holds no state worth a graceful exit
+            if pid and _cmdline_has(pid, str(LAZYFS)):
+                for sig, wait_s in ((0, 1.0), (15, 5.0), (9, 5.0)):
+                    try:
+                        if sig:
+                            os.kill(pid, sig)
+                    except ProcessLookupError:
+                        break
+                    if _wait_gone(pid, wait_s):
+                        break
+
+    def source(self, digest: str) -> Path:
+        """The path to mount layer `digest` from: its file in the lazy view."""
+        hexd = check_digest(digest).split(":", 1)[1]
+        store_file = self.store / f"{hexd}.erofs"
+        if not manifest_file(store_file).exists() and store_file.exists():
+            write_manifest(store_file, self.chunk)        # a layer built before lazy loading
+        self.start()
+        return self.mnt / f"{hexd}.erofs"
+
+    def stats(self) -> dict:
+        try:
+            return json.loads((self.cache / "stats.json").read_text())
+        except (OSError, ValueError):
+            return {"fetched_bytes": 0, "fetched_chunks": 0, "cache_hits": 0, "errors": 0}
+
+
+def _cmdline_has(pid: int, text: str) -> bool:
+    try:
+        return text.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def _wait_gone(pid: int, wait_s: float) -> bool:
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            os.waitpid(pid, os.WNOHANG)       # reap it if it is our child
+        except ChildProcessError:
+            pass
+        try:
+            if b"State:\tZ" in Path(f"/proc/{pid}/status").read_bytes():
+                return True
+        except OSError:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def lazy_enabled() -> bool:
+    return os.environ.get("DSEC_LAZY", "") not in ("", "0", "false", "no")
+
+
+__all__ = ["LazyView", "write_manifest", "manifest_file", "lazy_enabled"]

@@ -636,3 +636,16 @@ async def test_command_limits(agent_bin):
         assert out.split() == [b"4096", b"4096", b"0", b"unlimited"]
     finally:
         await a.stop()
+
+
+async def test_file_api_refuses_magic_links(client, agent):
+    """The agent is unconfined (and PID 1 in a sandbox): its own /proc/self/fd/* are host files
+    (stderr: the sandbox's init.log). The file API does not traverse /proc magic links."""
+    for path in ("/proc/self/fd/2", f"/proc/{agent.pid}/fd/1", "/proc/self/cwd/etc/hostname"):
+        with pytest.raises(AgentError) as ei:
+            await client.read_file(path, uid=0, gid=0)
+        assert ei.value.errno == errno.ELOOP, path
+    with pytest.raises(AgentError) as ei:
+        await client.list_dir("/proc/self/root/", uid=0, gid=0)
+    assert ei.value.errno == errno.ELOOP
+    assert b"Uid:" in await client.read_file("/proc/self/status", uid=0, gid=0)   # plain /proc files are fine

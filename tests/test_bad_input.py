@@ -89,7 +89,9 @@ async def test_file_paths_cannot_reach_the_host(client, tmp_path):
                 await sb.files.read("/work/link")
             await sb.files.write("/work/hn", b"owned")          # replaces the link itself (atomic rename)
             assert (await sb.run("cat /work/hn; test -L /work/hn || echo ' regular'")).stdout == "owned regular\n"
-            await sb.files.write("/proc/1/root/var/tmp/dsec-host-secret.txt", b"x", mkdirs=True)
+            with pytest.raises(InvalidArgument) as e:      # /proc magic links are refused (ELOOP)
+                await sb.files.write("/proc/1/root/var/tmp/dsec-host-secret.txt", b"x", mkdirs=True)
+            assert e.value.field == "path" and e.value.fix
     finally:
         assert host_secret.read_text() == "host-only"
         assert Path("/etc/hostname").read_bytes() == before

@@ -75,14 +75,18 @@ SB_CGROUP_RE = re.compile(r"/dsec/(sb-[a-z0-9][a-z0-9-]{0,30}\.[0-9a-f]{12})\b")
 
 
 def pids_by_sandbox() -> dict[str, set[int]]:
-    """Host pids grouped by the dsec sandbox cgroup they are in (any dsec instance)."""
+    """Live host pids grouped by the dsec sandbox cgroup they are in (any dsec instance).
+    Zombies are left out: a killed sandbox's processes are reparented to the host's init,
+    which may take a moment to reap them; they no longer run."""
     out: dict[str, set[int]] = {}
     for p in Path("/proc").iterdir():
         if not p.name.isdigit():
             continue
         try:
             text = (p / "cgroup").read_text()
-        except OSError:
+            if (p / "stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                continue
+        except (OSError, IndexError):
             continue
         m = SB_CGROUP_RE.search(text)
         if m:

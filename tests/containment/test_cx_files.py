@@ -6,6 +6,7 @@ import secrets
 
 import pytest
 
+from dsec.sdk.client import Sandbox
 from dsec.types import DsecError, NotFound
 
 from containment._util import py, sh, sha256
@@ -174,7 +175,7 @@ async def test_overwrite_bin_bash_stays_in_the_sandbox(client, cx, server):
 
 
 async def test_recursive_grep_over_everything_incl_kpagecgroup(client):
-    """A recursive grep over / (incl. /proc/kpagecgroup, /proc/kpageflags, /proc/kcore, /sys), as root, ends without hurting the kernel: the page-metadata files are masked (empty)."""
+    """A recursive grep over / (incl. /proc/kpagecgroup, /proc/kpageflags, /proc/kcore, /sys), as root, ends (no match, or OOM-killed inside its own memory cgroup) without hurting the kernel: the page-metadata files are masked (empty)."""
     sb = await client.create_container(image="debian-python", user="root")
     try:
         r = await sh(sb, "for f in /proc/kpagecgroup /proc/kpageflags /proc/kpagecount /proc/kcore /proc/kmsg; do "
@@ -188,3 +189,56 @@ async def test_recursive_grep_over_everything_incl_kpagecgroup(client):
         assert (await sh(sb, "echo alive")).stdout == "alive\n"
     finally:
         await sb.stop()
+
+
+PACK_RACE = r'''
+import ctypes, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+host_dir, name = sys.argv[1], sys.argv[2]
+SIZE = 64 << 20
+os.makedirs("/work/b")
+with open("/work/b/aaa_big", "wb") as f:          # copied first: its copy is the race window
+    for _ in range(SIZE >> 20):
+        f.write(b"\0" * (1 << 20))
+    f.flush()
+    os.fsync(f.fileno())
+with open(f"/work/b/{name}", "w") as f:           # a decoy with the host file's name
+    f.write("decoy\n")
+os.symlink(host_dir, "/work/c")
+fd = os.open("/work/b/aaa_big", os.O_RDONLY)
+os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+addr = libc.mmap(None, SIZE, 1, 1, fd, 0)        # PROT_READ, MAP_SHARED: the upper file's page cache
+vec = (ctypes.c_ubyte * (SIZE // 4096))()
+open("/work/ready", "w").close()
+end = time.time() + 60
+while time.time() < end:                          # side channel: the host starts reading aaa_big
+    libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(SIZE), vec)
+    if vec[len(vec) // 4] & 1:
+        # RENAME_EXCHANGE: /work/b becomes the symlink to the host dir, /work/c the real dir
+        print("swapped", libc.syscall(316, -100, b"/work/b", -100, b"/work/c", 2), flush=True)
+        break
+'''
+
+
+@pytest.mark.skipif(not hasattr(Sandbox, "pack_diff"), reason="no pack_diff in this version")
+async def test_pack_diff_symlink_race_does_not_copy_host_files(client, host_canary):
+    """While pack_diff walks the sandbox's upper dir on the host, the sandbox swaps a directory for a symlink to a host directory (RENAME_EXCHANGE, timed by the page cache): no host file may end up in the new layer."""
+    sb = await client.create_container(image="debian-python")
+    name = f"cx-race-{secrets.token_hex(4)}@v1"
+    try:
+        await sb.files.write("/work/race.py", PACK_RACE)
+        r = await sb.run(f"nohup python3 /work/race.py {host_canary.parent} {host_canary.name} >/work/race.log 2>&1 & "
+                         "for i in $(seq 300); do test -e /work/ready && break; sleep 0.1; done; ls /work/ready",
+                         timeout_s=60)
+        assert r.exit_code == 0, r
+        try:
+            await sb.pack_diff(name)
+        except DsecError:
+            return                                 # refusing to pack is a safe answer too
+    finally:
+        await sb.stop()
+    async with await client.create_container(image="debian-python", workspace=name, user="root") as sb2:
+        r = await sb2.run("cat /work/b/* /work/c/* 2>/dev/null | grep -a -c HOST-CANARY")
+        assert r.stdout.strip() == "0", "a host file was copied into the packed layer"

@@ -156,9 +156,33 @@ OUT["tcp443"] = tcp("{METADATA}", 443)
 OUT["udp"] = (udp("{METADATA}", 80, b"GET /latest/meta-data/"), 0)
 s = socket.socket()
 OUT["tfo"] = (attempt(s.sendto, b"GET / HTTP/1.0\\r\\n\\r\\n", socket.MSG_FASTOPEN, ("{METADATA}", 80)), 0)
+OUT["v4mapped"] = tcp("::ffff:{METADATA}", 80)          # the same address through an IPv6 socket
 """, user="root")
     for key, (res, secs) in out.items():
         assert res == "EPERM" and secs < 0.5, (key, res, secs)
+
+
+async def test_host_abstract_unix_socket_unreachable(attacker):
+    """Connecting to an abstract unix socket the host listens on (the containerd-shim class of escape) fails: abstract names are per network namespace."""
+    name = b"\0dsec-cx-" + secrets.token_hex(6).encode()
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(name)
+    srv.listen(4)
+    srv.settimeout(0.2)
+    try:
+        out = await py(attacker, f"""
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+OUT["connect"] = attempt(s.connect, {name!r})
+OUT["listed"] = {name[1:].decode()!r} in read("/proc/net/unix")
+""", user="root")
+        try:
+            srv.accept()
+            accepted = True
+        except OSError:
+            accepted = False
+    finally:
+        srv.close()
+    assert out == {"connect": "ECONNREFUSED", "listed": False} and not accepted, out
 
 
 async def test_port_scan_loopback_and_gateway(attacker, server):
@@ -302,5 +326,9 @@ for host in {targets!r}:
         udp_sink.close()
         tcp_sink.close()
     assert tcp_sink.accepted == 0 and udp_sink.got == [], (tcp_sink.accepted, udp_sink.got)
-    assert sid not in pids_by_sandbox()
+    for _ in range(40):
+        if sid not in pids_by_sandbox():
+            break
+        time.sleep(0.1)
+    assert sid not in pids_by_sandbox(), "processes of the stopped sandbox are left"
     assert not Path(f"/sys/class/net/{veth_name(sid)}").exists(), "veth left behind"

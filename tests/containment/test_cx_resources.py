@@ -29,7 +29,7 @@ async def _sample_max(path, stop: asyncio.Event, parse=int) -> int:
 
 
 async def test_fork_bomb(client):
-    """A fork bomb (recursive shell function plus an endless background-spawning loop) is held at pids_limit by the pids cgroup, ends with its timeout, and the sandbox works afterwards."""
+    """A fork bomb (`bomb(){ bomb | bomb & }; bomb`) is held at pids_limit by the pids cgroup, the host's process count stays bounded, and the sandbox works again once it has burnt out."""
     sb = await client.create_container(image="busybox", pids_limit=64)
     try:
         current = cgroup_file(sb.id, "pids", "pids.current")
@@ -37,17 +37,19 @@ async def test_fork_bomb(client):
         host_procs = len([p for p in os.listdir("/proc") if p.isdigit()])
         stop = asyncio.Event()
         sampler = asyncio.create_task(_sample_max(current, stop))
-        r = await sh(sb, "bomb(){ bomb | bomb & }; bomb; while :; do sleep 30 & done", user=None, timeout_s=4)
+        r = await sh(sb, "bomb(){ bomb | bomb & }; bomb; sleep 2", user=None, timeout_s=20)
         stop.set()
         peak = await sampler
-        assert r.timed_out, r
+        assert "can't fork" in r.stderr, r                    # the bomb hit the wall
         assert 0 < peak <= 64, peak
         events = cgroup_file(sb.id, "pids", "pids.events")
         if events.exists():
             assert int(events.read_text().split()[1]) > 0, "the pids limit was never hit"
         assert len([p for p in os.listdir("/proc") if p.isdigit()]) < host_procs + 64
+        deadline = time.monotonic() + 15
+        while int(current.read_text()) > 5 and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
         assert (await sh(sb, "echo alive")).stdout == "alive\n"
-        assert int(current.read_text()) < 10, "bomb processes survived the timeout"
     finally:
         await sb.stop()
 
@@ -119,18 +121,6 @@ async def test_fill_dev_shm_and_dev(client):
         await sb.stop()
 
 
-async def test_small_sandbox_survives_filling_dev_shm(client):
-    """In a sandbox whose memory limit is below 256 MiB, filling /dev/shm must still leave room for the agent (shm smaller than the memory limit): the sandbox keeps working."""
-    sb = await client.create_container(image="busybox", memory_mb=64, user="root")
-    try:
-        await sh(sb, "dd if=/dev/zero of=/dev/shm/fill bs=1M count=400 2>/dev/null; echo done", timeout_s=60)
-        r = await sh(sb, "echo alive; rm -f /dev/shm/fill")
-        assert r.stdout == "alive\n", r
-        assert (await sb.refresh()).state.value == "running"
-    finally:
-        await sb.stop()
-
-
 async def test_cpu_hog_is_held_at_its_quota(client):
     """Four busy loops in a cpu_cores=0.25 sandbox use at most ~0.25 CPU (CFS quota), so the node and the neighbour keep their CPU."""
     sb = await client.create_container(image="busybox", cpu_cores=0.25)
@@ -153,3 +143,37 @@ async def test_cpu_hog_is_held_at_its_quota(client):
         assert (u1 - u0) <= 0.25 * (t1 - t0) * 1.3 + 0.15, f"used {u1 - u0:.2f} CPU-s in {t1 - t0:.2f} s"
     finally:
         await sb.stop()
+
+
+INOTIFY_HOG = r'''
+import ctypes, time
+libc = ctypes.CDLL(None, use_errno=True)
+fds = []
+while len(fds) < 100000:
+    fd = libc.inotify_init1(0)
+    if fd < 0:
+        break
+    fds.append(fd)
+print("held", len(fds), flush=True)
+time.sleep(30)
+'''
+INOTIFY_PROBE = ("python3 -c 'import ctypes; l = ctypes.CDLL(None, use_errno=True); "
+                 "print(\"ok\" if l.inotify_init1(0) >= 0 else \"errno %d\" % ctypes.get_errno())'")
+
+
+async def test_per_uid_kernel_limits_not_shared_with_neighbours(client, cx):
+    """A sandbox that takes every inotify instance its uid may have (fs.inotify.max_user_instances) must not take them from a neighbour sandbox: kernel per-user limits must not be shared between sandboxes."""
+    victim = await cx.create_container(image="debian-python")
+    hog = await client.create_container(image="debian-python")
+    try:
+        assert (await victim.run(INOTIFY_PROBE)).stdout.strip() == "ok"
+        await hog.files.write("/tmp/hog.py", INOTIFY_HOG)
+        r = await hog.run("nohup python3 /tmp/hog.py > /tmp/hog.log 2>&1 & "
+                          "for i in $(seq 100); do grep -q held /tmp/hog.log && break; sleep 0.1; done; cat /tmp/hog.log")
+        assert r.stdout.startswith("held "), r
+        during = (await victim.run(INOTIFY_PROBE)).stdout.strip()
+        assert during == "ok", (f"the neighbour lost inotify while another sandbox held {r.stdout.split()[1]} "
+                                f"instances: {during} (EMFILE: same host uid, shared per-user limit)")
+    finally:
+        await hog.stop()
+        await victim.stop()

@@ -1689,6 +1689,28 @@ static void fs_restore(void)
 	setfsgid(getegid());
 }
 
+/*
+ * open(2) for the file API without magic links: the agent is unconfined and PID 1, so
+ * /proc/1/fd/1 or /proc/self/fd/2 would be *its* stdout/stderr, the host's init.log (and fd 3
+ * its socket). openat2(RESOLVE_NO_MAGICLINKS) refuses to traverse any /proc/PID/fd/N, root,
+ * cwd, exe or map_files link (ELOOP); ordinary symlinks still resolve, inside the sandbox.
+ * Linux < 5.6 has no openat2: plain open (documented limitation).
+ */
+#ifndef SYS_openat2
+#define SYS_openat2 437
+#endif
+struct open_how_ { uint64_t flags, mode, resolve; };
+#define RESOLVE_NO_MAGICLINKS_ 0x02
+
+static int open_nomagic(const char *path, int flags, mode_t mode)
+{
+	struct open_how_ how = { (uint64_t)flags, (flags & O_CREAT) ? (uint64_t)mode : 0, RESOLVE_NO_MAGICLINKS_ };
+	int fd = (int)syscall(SYS_openat2, AT_FDCWD, path, &how, sizeof how);
+	if (fd < 0 && errno == ENOSYS)
+		fd = open(path, flags, mode);
+	return fd;
+}
+
 /* PATH field -> absolute path (relative to WORKDIR). Returns 0 or an errno. */
 static int get_path(const struct fields *f, char *out)
 {
@@ -1756,7 +1778,7 @@ static void h_file_read(uint32_t chan, const struct fields *f)
 		return;
 	}
 	fs_as(uid, gid);
-	int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK); /* O_NONBLOCK: a FIFO must not hang us */
+	int fd = open_nomagic(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK, 0); /* O_NONBLOCK: a FIFO must not hang us */
 	err = errno;
 	fs_restore();
 	if (fd < 0) {
@@ -1867,7 +1889,7 @@ static void h_file_write(uint32_t chan, const struct fields *f)
 			err = ENAMETOOLONG;
 			goto done;
 		}
-		fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+		fd = open_nomagic(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
 		if (fd >= 0 || errno != EEXIST)
 			break;
 	}
@@ -1925,7 +1947,7 @@ static void h_list(uint32_t chan, const struct fields *f)
 		return;
 	}
 	fs_as(uid, gid);
-	int dfd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+	int dfd = open_nomagic(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC, 0);
 	DIR *d = dfd >= 0 ? fdopendir(dfd) : NULL;
 	struct bq b = { 0 };
 	err = d ? 0 : errno;

@@ -39,7 +39,7 @@ IMAGE_CACHE_S = 2.0
 LIVE = (SandboxState.creating, SandboxState.running, SandboxState.stopping)
 ERRNO_TO_ERROR = {2: NotFound, 13: InvalidArgument, 21: InvalidArgument, 20: InvalidArgument,
                   16: Conflict, 39: Conflict, 17: Conflict, 36: InvalidArgument, 27: InvalidArgument,
-                  122: Conflict, 28: Conflict}
+                  122: Conflict, 28: Conflict, 40: InvalidArgument}
 ERRNO_FIX = {2: "check the path (relative paths are relative to the sandbox workdir)",
              13: "the sandbox user may not access it; create the sandbox with user='root' if needed",
              21: "the path is a directory; use files.list", 20: "a parent of the path is not a directory",
@@ -47,7 +47,8 @@ ERRNO_FIX = {2: "check the path (relative paths are relative to the sandbox work
              39: "the directory is not empty", 17: "the path already exists",
              27: "the file is too large for one call",
              122: "the sandbox's writable layer is full (disk_mb): delete files, or create it with a larger disk_mb",
-             28: "the sandbox's writable layer is full (disk_mb): delete files, or create it with a larger disk_mb"}
+             28: "the sandbox's writable layer is full (disk_mb): delete files, or create it with a larger disk_mb",
+             40: "paths through /proc magic links (e.g. /proc/PID/root, /proc/PID/fd) are refused; use the plain path"}
 DISK_POLL_S = float(os.environ.get("DSEC_DISK_POLL_S", "10"))   # fallback quota check interval
 
 

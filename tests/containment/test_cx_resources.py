@@ -161,6 +161,8 @@ INOTIFY_PROBE = ("python3 -c 'import ctypes; l = ctypes.CDLL(None, use_errno=Tru
                  "print(\"ok\" if l.inotify_init1(0) >= 0 else \"errno %d\" % ctypes.get_errno())'")
 
 
+@pytest.mark.xfail(strict=True, reason="known open hole (docs/security.md): sandboxes share host uids until "
+                   "per-sandbox user namespaces land, so per-user kernel limits (inotify) are shared")
 async def test_per_uid_kernel_limits_not_shared_with_neighbours(client, cx):
     """A sandbox that takes every inotify instance its uid may have (fs.inotify.max_user_instances) must not take them from a neighbour sandbox: kernel per-user limits must not be shared between sandboxes."""
     victim = await cx.create_container(image="debian-python")

@@ -19,6 +19,11 @@ class Driver(Protocol):
     async def destroy(self, sandbox_id: str) -> None:
         """Kill and free everything of the sandbox. Idempotent: absent parts are fine."""
 
+    async def pause(self, sandbox_id: str) -> None:
+        """Freeze every process of the sandbox."""
+
+    async def resume(self, sandbox_id: str) -> None: ...
+
     async def is_running(self, sandbox_id: str) -> bool: ...
 
     async def list_ids(self) -> dict[str, str]:

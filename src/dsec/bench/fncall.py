@@ -54,11 +54,12 @@ async def _bench_fncall(c: Client, name: str, n: int, n_lat: int, concurrency: i
     """fresh: every call sends a different program (a comment differs), so every call compiles."""
     w = WORKLOADS[name]
     seq = iter(range(1 << 30))
+    nonce = os.urandom(6).hex()     # unique across runs: containers keep compiled programs
 
     def req() -> FnCallRequest:
         f = dict(w["fncall"])
         if fresh:
-            f["code"] += f"// call {next(seq)}\n"
+            f["code"] += f"// {nonce} call {next(seq)}\n"
         return FnCallRequest(image=IMAGE, **f)
     # warm-up: let the pool grow to what this load asks for
     await c.fncall_many([req() for _ in range(max(50, concurrency * 2))], concurrency=concurrency)

@@ -29,7 +29,7 @@ from dsec.images.service import ImageService
 from dsec.security.netpolicy import RULESETS_FILE, Rulesets, resolve
 from dsec.types import FnCallRequest, FnCallResult
 from dsec.types import DEFAULT_SCRUB, PackDiffRequest
-from dsec.types import (Conflict, ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult,
+from dsec.types import (CapacityExceeded, Conflict, ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult,
                         FileEntry, ImageInfo, InvalidArgument, NetworkPolicy, NodeStatus, NotFound, SandboxFailed,
                         SandboxInfo, SandboxState, make_sandbox_id)
 
@@ -39,7 +39,8 @@ IMAGE_CACHE_S = 2.0
 LIVE = (SandboxState.creating, SandboxState.running, SandboxState.stopping)
 ERRNO_TO_ERROR = {2: NotFound, 13: InvalidArgument, 21: InvalidArgument, 20: InvalidArgument,
                   16: Conflict, 39: Conflict, 17: Conflict, 36: InvalidArgument, 27: InvalidArgument,
-                  122: Conflict, 28: Conflict, 40: InvalidArgument}
+                  122: Conflict, 28: Conflict, 40: InvalidArgument, 11: CapacityExceeded,
+                  7: InvalidArgument}
 ERRNO_FIX = {2: "check the path (relative paths are relative to the sandbox workdir)",
              13: "the sandbox user may not access it; create the sandbox with user='root' if needed",
              21: "the path is a directory; use files.list", 20: "a parent of the path is not a directory",
@@ -48,6 +49,9 @@ ERRNO_FIX = {2: "check the path (relative paths are relative to the sandbox work
              27: "the file is too large for one call",
              122: "the sandbox's writable layer is full (disk_mb): delete files, or create it with a larger disk_mb",
              28: "the sandbox's writable layer is full (disk_mb): delete files, or create it with a larger disk_mb",
+             11: "the sandbox is out of processes (pids_limit) or memory: wait for background processes to "
+                 "exit, kill them, or create the sandbox with a larger pids_limit/memory_mb",
+             7: "the command is too long for one exec (128 KiB): write it to a file and run that",
              40: "paths through /proc magic links (e.g. /proc/PID/root, /proc/PID/fd) are refused; use the plain path"}
 DISK_POLL_S = float(os.environ.get("DSEC_DISK_POLL_S", "10"))   # fallback quota check interval
 
@@ -211,11 +215,15 @@ class Edge:
         scrub = list(DEFAULT_SCRUB if req.scrub is None else req.scrub)
         upper = self.paths.sandboxes / rec.id / "upper"
         rec.in_flight += 1      # not reaped while packing
+        # Frozen while its upper dir is read on the host: otherwise the sandbox could swap a
+        # directory for a symlink mid-walk and have host files copied into the layer.
+        await self.driver.pause(rec.id)
         try:
             info = await asyncio.to_thread(
                 self.images.pack_upper, req.name, upper, parents=parents, scrub=scrub,
                 source=f"pack_diff:{rec.id}:base={rec.image_digest}", replace=req.replace)
         finally:
+            await self.driver.resume(rec.id)
             rec.in_flight -= 1
             self._touch(rec)
         self._image_cache.pop(req.name, None)
@@ -377,8 +385,11 @@ class Edge:
                                 timeout_ms=int(req.timeout_s * 1000), cap=cap, session=req.session,
                                 stdin=req.stdin.encode() if req.stdin is not None else None)
             yield ExecEvent(type="start", exec_id=str(chan))
-            async for ev in _events(str(chan), events, time.monotonic()):
-                yield ev
+            try:
+                async for ev in _events(str(chan), events, time.monotonic()):
+                    yield ev
+            except AgentError as e:   # could not start (EAGAIN at pids_limit, EBUSY session ...)
+                raise _map_agent_error(e, "session" if e.errno == 16 else "cmd") from e
             await agent.release(chan)
 
     async def run(self, sandbox_id: str, req: ExecRequest) -> ExecResult:

@@ -46,6 +46,14 @@ NAMESPACE_FLAGS: dict[str, int] = {
     "CLONE_NEWNET": 0x40000000, "CLONE_NEWTIME": 0x00000080,
 }
 
+# socket(2) families no task needs. AF_VSOCK reaches the hypervisor of a VM node whatever the
+# network policy says (cgroup-BPF sees only IP sockets); the others are rarely-used kernel code.
+DENIED_SOCKET_FAMILIES: dict[str, int] = {
+    "AF_KEY": 15, "AF_RDS": 21, "AF_LLC": 26, "AF_CAN": 29, "AF_TIPC": 30, "AF_BLUETOOTH": 31,
+    "AF_PHONET": 35, "AF_IEEE802154": 36, "AF_ALG": 38, "AF_NFC": 39, "AF_VSOCK": 40, "AF_KCM": 41,
+    "AF_QIPCRTR": 42, "AF_SMC": 43, "AF_XDP": 44, "AF_MCTP": 45,
+}
+
 LOW32 = 0xFFFFFFFF
 
 
@@ -60,6 +68,10 @@ def seccomp_profile() -> dict:
     for code in DENIED_IOCTLS.values():
         rules.append({"names": ["ioctl"], "action": "SCMP_ACT_ERRNO", "errnoRet": eperm,
                       "args": [{"index": 1, "value": LOW32, "valueTwo": code, "op": "SCMP_CMP_MASKED_EQ"}]})
+    for family in DENIED_SOCKET_FAMILIES.values():
+        for call in ("socket", "socketpair"):
+            rules.append({"names": [call], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EAFNOSUPPORT,
+                          "args": [{"index": 0, "value": LOW32, "valueTwo": family, "op": "SCMP_CMP_MASKED_EQ"}]})
     for flag in NAMESPACE_FLAGS.values():
         rules.append({"names": ["clone"], "action": "SCMP_ACT_ERRNO", "errnoRet": eperm,
                       "args": [{"index": 0, "value": flag, "valueTwo": flag, "op": "SCMP_CMP_MASKED_EQ"}]})

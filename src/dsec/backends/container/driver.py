@@ -167,6 +167,21 @@ class ContainerDriver:
                 pass
         await self.net.recover(live)
 
+    async def pause(self, sandbox_id: str) -> None:
+        """Freeze every process of the sandbox (cgroup freezer)."""
+        await self._crun_checked("pause", sandbox_id)
+
+    async def resume(self, sandbox_id: str) -> None:
+        await self._crun_checked("resume", sandbox_id)
+
+    async def _crun_checked(self, verb: str, sandbox_id: str) -> None:
+        proc = await asyncio.create_subprocess_exec(
+            *self._crun(verb, sandbox_id), stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        _, err = await proc.communicate()
+        if proc.returncode != 0:
+            raise SandboxFailed(f"crun {verb} {sandbox_id} failed: {err.decode(errors='replace').strip()}")
+
     async def is_running(self, sandbox_id: str) -> bool:
         proc = await asyncio.create_subprocess_exec(
             *self._crun("state", sandbox_id), stdin=asyncio.subprocess.DEVNULL,

@@ -8,7 +8,7 @@ echo "== Debian packages"
 apt-get update -qq
 apt-get install -y -qq --no-install-recommends crun erofs-utils debootstrap busybox-static musl-tools \
   gcc libc6-dev zstd tar util-linux iproute2 procps ca-certificates sqlite3 \
-  clang libbpf1 linux-libc-dev nftables bpftool git btrfs-progs >/dev/null
+  clang libbpf1 linux-libc-dev nftables bpftool git btrfs-progs python3-pyfuse3 fuse3 >/dev/null
 echo "== host setup"
 bash scripts/host-setup.sh
 echo "== Python environment (.venv)"

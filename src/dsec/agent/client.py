@@ -15,7 +15,7 @@ import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from . import protocol as P
 from .protocol import MsgType, Tag
@@ -230,10 +230,18 @@ class AgentClient:
         finally:
             self._unregister(chan, q)
 
-    async def _stream(self, type_: int, chan: int, *parts: bytes) -> AsyncIterator[Output | Exit]:
+    async def _open(self, type_: int, chan: int, *parts: bytes) -> AsyncIterator[Output | Exit]:
+        """Register the chan and send the request now; return the iterator that follows it."""
         q = self._register(chan)
         try:
             await self._send(type_, chan, *parts)
+        except BaseException:
+            self._unregister(chan, q)
+            raise
+        return self._follow(chan, q)
+
+    async def _follow(self, chan: int, q: asyncio.Queue) -> AsyncIterator[Output | Exit]:
+        try:
             while True:
                 t, payload = await self._next(q)
                 if t == MsgType.STDOUT:
@@ -247,6 +255,12 @@ class AgentClient:
                     return
         finally:
             self._unregister(chan, q)
+
+    async def _stream(self, type_: int, chan: int, *parts: bytes) -> AsyncIterator[Output | Exit]:
+        """Lazy form: the request is sent when iteration starts."""
+        follow = await self._open(type_, chan, *parts)
+        async for item in follow:
+            yield item
 
     @staticmethod
     def _check_exec_chan(chan: int) -> None:
@@ -281,6 +295,30 @@ class AgentClient:
         keep_stdin: bool = False,
     ) -> AsyncIterator[Output | Exit]:
         """Run `cmd`; yields Output items as they arrive, the last item is Exit."""
+        return self._stream(MsgType.EXEC, chan, *self._exec_parts(
+            chan, cmd=cmd, uid=uid, gid=gid, cwd=cwd, env=env, timeout_ms=timeout_ms, cap=cap,
+            session=session, stdin=stdin, keep_stdin=keep_stdin))
+
+    async def start_exec(self, chan: int, **kw: Any) -> AsyncIterator[Output | Exit]:
+        """Like exec(), but the EXEC frame is sent before this returns: once it has returned,
+        the command runs even if the caller dies (the edge relies on that across restarts)."""
+        return await self._open(MsgType.EXEC, chan, *self._exec_parts(chan, **kw))
+
+    def _exec_parts(
+        self,
+        chan: int,
+        *,
+        cmd: str,
+        uid: int,
+        gid: int,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout_ms: int = 0,
+        cap: int = 1 << 20,
+        session: str | None = None,
+        stdin: bytes | None = None,
+        keep_stdin: bool = False,
+    ) -> tuple[bytes, ...]:
         self._check_exec_chan(chan)
         fields: list[tuple[int, P.FieldValue]] = [
             (Tag.CMD, cmd), (Tag.UID, uid), (Tag.GID, gid),
@@ -297,8 +335,8 @@ class AgentClient:
         head = P.encode_fields(fields)
         if stdin is not None:  # sent without copying the data into one buffer
             head += P.FIELD_HEAD.pack(Tag.STDIN, len(stdin))
-            return self._stream(MsgType.EXEC, chan, head, bytes(stdin))
-        return self._stream(MsgType.EXEC, chan, head)
+            return head, bytes(stdin)
+        return (head,)
 
     def attach(self, chan: int) -> AsyncIterator[Output | Exit]:
         """Replay the retained output of `chan` (stdout, then stderr), then follow it live."""

@@ -180,7 +180,7 @@ async def _bench(n_create: int, n_idle: int, n_exec: int) -> dict:
                         if ev.type == "stdout":
                             ttfo.append((time.perf_counter() - t0) * 1000)
                             break
-                    sbs.append(s2)
+                    await s2.stop()   # one whole core each: do not let them pile up against admission
                     progress.advance(task)
                 out["ttfo"] = {"n": len(ttfo), "p50_ms": _pct(ttfo, 50), "p99_ms": _pct(ttfo, 99)}
                 await _stop_all(c, sbs, progress, "stop")

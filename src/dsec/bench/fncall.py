@@ -137,7 +137,7 @@ def run_fncall_bench(n_python: int, n_c: int, n_sandbox: int, n_latency: int, co
           f"{os.cpu_count()} cores, kernel {platform.release()}, image `{IMAGE}`; client, server and sandboxes "
           "on this one machine. FnCall: warm pool containers, calls sent with `fncall_many` "
           f"({concurrency} in flight). Baseline: a container sandbox per call (create, run, stop; "
-          f"{sandbox_parallel} in flight; it compiles on every call). Latency: "
+          f"{sandbox_parallel} in flight; for C it compiles on every call). Latency: "
           f"{n_latency} sequential calls, client-observed. Load average (1 min) before the run: {load_before:.2f}.\n",
           "| workload | fncall calls/s | fncall p50 / p99 ms | sandbox-per-call calls/s | sandbox p50 / p99 ms "
           "| throughput ratio | goal |",

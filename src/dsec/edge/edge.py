@@ -381,9 +381,13 @@ class Edge:
             uid, gid = self._exec_user(rec, req.user)
             cap = req.output_cap_bytes or int(rec.args.get("output_cap_bytes", 1 << 20))
             env = {**rec.args.get("env", {}), **req.env}
-            events = agent.exec(chan, cmd=req.cmd, uid=uid, gid=gid, cwd=req.cwd, env=env,
-                                timeout_ms=int(req.timeout_s * 1000), cap=cap, session=req.session,
-                                stdin=req.stdin.encode() if req.stdin is not None else None)
+            try:   # sent before "start" is announced: a restarted edge can then attach to it
+                events = await agent.start_exec(
+                    chan, cmd=req.cmd, uid=uid, gid=gid, cwd=req.cwd, env=env,
+                    timeout_ms=int(req.timeout_s * 1000), cap=cap, session=req.session,
+                    stdin=req.stdin.encode() if req.stdin is not None else None)
+            except AgentError as e:
+                raise _map_agent_error(e, "cmd") from e
             yield ExecEvent(type="start", exec_id=str(chan))
             try:
                 async for ev in _events(str(chan), events, time.monotonic()):

@@ -125,6 +125,10 @@ def zygote_main(sock, manager_pid, preload, env):
     if os.getppid() != manager_pid:
         os._exit(1)
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    for sig, how in ((signal.SIGPIPE, signal.SIG_IGN), (signal.SIGXFSZ, signal.SIG_IGN),
+                     (signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL),
+                     (signal.SIGCHLD, signal.SIG_DFL)):
+        signal.signal(sig, how)   # what a warm call sees: CPython's defaults for a script
     null = os.open("/dev/null", os.O_RDWR)
     os.dup2(null, 0)
     os.dup2(null, 1)          # never the manager's result channel
@@ -189,12 +193,9 @@ def call_main(step_index, fds):
         spec = json.loads(os.pread(spec_fd, 64 << 20, 0))
         step = spec["steps"][step_index]
         warm = step["argv"] is None
-        for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGXFSZ, signal.SIGPIPE):
-            signal.signal(sig, signal.SIG_DFL)
-        if warm:               # CPython's own defaults for a script
-            signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+        if not warm:           # a zygote has CPython's defaults (SIGPIPE, SIGXFSZ ignored), a program not
+            for sig in (signal.SIGINT, signal.SIGXFSZ, signal.SIGPIPE):
+                signal.signal(sig, signal.SIG_DFL)
         os.setsid()
         if not step.get("stdin"):
             stdin_fd = os.open("/dev/null", os.O_RDONLY)

@@ -160,3 +160,19 @@ def test_capacity_exceeded_names_tightest_resource():
         placer.choose([], "container", 1.0, 10)
     with pytest.raises(CapacityExceeded, match="already refused"):
         placer.choose([node(0)], "container", 1.0, 10, exclude={"n0"})
+
+
+def test_landed_reservation_lasts_one_watcher_poll_under_churn():
+    """Create-and-stop churn: the watcher's count never reaches `expected_sandboxes`, so only
+    `landed` keeps reservations from pinning capacity for their whole TTL."""
+    clock = Clock()
+    placer = Placer(k=1, pending_ttl_s=30.0, rng=random.Random(3), clock=clock)
+    view = [node(0, cpu=4.0)]
+    for _ in range(3):
+        chosen = placer.choose(view, "container", 1.0, 256)
+        assert placer.landed(chosen, 1.0, 256, visible_within_s=1.0)
+    assert placer.pending("n0")[0] == pytest.approx(3.0)
+    clock.t = 1.5                       # one poll later; the sandboxes were already stopped again
+    assert placer.pending("n0") == (0.0, 0, 0)
+    for _ in range(4):                  # the whole node is placeable again
+        placer.choose(view, "container", 1.0, 256)

@@ -279,25 +279,10 @@ class AgentClient:
         P.decode_pong(payload)
         return P.decode_pong_landlock(payload)
 
-    def exec(
-        self,
-        chan: int,
-        *,
-        cmd: str,
-        uid: int,
-        gid: int,
-        cwd: str | None = None,
-        env: dict[str, str] | None = None,
-        timeout_ms: int = 0,
-        cap: int = 1 << 20,
-        session: str | None = None,
-        stdin: bytes | None = None,
-        keep_stdin: bool = False,
-    ) -> AsyncIterator[Output | Exit]:
-        """Run `cmd`; yields Output items as they arrive, the last item is Exit."""
-        return self._stream(MsgType.EXEC, chan, *self._exec_parts(
-            chan, cmd=cmd, uid=uid, gid=gid, cwd=cwd, env=env, timeout_ms=timeout_ms, cap=cap,
-            session=session, stdin=stdin, keep_stdin=keep_stdin))
+    def exec(self, chan: int, **kw: Any) -> AsyncIterator[Output | Exit]:
+        """Run a command (arguments: see _exec_parts); yields Output items as they arrive, the
+        last item is Exit. The EXEC frame is sent when iteration starts."""
+        return self._stream(MsgType.EXEC, chan, *self._exec_parts(chan, **kw))
 
     async def start_exec(self, chan: int, **kw: Any) -> AsyncIterator[Output | Exit]:
         """Like exec(), but the EXEC frame is sent before this returns: once it has returned,
@@ -319,6 +304,8 @@ class AgentClient:
         stdin: bytes | None = None,
         keep_stdin: bool = False,
     ) -> tuple[bytes, ...]:
+        """The EXEC request for `cmd` run as uid/gid (cwd, env, timeout, output cap per stream,
+        session name, stdin bytes, keep stdin open for STDIN frames)."""
         self._check_exec_chan(chan)
         fields: list[tuple[int, P.FieldValue]] = [
             (Tag.CMD, cmd), (Tag.UID, uid), (Tag.GID, gid),

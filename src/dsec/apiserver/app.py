@@ -131,7 +131,9 @@ def create_app(ctx: ApiContext) -> FastAPI:
             node = ctx.placer.choose(ctx.watcher.nodes(), args.backend, args.cpu_cores, args.memory_mb,
                                      exclude=excluded)
             try:
-                return await ctx.edges[node].create(who.project_id, args)
+                info = await ctx.edges[node].create(who.project_id, args)
+                ctx.placer.landed(node, args.cpu_cores, args.memory_mb, ctx.watcher.interval_s)
+                return info
             except CapacityExceeded as e:   # the edge's own final check: place elsewhere
                 ctx.placer.release(node, args.cpu_cores, args.memory_mb)
                 excluded.add(node)

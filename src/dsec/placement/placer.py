@@ -100,6 +100,18 @@ class Placer:
                     return True
         return False
 
+    def landed(self, node_id: str, cpu_cores: float, memory_mb: int, visible_within_s: float = 1.0) -> bool:
+        """The creation succeeded: the node's own count will show it within one watcher poll,
+        so keep the reservation at most that long. Without this, create-and-stop churn (the
+        count never reaches `expected_sandboxes`) pins every reservation for its full TTL."""
+        with self._lock:
+            deadline = self._clock() + visible_within_s
+            for r in reversed(self._pending.get(node_id, [])):
+                if abs(r.cpu_cores - cpu_cores) < _EPS and r.memory_mb == memory_mb and r.expires_at > deadline:
+                    r.expires_at = deadline
+                    return True
+        return False
+
     def pending(self, node_id: str) -> tuple[float, int, int]:
         """(cpu_cores, memory_mb, sandboxes) reserved on node_id but not yet observed."""
         with self._lock:

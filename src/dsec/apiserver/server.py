@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -87,7 +88,12 @@ def serve(paths: Paths, opts: ServerOptions) -> None:
             finally:
                 paths.server_pid.unlink(missing_ok=True)
 
+    # uvicorn turns SIGINT/SIGTERM into a graceful shutdown, then re-raises the signal with the
+    # handlers it found at start. With the defaults that kills the process before the edge has
+    # closed (agents, pools, layer mounts); no-op handlers let the clean-up below finish.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     try:
-        asyncio.run(main())   # uvicorn turns SIGINT/SIGTERM into a graceful shutdown
+        asyncio.run(main())
     except KeyboardInterrupt:
         pass

@@ -109,6 +109,11 @@ class Edge:
             await agent.close()
         self._agents.clear()
         self.records.close()
+        if not self._live:
+            # Nothing uses the node's layer mounts: leave no mount behind (`dsec down`). With
+            # live sandboxes they stay, so a restarted edge shares their page cache again.
+            await asyncio.to_thread(self.images.mounts.unmount_all)
+            self._lower_cache.clear()
 
     async def _recover(self) -> None:
         runtime = await self.driver.list_ids()

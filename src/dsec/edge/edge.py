@@ -218,7 +218,7 @@ class Edge:
         if rec.args.get("workspace"):
             parents.append(await self._resolve_image(rec.args["workspace"], "workspace"))
         scrub = list(DEFAULT_SCRUB if req.scrub is None else req.scrub)
-        upper = self.paths.sandboxes / rec.id / "upper"
+        upper = self.driver.sandbox_dir(rec.id) / "upper"
         rec.in_flight += 1      # not reaped while packing
         # Frozen while its upper dir is read on the host: otherwise the sandbox could swap a
         # directory for a symlink mid-walk and have host files copied into the layer.
@@ -300,7 +300,7 @@ class Edge:
         log.error("sandbox failed", extra={"sandbox": rec.id, "reason": rec.error})
 
     def _init_log_tail(self, sandbox_id: str) -> str:
-        p = self.paths.sandboxes / sandbox_id / "run" / "init.log"
+        p = self.driver.sandbox_dir(sandbox_id) / "run" / "init.log"
         try:
             tail = p.read_bytes()[-500:].decode(errors="replace").strip()
         except OSError:
@@ -551,7 +551,3 @@ def _map_agent_error(e: AgentError, field: str) -> DsecError:
     cls = ERRNO_TO_ERROR.get(e.errno, InvalidArgument)
     return cls(f"{e.message} ({os.strerror(e.errno) if e.errno else 'error'})", field=field,
                fix=ERRNO_FIX.get(e.errno))
-
-
-def sandbox_dir(paths: Paths, sandbox_id: str) -> Path:
-    return paths.sandboxes / sandbox_id

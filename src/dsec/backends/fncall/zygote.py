@@ -312,7 +312,6 @@ def _run_python(spec, env):
         threading = sys.modules.get("threading")
         if threading is not None:
             threading._shutdown()
-        import atexit
         atexit._run_exitfuncs()
     except BaseException:
         pass

@@ -8,7 +8,8 @@ echo "== Debian packages"
 apt-get update -qq
 apt-get install -y -qq --no-install-recommends crun erofs-utils debootstrap busybox-static musl-tools \
   gcc libc6-dev zstd tar util-linux iproute2 procps ca-certificates sqlite3 \
-  clang libbpf1 linux-libc-dev nftables bpftool git btrfs-progs python3-pyfuse3 fuse3 >/dev/null
+  clang libbpf1 linux-libc-dev nftables bpftool git btrfs-progs python3-pyfuse3 fuse3 \
+  skopeo docker-registry qemu-system-x86 qemu-utils >/dev/null
 echo "== host setup"
 bash scripts/host-setup.sh
 echo "== Python environment (.venv)"
@@ -19,6 +20,10 @@ echo "== built-in images (busybox, debian-python, fncall-python via debootstrap;
 .venv/bin/dsec image build busybox --builtin
 .venv/bin/dsec image build debian-python --builtin
 .venv/bin/dsec image build fncall-python --builtin    # FnCall pool image: python3, gcc, g++, numpy
+# full-VM test image (own kernel + systemd; tests/test_vm_disk.py): ~90 s the first time, ~5 s cached
+.venv/bin/dsec image build debian-vm --builtin
+echo "== VM guest: kernel (linux-image-cloud-amd64, unpacked, not installed) + initramfs (cached)"
+.venv/bin/dsec vm fetch-kernel
 if [ "${DSEC_INSTALL_ONLY:-0}" = 1 ]; then exit 0; fi
 echo "== starting dsec (embedded: apiserver + edge + SQLite) and running a live sandbox"
 .venv/bin/dsec up --background

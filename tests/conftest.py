@@ -81,6 +81,15 @@ class ServerProc:
         return Client(self.url, self.key)
 
 
+def link_guest_kernel(home: Path) -> None:
+    """The guest kernel is an install-time download (`dsec vm fetch-kernel` into the node's
+    DSEC_HOME); test homes share it instead of fetching their own."""
+    node_kernels = Paths.from_env().vm / "kernel"
+    if node_kernels.is_dir():
+        Paths(home).vm.mkdir(parents=True, exist_ok=True)
+        (Paths(home).vm / "kernel").symlink_to(node_kernels)
+
+
 def _cleanup_home(home: Path) -> None:
     """Remove whatever a (possibly killed) server left: containers, mounts, files."""
     paths = Paths(home)
@@ -89,6 +98,12 @@ def _cleanup_home(home: Path) -> None:
                              capture_output=True, text=True).stdout.split()
         for cid in ids:
             subprocess.run(["crun", "--root", str(paths.crun_root), "delete", "-f", cid], capture_output=True)
+    # VMs left by a killed server: their QEMU names carry the sandbox id (dsec-<id>,)
+    names = [d.name for d in paths.vm_sandboxes.glob("*")] + [f"tpl-{d.name[:12]}" for d in paths.vm_templates.glob("*")]
+    for name in names:
+        subprocess.run(["pkill", "-9", "-f", "--", f"-name dsec-{name},"], capture_output=True)
+    from dsec.backends.vm.templates import ram_dir
+    shutil.rmtree(ram_dir(paths), ignore_errors=True)
     with open("/proc/self/mountinfo") as f:
         mnts = [line.split()[4] for line in f if line.split()[4].startswith(str(home))]
     for m in sorted(mnts, key=len, reverse=True):
@@ -102,6 +117,7 @@ def dsec_home():
     home = Path(tempfile.mkdtemp(prefix="dsec-test-", dir="/var/tmp"))
     SHARED_CACHE.mkdir(parents=True, exist_ok=True)
     (home / "cache").symlink_to(SHARED_CACHE)
+    link_guest_kernel(home)
     yield home
     _cleanup_home(home)
 
@@ -122,7 +138,7 @@ def images(dsec_home):
 
 @pytest.fixture(scope="session")
 def server(dsec_home, images):
-    srv = ServerProc(dsec_home)
+    srv = ServerProc(dsec_home, env={"DSEC_VM_PING_S": "2"})   # hung-guest checks within seconds
     srv.start()
     yield srv
     srv.kill(signal.SIGTERM)

@@ -99,9 +99,10 @@ def losetup() -> str:
 
 
 def store_files(paths: Paths) -> list[str]:
-    # <hex>.chunks.json (per-chunk digests for lazy loading) accompany each layer file
+    # <hex>.chunks.json (per-chunk digests for lazy loading) and <hex>.meta (its EROFS
+    # metadata, packed) accompany each layer file
     return sorted(p.name for p in paths.store.iterdir()
-                  if p.name != ".lock" and not p.name.endswith(".chunks.json"))
+                  if p.name != ".lock" and not p.name.endswith((".chunks.json", ".meta")))
 
 
 def leftovers(paths: Paths) -> list[str]:

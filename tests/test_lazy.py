@@ -174,10 +174,66 @@ def test_sandbox_runs_from_the_lazy_view(tmp_path):
             assert src and all(s.startswith(str(view.mnt)) for s in src), src
             st = view.stats()
             assert 0 < st["fetched_bytes"] and st["errors"] == 0
-            assert st["fetched_bytes"] <= info.size_bytes
+            # data chunks never exceed the image; the metadata pack is a small extra copy
+            assert st["fetched_bytes"] - st["meta_bytes"] <= info.size_bytes
         finally:
             srv.kill()
     finally:
         LayerMounts(Paths(home)).unmount_all()
         LazyView(Paths(home)).stop()
         _cleanup_home(home)
+
+
+def test_metadata_pack_keeps_tree_walks_off_the_data(built):
+    """A full tree walk (stat, readdir, readlink) is served from the metadata pack: no data
+    chunk is fetched until file contents are read."""
+    from dsec.images.lazy import meta_file, write_manifest
+    paths, svc, digest, src, view = built
+    layer = svc.layer_path(digest)
+    write_manifest(layer, CHUNK)
+    assert meta_file(layer).is_file()
+    v, mnt = view()
+    for root, dirs, files in os.walk(mnt):
+        for n in dirs + files:
+            os.lstat(os.path.join(root, n))
+    st = v.stats()
+    assert st["fetched_bytes"] == st["meta_bytes"] > 0, st
+    assert (mnt / "data" / "big").read_bytes() == (src / "data" / "big").read_bytes()
+    assert v.stats()["fetched_bytes"] - v.stats()["meta_bytes"] >= 24 << 20
+
+
+def test_access_profile_persists_and_prefetches(built, tmp_path):
+    """The chunks a sandbox reads are recorded next to the cache (kept across restarts);
+    the next view with that profile and an empty cache fetches them in bulk up front."""
+    import shutil
+    from dsec.images.lazy import write_manifest
+    paths, svc, digest, src, view = built
+    write_manifest(svc.layer_path(digest), CHUNK)
+    v, mnt = view(prefetch=False)
+    (mnt / "data" / "big").read_bytes()
+    prof = v.profile(digest)
+    assert prof and len(prof["data"]) >= 24 and prof["meta"]
+    LayerMounts(paths, source=v.source).unmount_all()
+    v.stop()
+    assert LazyView(paths).profile(digest) == prof                 # survives the restart
+    # a fresh node: no chunks, only the profile
+    for p in v.cache.iterdir():
+        if not p.name.endswith(".profile.json"):
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    v2, mnt2 = view(prefetch=True)
+    deadline = time.monotonic() + 30
+    while v2.stats().get("prefetched_bytes", 0) < 24 << 20 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    st = v2.stats()
+    assert st["prefetched_bytes"] >= 24 << 20, st
+    assert st["requests"] < len(prof["data"])                    # coalesced large requests
+    (mnt2 / "data" / "big").read_bytes()
+    assert v2.stats()["fetched_bytes"] == st["fetched_bytes"]      # all served from the cache
+
+
+def test_erofs_metadata_parser_rejects_garbage(tmp_path):
+    from dsec.images.erofsmeta import metadata_blocks
+    bad = tmp_path / "x.erofs"
+    bad.write_bytes(os.urandom(8192))
+    with pytest.raises(ValueError):
+        metadata_blocks(bad)

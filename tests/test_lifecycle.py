@@ -12,6 +12,7 @@ import pytest
 
 from dsec import ContainerArgs
 from dsec.backends.container.cgroups import leftover_dirs
+from dsec.backends.container.idmap import REGISTRY
 from dsec.backends.container.spec import cgroup_path
 from dsec.types import CapacityExceeded
 
@@ -35,12 +36,25 @@ def _overlay_mounts_of(sandbox_dir: Path) -> int:
     return n
 
 
+def _id_claims(d: Path) -> list[Path]:
+    """Host uid-range claims (backends/container/idmap.py) held for sandbox dir `d`."""
+    out = []
+    for f in REGISTRY.glob("[0-9]*"):
+        try:
+            if f.read_text() == str(d.resolve()):
+                out.append(f)
+        except OSError:
+            pass
+    return out
+
+
 def assert_freed(server, sandbox_id: str) -> None:
     d = server.paths.sandboxes / sandbox_id
     assert sandbox_id not in _crun_ids(server)
     assert leftover_dirs(cgroup_path(sandbox_id)) == []
     assert not d.exists()
     assert _overlay_mounts_of(d) == 0
+    assert _id_claims(d) == []                 # its uid range is free again
 
 
 async def test_stop_frees_everything(client, server):
@@ -105,6 +119,8 @@ async def test_admission_rejects_when_full_and_burst_reports_each(small_server):
 async def test_edge_restart_keeps_sandboxes_sessions_and_running_commands(server):
     async with server.client() as c:
         sb = await c.create_container(image="debian-python")
+        claims = _id_claims(server.paths.sandboxes / sb.id)
+        assert len(claims) == 1                # its own host uid range, claimed host-wide
         await sb.run("export KEEP=me; cd /tmp", session="s")
         stream = sb.stream("sleep 2; echo finished", timeout_s=60)
         start = await anext(stream)
@@ -121,6 +137,11 @@ async def test_edge_restart_keeps_sandboxes_sessions_and_running_commands(server
         r = await sb2.attach(exec_id)          # the command kept running and its result survived
         assert r.stdout == "finished\n" and r.exit_code == 0
         assert (await sb2.run("echo $KEEP $(pwd)", session="s")).stdout == "me /tmp\n"
+        # the restarted edge kept the range: still claimed, never handed to a new sandbox
+        assert _id_claims(server.paths.sandboxes / sb.id) == claims
+        fresh = await c.create_container(image="busybox")
+        assert _id_claims(server.paths.sandboxes / fresh.id)[0] != claims[0]
+        await fresh.stop()
         await sb2.stop()
     assert_freed(server, sb.id)
 

@@ -2,12 +2,13 @@
 
 from dsec.sdk.client import Client, Created, ExecFailed, Files, Sandbox
 from dsec.types import FnCallRequest, FnCallResult, FnCallStatus
+from dsec.types import MicroVMArgs, SnapshotInfo, VMArgs
 from dsec.types import (ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult, FileEntry,
                         NetworkPolicy, NetworkRule, SandboxInfo, SandboxState)
 
 __all__ = ["Client", "Created", "ExecFailed", "Files", "Sandbox", "ContainerArgs", "DsecError",
            "ExecEvent", "ExecRequest", "ExecResult", "FileEntry", "NetworkPolicy", "NetworkRule",
-           "SandboxInfo", "SandboxState", "SyncClient",
+           "SandboxInfo", "SandboxState", "SyncClient", "MicroVMArgs", "VMArgs", "SnapshotInfo",
            "FnCallRequest", "FnCallResult", "FnCallStatus"]
 
 

@@ -52,6 +52,19 @@ class Paths:
     def bin(self) -> Path:            # compiled native helpers (agent, nsexec)
         return self.home / "bin"
 
+    # VM backends (microvm, vm)
+    @property
+    def vm(self) -> Path:             # guest kernel, initramfs, templates, VM sandboxes
+        return self.home / "vm"
+
+    @property
+    def vm_sandboxes(self) -> Path:   # per-VM dirs: disks, sockets, console log, pidfile
+        return self.vm / "sb"
+
+    @property
+    def vm_templates(self) -> Path:   # per-environment template snapshots (state, upper disk)
+        return self.vm / "templates"
+
     # apiserver / iam
     @property
     def iam_db(self) -> Path:

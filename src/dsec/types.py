@@ -12,9 +12,9 @@ import re
 import secrets
 from datetime import datetime
 from enum import Enum
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
 # ---------------------------------------------------------------------------------------
 # Errors: every failure a user can cause names the field and the fix.
@@ -212,6 +212,10 @@ class ContainerArgs(_Strict):
     env: dict[str, str] = Field(default_factory=dict)
     output_cap_bytes: Annotated[int, Field(ge=1024, le=64 * 1024 * 1024,
                                            description="per stream per command; beyond it output is dropped and reported")] = 1024 * 1024
+    output_total_bytes: Annotated[int, Field(ge=1024 * 1024, le=16 * 1024 ** 3,
+                                             description="stdout+stderr a sandbox may deliver over its life; beyond it "
+                                                         "commands still run but deliver nothing "
+                                                         "(ExecResult.output_budget_exhausted)")] = 1024 ** 3
     labels: dict[str, str] = Field(default_factory=dict)
     network: NetworkPolicy = Field(default_factory=NetworkPolicy,
                                    description="egress allow-list (cgroup-BPF); default: deny all but loopback")
@@ -222,13 +226,94 @@ class ContainerArgs(_Strict):
         return _check_env(v)
 
 
-# Union of all backend argument types (discriminated on `backend`); grows as backends land.
-SandboxArgs = ContainerArgs
+class _VMArgs(_Strict):
+    """Fields shared by the QEMU backends (dsec.backends.vm). The guest boots the same EROFS
+    layers as containers (read-only disks shared by every VM on the node) under an overlay
+    with a private writable disk. There is no network device: a VM has no egress at all."""
+
+    image: Annotated[str, Field(pattern=NAME_RE, description="image name or sha256 digest")]
+    workspace: Annotated[str | None, Field(pattern=NAME_RE, description="workspace layer above the base")] = None
+    toolkits: Annotated[list[Annotated[str, Field(pattern=NAME_RE)]],
+                        Field(max_length=16, description="toolkit layers above the workspace; the last is topmost")
+                        ] = Field(default_factory=list)
+    vcpus: Annotated[int, Field(ge=1, le=16, description="virtual CPUs of the guest")] = 1
+    memory_mb: Annotated[int, Field(ge=128, le=64 * 1024, description="guest RAM, MiB")] = 512
+    disk_mb: Annotated[int, Field(ge=64, le=1024 * 1024,
+                                  description="size of the guest's writable disk, MiB (sparse on the host)")] = 2048
+    ttl_idle_s: Annotated[int, Field(gt=0, le=MAX_TTL_S, description="reap after this long without a request")] = 600
+    suspend_idle_s: Annotated[int | None, Field(gt=0, le=MAX_TTL_S,
+                                                description="park the VM on disk after this long without a request "
+                                                            "(memory freed; the next request resumes it); None: never")] = None
+    user: Annotated[str | None, Field(description="None: non-root 'sandbox' (uid 1000); 'root'; or 'UID[:GID]'",
+                                      pattern=r"^(root|sandbox|[0-9]{1,9}(:[0-9]{1,9})?)$")] = None
+    workdir: Annotated[str, Field(pattern=r"^/[^\x00 ]{0,255}$")] = "/work"
+    env: dict[str, str] = Field(default_factory=dict)
+    output_cap_bytes: Annotated[int, Field(ge=1024, le=64 * 1024 * 1024,
+                                           description="per stream per command; beyond it output is dropped and reported")] = 1024 * 1024
+    labels: dict[str, str] = Field(default_factory=dict)
+    accel: Literal["auto", "kvm", "tcg"] = Field(
+        "auto", description="auto: KVM when it boots a guest on this node, else TCG software emulation")
+    clone: bool = Field(True, description="start as a copy-on-write clone of the environment's template "
+                                          "snapshot (fast, shares memory); False: cold boot")
+    snapshot: Annotated[str | None, Field(pattern=r"^snap-[A-Za-z0-9_-]{1,64}\.[0-9a-f]{12}$",
+                                          description="restore a snapshot taken with Sandbox.snapshot() as a "
+                                                      "new sandbox (image/layers/size come from the snapshot)")] = None
+
+    @field_validator("env")
+    @classmethod
+    def _valid_env(cls, v: dict[str, str]) -> dict[str, str]:
+        return _check_env(v)
+
+    @property
+    def cpu_cores(self) -> float:   # what placement and admission count
+        return float(self.vcpus)
+
+
+class MicroVMArgs(_VMArgs):
+    """A QEMU `microvm` (virtio-mmio, no PCI, no firmware): the VM boundary at low cost."""
+
+    backend: Literal["microvm"] = "microvm"
+
+
+class VMArgs(_VMArgs):
+    """A full QEMU `q35` VM (PCI, ACPI). Read-only layers go in as virtio-pmem with DAX, so
+    the guest maps the host's page cache instead of keeping its own copy."""
+
+    backend: Literal["vm"] = "vm"
+    pmem: bool = Field(True, description="layers as virtio-pmem + DAX (False: virtio-blk like microvm)")
+    disk: Annotated[str | None, Field(pattern=r"^[a-z0-9][a-z0-9_.-]{0,62}$",
+                                      description="boot this VM disk (`dsec vm disk build NAME --image IMAGE`): "
+                                                  "the image's own kernel and init (e.g. systemd) on a qcow2 "
+                                                  "root, always a cold boot (no template clone); `image` must "
+                                                  "be the disk's image; no workspace/toolkits")] = None
+
+    @field_validator("disk")
+    @classmethod
+    def _disk_alone(cls, v: str | None, info) -> str | None:   # noqa: ANN001 (pydantic ValidationInfo)
+        # a disk is one finished filesystem: there is nothing to stack layers onto
+        if v is not None:
+            extra = [f for f in ("workspace", "toolkits", "snapshot") if info.data.get(f)]
+            if extra:
+                raise ValueError(f"a VM booted from disk {v!r} cannot also have {', '.join(extra)}: the disk is "
+                                 "one finished filesystem; build a disk from an image that has what you need")
+        return v
+
+
+# Union of all backend argument types (discriminated on `backend`).
+def _backend_of(v: object) -> str:
+    """The discriminator; a body without `backend` is a container (the first backend)."""
+    return v.get("backend", "container") if isinstance(v, dict) else getattr(v, "backend", "container")
+
+
+SandboxArgs = Annotated[Union[Annotated[ContainerArgs, Tag("container")], Annotated[MicroVMArgs, Tag("microvm")],
+                              Annotated[VMArgs, Tag("vm")]], Discriminator(_backend_of)]
+VM_BACKENDS = ("microvm", "vm")
 
 
 class SandboxState(str, Enum):
     creating = "creating"
     running = "running"
+    suspended = "suspended"    # VM parked on disk (no host memory); the next request resumes it
     stopping = "stopping"
     stopped = "stopped"
     failed = "failed"
@@ -250,6 +335,26 @@ class SandboxInfo(BaseModel):
     error: str | None = None
     labels: dict[str, str] = Field(default_factory=dict)
     network: NetworkPolicy | None = Field(None, description="current egress policy (container sandboxes)")
+    accel: str | None = Field(None, description="VM sandboxes: the accelerator in use, 'kvm' or 'tcg'")
+    host_pss_mb: float | None = Field(None, description="VM sandboxes: host memory the VM costs now "
+                                                        "(PSS of its QEMU: shared pages counted in part)")
+
+
+class SnapshotInfo(BaseModel):
+    """A saved VM (guest memory, device state, writable disk) that restores as new sandboxes:
+    `MicroVMArgs(image=..., snapshot=info.id)`. Node-local: the id names its node."""
+
+    id: str
+    node: str
+    sandbox_id: str = Field(description="the sandbox it was taken from")
+    backend: str
+    image: str
+    size_bytes: int = Field(description="bytes on the node's disk (state file + disk delta)")
+    created_at: datetime
+
+
+def make_snapshot_id(node: str) -> str:
+    return f"snap-{node}.{secrets.token_hex(6)}"
 
 
 class SandboxList(BaseModel):
@@ -299,6 +404,8 @@ class ExecResult(BaseModel):
     stderr_bytes: int = 0
     session_ended: bool = Field(False, description="the session shell exited (exit, timeout); next call starts a new one")
     duration_s: float = 0.0
+    output_budget_exhausted: bool = Field(False, description="the sandbox's output_total_bytes is spent: this "
+                                                             "command's output was cut short or dropped")
 
     @property
     def ok(self) -> bool:

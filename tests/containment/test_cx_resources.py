@@ -106,6 +106,43 @@ async def test_yes_flood_output_is_capped(client, server):
         await sb.stop()
 
 
+async def test_yes_flood_across_many_commands_hits_the_sandbox_output_budget(client, server):
+    """`yes` floods in many commands, each under the per-command cap, stop delivering once the sandbox's lifetime output_total_bytes is spent: later results say output_budget_exhausted and carry nothing, the sandbox keeps running commands (exit codes, files), and a neighbour is unaffected."""
+    budget, cap = 1 << 20, 64 << 10
+    sb = await client.create_container(image="busybox", output_total_bytes=budget, output_cap_bytes=cap)
+    other = await client.create_container(image="busybox", output_total_bytes=budget, output_cap_bytes=cap)
+    try:
+        rss = rss_mb(server.proc.pid)
+        got, flagged = 0, 0
+        for _ in range(24):   # 24 x 2 streams x 64 KiB = 3 MiB asked, 1 MiB allowed
+            r = await sb.run("yes | head -c 200000; yes 2>/dev/null | head -c 200000 >&2")
+            assert r.exit_code == 0 and r.stdout_bytes == 200_000, r.model_dump(exclude={"stdout", "stderr"})
+            got += len(r.stdout.encode()) + len(r.stderr.encode())
+            flagged += r.output_budget_exhausted
+        assert got <= budget, got
+        assert got >= budget - 2 * cap, got          # the budget is really used up, not refused early
+        assert flagged >= 24 - budget // (2 * cap), flagged
+        r = await sb.run("echo still-here; touch /work/after; exit 3")
+        assert r.exit_code == 3 and r.stdout == "" and r.output_budget_exhausted, r
+        assert (await sb.files.read("/work/after")) == b""                    # the sandbox works
+        assert (await sb.refresh()).state.value == "running"
+        r = await other.run("yes | head -c 1000")                               # the neighbour does not pay
+        assert len(r.stdout) == 1000 and not r.output_budget_exhausted, r.model_dump(exclude={"stdout"})
+        assert rss_mb(server.proc.pid) < rss + 100
+    finally:
+        await sb.stop()
+        await other.stop()
+
+
+async def test_output_budget_is_bounded_at_create(server):
+    """A sandbox cannot ask for an unbounded lifetime output budget: output_total_bytes above 16 GiB (or below 1 MiB) is refused by the server with 422 naming the field."""
+    import httpx
+    for bad in (1 << 40, 1000):
+        r = httpx.post(f"{server.url}/v1/sandboxes", json={"image": "busybox", "output_total_bytes": bad},
+                       headers={"Authorization": f"Bearer {server.key}"}, timeout=30)
+        assert r.status_code == 422 and "output_total_bytes" in r.text, (r.status_code, r.text)
+
+
 async def test_fill_dev_shm_and_dev(client):
     """Filling /dev/shm stops at its size (ENOSPC, at most 256 MiB and below the memory limit) and the sandbox survives; writing files into /dev (tmpfs) is refused."""
     sb = await client.create_container(image="debian-python", user="root")
@@ -161,8 +198,6 @@ INOTIFY_PROBE = ("python3 -c 'import ctypes; l = ctypes.CDLL(None, use_errno=Tru
                  "print(\"ok\" if l.inotify_init1(0) >= 0 else \"errno %d\" % ctypes.get_errno())'")
 
 
-@pytest.mark.xfail(strict=True, reason="known open hole (docs/security.md): sandboxes share host uids until "
-                   "per-sandbox user namespaces land, so per-user kernel limits (inotify) are shared")
 async def test_per_uid_kernel_limits_not_shared_with_neighbours(client, cx):
     """A sandbox that takes every inotify instance its uid may have (fs.inotify.max_user_instances) must not take them from a neighbour sandbox: kernel per-user limits must not be shared between sandboxes."""
     victim = await cx.create_container(image="debian-python")

@@ -478,7 +478,11 @@ struct freader {              /* FILE_READ streamed at the pace the edge reads *
 	uint64_t sent, maxlen, gen;
 };
 
-enum { SL_SIG, SL_LISTEN, SL_CONN, SL_CTL, SL_OUT0, SL_OUT1, SL_IN };
+enum { SL_SIG, SL_LISTEN, SL_CONN, SL_CTL, SL_OUT0, SL_OUT1, SL_IN, SL_DEV };
+/* Device mode (-D): the host side of the port is away (probe it now and then) or the
+ * connection was dropped by us and its remaining input is discarded until the host hangs up. */
+enum { DS_AWAY, DS_DRAIN };
+#define DEV_BACKOFF_MAX 64 /* ms between probes of an absent host (SIGIO usually wakes us first) */
 struct slot { int kind; struct proc *p; };
 
 static struct {
@@ -497,21 +501,38 @@ static struct {
 	struct freader *readers;
 	int running, nsessions, nreaders;
 	int64_t accept_pause;     /* out of fds: stop polling the listener until then */
+	const char *dev;          /* -D: virtio-serial port used instead of a listening socket */
+	int dfd, dstate, dev_eof, dev_backoff;
+	int64_t dev_retry;        /* DS_AWAY: next probe of the host side */
 	struct pollfd *pfd;
 	struct slot *slot;
 	size_t pcap;
-} G = { .workdir = "/", .lfd = 3, .conn = -1, .sfd = -1, .gen = 1, .ll_abi = -1, .nofile = 4096 };
+} G = { .workdir = "/", .lfd = 3, .conn = -1, .sfd = -1, .gen = 1, .ll_abi = -1, .nofile = 4096,
+	.dfd = -1, .dev_backoff = 1 };
 
 static char scratch[READ_CHUNK];
 static char combine[READ_CHUNK + 128];
 
 /* ------------------------------------------------------------------ connection output */
 
+/* Device mode: the port stays open; SIGIO (O_ASYNC) tells us when the host side reconnects. */
+static void dev_detach(int state)
+{
+	G.dstate = state;
+	G.dev_retry = 0;
+	G.dev_backoff = 1;
+	fcntl(G.dfd, F_SETFL, fcntl(G.dfd, F_GETFL) | O_ASYNC);
+}
+
 static void conn_close(void)
 {
 	if (G.conn < 0)
 		return;
-	close(G.conn);
+	if (G.conn == G.dfd) /* EOF: the host left; otherwise we dropped it: discard until it leaves */
+		dev_detach(G.dev_eof ? DS_AWAY : DS_DRAIN);
+	else
+		close(G.conn);
+	G.dev_eof = 0;
 	G.conn = -1;
 	G.gen++;                  /* detaches every exec and file reader */
 	bq_free(&G.out);
@@ -571,7 +592,8 @@ static void send_ok(uint32_t chan) { out_frame(T_OK, chan, NULL, 0, NULL, 0); }
 static void conn_flush(void)
 {
 	while (G.conn >= 0 && G.out.len) {
-		ssize_t n = send(G.conn, G.out.p + G.out.off, G.out.len, MSG_NOSIGNAL | MSG_DONTWAIT);
+		ssize_t n = G.conn == G.dfd ? write(G.conn, G.out.p + G.out.off, G.out.len)
+			: send(G.conn, G.out.p + G.out.off, G.out.len, MSG_NOSIGNAL | MSG_DONTWAIT);
 		if (n > 0) {
 			bq_consume(&G.out, (size_t)n);
 			continue;
@@ -2110,6 +2132,7 @@ static void conn_read(void)
 	if (n < 0 && (errno == EAGAIN || errno == EINTR))
 		return;
 	if (n <= 0) {
+		G.dev_eof = n == 0; /* device mode: the host side disconnected */
 		conn_close();
 		return;
 	}
@@ -2151,6 +2174,33 @@ static void conn_accept(void)
 		G.conn = fd;
 		G.gen++;
 	}
+}
+
+/* Device mode, no connection: the port polled readable or hung up. While the host side is
+ * disconnected the port polls POLLHUP at once, so absent hosts are probed on a timer (with
+ * SIGIO as the early wake-up) instead of being polled continuously. */
+static void dev_event(short re)
+{
+	if (G.conn >= 0)
+		return;
+	if (G.dstate == DS_DRAIN || (re & (POLLHUP | POLLERR))) {
+		ssize_t n;
+		while ((n = read(G.dfd, scratch, sizeof scratch)) > 0) /* stale or unwanted input */
+			;
+		if (n == 0 || (re & (POLLHUP | POLLERR)) || (errno != EAGAIN && errno != EINTR)) {
+			G.dstate = DS_AWAY; /* the host is gone: wait for it to come back */
+			G.dev_retry = now_ms() + G.dev_backoff;
+			G.dev_backoff = G.dev_backoff * 2 > DEV_BACKOFF_MAX ? DEV_BACKOFF_MAX : G.dev_backoff * 2;
+		}
+		return;
+	}
+	/* the host is connected and sent something: a new connection, as if just accepted */
+	fcntl(G.dfd, F_SETFL, fcntl(G.dfd, F_GETFL) & ~O_ASYNC);
+	bq_free(&G.in);
+	G.conn = G.dfd;
+	G.gen++;
+	G.dev_backoff = 1;
+	conn_read();
 }
 
 /* ------------------------------------------------------------------ main loop */
@@ -2198,6 +2248,8 @@ static void sig_event(void)
 		 * from inside never reach an init at all (the kernel protects it). */
 		if ((si.ssi_signo == SIGTERM || si.ssi_signo == SIGINT) && (getpid() != 1 || si.ssi_pid == 0))
 			_exit(0); /* supervisors get SIGTERM via PDEATHSIG and kill their trees */
+		if (si.ssi_signo == SIGIO && G.dfd >= 0 && G.conn < 0 && G.dstate == DS_AWAY)
+			G.dev_retry = 0; /* the port changed (host (re)connected?): probe now */
 	}
 	while (waitpid(-1, NULL, WNOHANG) > 0) /* supervisors and orphans alike */
 		;
@@ -2239,6 +2291,8 @@ static int next_timeout(int64_t now)
 	}
 	if (G.accept_pause > now)
 		CAND(G.accept_pause);
+	if (G.dfd >= 0 && G.conn < 0 && G.dstate == DS_AWAY && G.dev_retry > now)
+		CAND(G.dev_retry);
 	if (!G.out.len && pump_pending()) /* queue drained, producers still waiting */
 		CAND(now);
 #undef CAND
@@ -2254,8 +2308,10 @@ static void loop(void)
 		poll_add(&n, G.sfd, POLLIN, SL_SIG, NULL);
 		if (G.conn >= 0) /* before the listener: finish the old connection's frames first */
 			poll_add(&n, G.conn, POLLIN | (G.out.len ? POLLOUT : 0), SL_CONN, NULL);
-		if (now_ms() >= G.accept_pause)
+		if (G.lfd >= 0 && now_ms() >= G.accept_pause)
 			poll_add(&n, G.lfd, POLLIN, SL_LISTEN, NULL);
+		if (G.dfd >= 0 && G.conn < 0 && (G.dstate == DS_DRAIN || now_ms() >= G.dev_retry))
+			poll_add(&n, G.dfd, POLLIN, SL_DEV, NULL);
 		for (struct proc *p = G.procs; p; p = p->next) {
 			if (p->zombie)
 				continue;
@@ -2281,6 +2337,7 @@ static void loop(void)
 			switch (G.slot[i].kind) {
 			case SL_SIG: sig_event(); break;
 			case SL_LISTEN: conn_accept(); break;
+			case SL_DEV: dev_event(pf->revents); break;
 			case SL_CONN:
 				if (pf->fd != G.conn)
 					break;
@@ -2583,8 +2640,8 @@ static int supervise_main(int argc, char **argv)
 
 static void usage(void)
 {
-	fputs("usage: dsec-agent [-w WORKDIR] [-u UID] [-g GID] [-f LISTEN_FD] [-s SHELL] [-L 0|1]\n"
-	      "                  [-n NOFILE] [-F FSIZE_BYTES]\n", stderr);
+	fputs("usage: dsec-agent [-w WORKDIR] [-u UID] [-g GID] [-f LISTEN_FD | -D DEVICE] [-s SHELL]\n"
+	      "                  [-L 0|1] [-n NOFILE] [-F FSIZE_BYTES]\n", stderr);
 	exit(2);
 }
 
@@ -2593,7 +2650,7 @@ int main(int argc, char **argv)
 	if (argc > 1 && !strcmp(argv[1], "--supervise"))
 		return supervise_main(argc, argv);
 	int opt;
-	while ((opt = getopt(argc, argv, "w:u:g:f:s:L:n:F:")) != -1) {
+	while ((opt = getopt(argc, argv, "w:u:g:f:s:L:n:F:D:")) != -1) {
 		switch (opt) {
 		case 'w': G.workdir = optarg; break;
 		case 'u': G.uid = (uid_t)strtoul(optarg, NULL, 10); break;
@@ -2603,6 +2660,7 @@ int main(int argc, char **argv)
 		case 'L': G.ll_abi = atoi(optarg) ? -1 : 0; break;
 		case 'n': G.nofile = strtoul(optarg, NULL, 10); break;
 		case 'F': G.fsize = strtoull(optarg, NULL, 10); break;
+		case 'D': G.dev = optarg; break;
 		default: usage();
 		}
 	}
@@ -2625,23 +2683,37 @@ int main(int argc, char **argv)
 			_exit(1);
 	int listening = 0;
 	socklen_t sl = sizeof listening;
-	if (getsockopt(G.lfd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &sl) < 0 || !listening) {
+	if (G.dev) {
+		G.lfd = -1; /* the port is the one connection; no listener */
+	} else if (getsockopt(G.lfd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &sl) < 0 || !listening) {
 		fprintf(stderr, "dsec-agent: fd %d is not a listening socket\n", G.lfd);
 		return 1;
 	}
 	cloexec_from3(); /* nothing the agent inherited may leak into commands */
-	set_nonblock(G.lfd);
+	if (G.lfd >= 0)
+		set_nonblock(G.lfd);
 	signal(SIGPIPE, SIG_IGN);
 	sigset_t ss;
 	sigemptyset(&ss);
 	sigaddset(&ss, SIGCHLD);
 	sigaddset(&ss, SIGTERM);
 	sigaddset(&ss, SIGINT);
+	if (G.dev)
+		sigaddset(&ss, SIGIO); /* O_ASYNC on the port: the host side (re)connected */
 	sigprocmask(SIG_BLOCK, &ss, NULL);
 	G.sfd = signalfd(-1, &ss, SFD_CLOEXEC | SFD_NONBLOCK);
 	if (G.sfd < 0) {
 		perror("dsec-agent: signalfd");
 		return 1;
+	}
+	if (G.dev) {
+		G.dfd = open(G.dev, O_RDWR | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+		if (G.dfd < 0) {
+			fprintf(stderr, "dsec-agent: open %s: %s\n", G.dev, strerror(errno));
+			return 1;
+		}
+		fcntl(G.dfd, F_SETOWN, getpid());
+		dev_detach(DS_AWAY); /* probe at once: the host may already be connected */
 	}
 	if (getpid() != 1) {
 		prctl(PR_SET_CHILD_SUBREAPER, 1); /* orphans come to us as they would to PID 1 */

@@ -11,11 +11,12 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Protocol
 
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Body, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from dsec.iam import IAM, Principal
+from dsec.iam.policy import EffectivePolicy, SandboxPolicy, check_create, check_network
 from dsec.images.service import ImageService
 from dsec.placement import Placer
 from dsec.types import (CapacityExceeded, ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult,
@@ -23,11 +24,25 @@ from dsec.types import (CapacityExceeded, ContainerArgs, DsecError, ExecEvent, E
                         SandboxInfo, SandboxList, Unavailable, node_of)
 from dsec.types import FnCallRequest, FnCallResult
 from dsec.types import ImageInfo, PackDiffRequest
+from dsec.types import MicroVMArgs, SandboxArgs, SnapshotInfo, VMArgs
 from dsec.watcher import Watcher
 
 log = logging.getLogger("dsec.apiserver")
 
 MAX_FILE_BYTES = 64 * 1024 * 1024
+BACKEND_TAGS = {"container": ContainerArgs, "microvm": MicroVMArgs, "vm": VMArgs}
+
+
+def _fields_for(path: str, loc: tuple) -> list[str]:
+    """Allowed fields of the model a request was validated against (for the error's fix)."""
+    if path.startswith("/v1/fncall"):
+        return list(FnCallRequest.model_fields)
+    tag = next((str(p) for p in loc if str(p) in BACKEND_TAGS), "container")
+    return list(BACKEND_TAGS[tag].model_fields)
+
+
+def node_of_snapshot(snapshot_id: str) -> str:
+    return snapshot_id.removeprefix("snap-").rsplit(".", 1)[0]
 PLACEMENT_TRIES = 3
 
 
@@ -35,7 +50,11 @@ class EdgeHandle(Protocol):
     """What the apiserver needs of an edge (in-process object, Ray actor proxy or HTTP client)."""
 
     async def status(self) -> NodeStatus: ...
-    async def create(self, project: str, args: ContainerArgs) -> SandboxInfo: ...
+    async def create(self, project: str, args: SandboxArgs) -> SandboxInfo: ...
+    async def snapshot(self, sandbox_id: str) -> SnapshotInfo: ...
+    async def suspend(self, sandbox_id: str) -> SandboxInfo: ...
+    async def console(self, sandbox_id: str, tail: int = ...) -> bytes: ...
+    async def resume(self, sandbox_id: str) -> SandboxInfo: ...
     async def get(self, sandbox_id: str) -> SandboxInfo: ...
     async def list(self, project: str | None = None, include_ended: bool = False) -> list[SandboxInfo]: ...
     async def stop(self, sandbox_id: str, reason: str | None = None) -> SandboxInfo: ...
@@ -97,7 +116,10 @@ def create_app(ctx: ApiContext) -> FastAPI:
     async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
         errs = e.errors()
         first = errs[0] if errs else {}
+        # drop the transport part and the backend tag of the args union from the field path
         loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path", "header")]
+        if request.url.path == "/v1/sandboxes" and loc and loc[0] in BACKEND_TAGS:
+            loc = loc[1:]
         fieldname = ".".join(loc) or "body"
         msg = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
@@ -105,8 +127,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
         err = InvalidArgument(f"{fieldname}: {msg}", field=fieldname,
                               fix="see the schema at /openapi.json" + (
                                   "; allowed fields: " + ", ".join(
-                                      (FnCallRequest if request.url.path.startswith("/v1/fncall")
-                                       else ContainerArgs).model_fields)
+                                      _fields_for(request.url.path, first.get("loc", ())))
                                   if first.get("type") == "extra_forbidden" else ""))
         return JSONResponse(err.to_body(), status_code=err.status)
 
@@ -124,7 +145,17 @@ def create_app(ctx: ApiContext) -> FastAPI:
         return {"ok": True, "nodes": len(ctx.edges)}
 
     @app.post("/v1/sandboxes", status_code=201, response_model=SandboxInfo)
-    async def create_sandbox(args: ContainerArgs, who: Who) -> SandboxInfo:
+    async def create_sandbox(args: Annotated[SandboxArgs, Body()], who: Who) -> SandboxInfo:
+        """Create a sandbox; `backend` picks the argument type: container (default), microvm, vm."""
+        # what a sandbox may loosen is bounded by its project's policy (iam/policy.py)
+        check_create(ctx.iam.effective_policy(who.project_id), args, who.project_id)
+        if getattr(args, "snapshot", None):
+            # a snapshot lives on one node: the new sandbox is restored there
+            node = node_of_snapshot(args.snapshot)
+            if node not in ctx.edges:
+                raise NotFound(f"no snapshot {args.snapshot!r}: node {node!r} is unknown", field="snapshot",
+                               fix="use an id returned by Sandbox.snapshot()")
+            return await ctx.edges[node].create(who.project_id, args)
         excluded: set[str] = set()
         last: DsecError | None = None
         for _ in range(PLACEMENT_TRIES):
@@ -165,7 +196,60 @@ def create_app(ctx: ApiContext) -> FastAPI:
     async def set_network(sandbox_id: str, policy: NetworkPolicy, who: Who) -> SandboxInfo:
         """Replace the egress policy of a running sandbox (effective for new connections at once)."""
         edge = await owned(sandbox_id, who)
+        project = (await edge.get(sandbox_id)).project    # the sandbox's project's policy applies
+        check_network(ctx.iam.effective_policy(project), policy, project, prefix="")
         return await edge.set_network(sandbox_id, policy)
+
+    async def check_exec(edge: EdgeHandle, sandbox_id: str, req: ExecRequest) -> None:
+        """Per-command loosening (root, a larger output cap) is bounded like create. Looked up
+        only when a command asks for one, so plain execs cost no IAM query."""
+        if req.user in ("root", "0", "0:0") or req.output_cap_bytes is not None:
+            project = (await edge.get(sandbox_id)).project
+            check_create(ctx.iam.effective_policy(project), req, project)
+
+    @app.get("/v1/projects/{project_id}/policy", response_model=EffectivePolicy)
+    async def get_policy(project_id: str, who: Who) -> EffectivePolicy:
+        """A project's own sandbox policy and the effective one (narrowed by its ancestors)."""
+        if not ctx.iam.can_access(who, project_id):
+            raise NotFound(f"no project {project_id!r}", field="project_id", fix="check the id and API key")
+        return EffectivePolicy(project_id=project_id, own=ctx.iam.own_policy(project_id),
+                               effective=ctx.iam.effective_policy(project_id))
+
+    @app.put("/v1/projects/{project_id}/policy", response_model=EffectivePolicy)
+    async def set_policy(project_id: str, policy: SandboxPolicy, who: Who) -> EffectivePolicy:
+        """Replace a project's own sandbox policy (from a key of a parent project; it may only
+        narrow the parent's). Applies to new sandboxes and later set_network calls."""
+        if not ctx.iam.can_access(who, project_id):
+            raise NotFound(f"no project {project_id!r}", field="project_id", fix="check the id and API key")
+        ctx.iam.set_policy(project_id, policy, by=who)
+        return EffectivePolicy(project_id=project_id, own=ctx.iam.own_policy(project_id),
+                               effective=ctx.iam.effective_policy(project_id))
+
+    @app.get("/v1/sandboxes/{sandbox_id}/console", response_class=Response)
+    async def console(sandbox_id: str, who: Who,
+                      tail: Annotated[int, Query(ge=1, le=1 << 20)] = 65536) -> Response:
+        """VM sandboxes: the last `tail` bytes of the guest's serial console (kernel messages,
+        init errors), also after the VM failed."""
+        edge = await owned(sandbox_id, who)
+        return Response(await edge.console(sandbox_id, tail), media_type="text/plain; charset=utf-8")
+
+    @app.post("/v1/sandboxes/{sandbox_id}/suspend", response_model=SandboxInfo)
+    async def suspend(sandbox_id: str, who: Who) -> SandboxInfo:
+        """Park a VM on disk (its memory is freed); the next request to it resumes it."""
+        edge = await owned(sandbox_id, who)
+        return await edge.suspend(sandbox_id)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/resume", response_model=SandboxInfo)
+    async def resume(sandbox_id: str, who: Who) -> SandboxInfo:
+        edge = await owned(sandbox_id, who)
+        return await edge.resume(sandbox_id)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/snapshot", status_code=201, response_model=SnapshotInfo)
+    async def snapshot(sandbox_id: str, who: Who) -> SnapshotInfo:
+        """Save a running VM (memory, devices, disk); restore it as new sandboxes with
+        `{"backend": ..., "image": ..., "snapshot": id}`. The VM pauses briefly and runs on."""
+        edge = await owned(sandbox_id, who)
+        return await edge.snapshot(sandbox_id)
 
     @app.post("/v1/sandboxes/{sandbox_id}/pack_diff", status_code=201, response_model=ImageInfo)
     async def pack_diff(sandbox_id: str, req: PackDiffRequest, who: Who) -> ImageInfo:
@@ -176,6 +260,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
     @app.post("/v1/sandboxes/{sandbox_id}/exec", response_model=ExecResult)
     async def exec_(sandbox_id: str, req: ExecRequest, who: Who) -> ExecResult:
         edge = await owned(sandbox_id, who)
+        await check_exec(edge, sandbox_id, req)
         return await edge.run(sandbox_id, req)
 
     @app.post("/v1/sandboxes/{sandbox_id}/exec/stream",
@@ -183,6 +268,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
                                "description": "one ExecEvent JSON object per line"}})
     async def exec_stream(sandbox_id: str, req: ExecRequest, who: Who) -> StreamingResponse:
         edge = await owned(sandbox_id, who)
+        await check_exec(edge, sandbox_id, req)
         events = edge.exec_stream(sandbox_id, req)
         first = await anext(events)   # errors before the first byte become proper HTTP errors
 

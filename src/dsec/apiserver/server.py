@@ -12,6 +12,7 @@ import os
 import signal
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import uvicorn
 
@@ -24,8 +25,11 @@ from dsec.edge.edge import Edge, EdgeSettings
 from dsec.iam import IAM
 from dsec.images.service import ImageService
 from dsec.placement import Placer
-from dsec.types import Conflict
+from dsec.types import Conflict, DsecError
 from dsec.watcher import Watcher
+
+if TYPE_CHECKING:
+    from dsec.backends.vm.driver import VMDriver
 
 log = logging.getLogger("dsec.server")
 
@@ -46,7 +50,9 @@ async def embedded(paths: Paths, node_id: str = "local"):
     iam.bootstrap(paths.admin_key_file)
     images = ImageService(paths)
     driver = ContainerDriver(paths, agent_binary(paths.bin))
-    edge = Edge(paths, images, driver, EdgeSettings(node_id=node_id, fncall_project=system_project(iam)))
+    vm, vm_problem = await asyncio.to_thread(vm_driver, paths)
+    edge = Edge(paths, images, driver, EdgeSettings(node_id=node_id, fncall_project=system_project(iam)),
+                vm_driver=vm, vm_problem=vm_problem)
     await edge.start()
     watcher = Watcher({node_id: edge}, interval_s=1.0)
     await watcher.poll_once()
@@ -56,6 +62,19 @@ async def embedded(paths: Paths, node_id: str = "local"):
     finally:
         await watcher.stop()
         await edge.close()
+
+
+def vm_driver(paths: Paths) -> "tuple[VMDriver | None, str | None]":
+    """The QEMU backends when this node has QEMU and a fetched guest kernel; else why not
+    (the node then offers containers and fncall only, and says so to placement)."""
+    if os.environ.get("DSEC_VM", "1") == "0":
+        return None, "disabled by DSEC_VM=0"
+    try:
+        from dsec.backends.vm.driver import VMDriver
+        return VMDriver(paths), None
+    except DsecError as e:
+        log.warning("VM backends unavailable", extra={"reason": e.message})
+        return None, e.message
 
 
 def system_project(iam: IAM) -> str:

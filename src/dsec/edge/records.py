@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from dsec.types import SandboxInfo, SandboxState
+from dsec.types import VM_BACKENDS, SandboxInfo, SandboxState
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
@@ -56,7 +56,7 @@ class SandboxRecord:
 
     @property
     def cpu_cores(self) -> float:
-        return float(self.args.get("cpu_cores", 1.0))
+        return float(self.args.get("vcpus", self.args.get("cpu_cores", 1.0)))
 
     @property
     def memory_mb(self) -> int:
@@ -74,7 +74,8 @@ class SandboxRecord:
                            ttl_idle_s=self.ttl_idle_s, created_at=ts(self.created_at),
                            last_active_at=ts(self.last_active_at), error=self.error,
                            labels=self.args.get("labels", {}),
-                           network=self.args.get("network") if self.backend == "container" else None)
+                           network=self.args.get("network") if self.backend == "container" else None,
+                           accel=self.args.get("accel") if self.backend in VM_BACKENDS else None)
 
 
 class EdgeRecords:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from dsec.iam.policy import SandboxPolicy, check_narrows, narrow
 from dsec.types import Conflict, Forbidden, InvalidArgument, NotFound, Unauthorized
 
 log = logging.getLogger("dsec.iam")
@@ -62,6 +63,13 @@ CREATE TABLE IF NOT EXISTS api_keys (
     revoked    INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS api_keys_project ON api_keys(project_id);
+
+-- a project's own sandbox policy (iam/policy.py); absent: no restriction of its own
+CREATE TABLE IF NOT EXISTS project_policies (
+    project_id TEXT PRIMARY KEY REFERENCES projects(id) ON DELETE CASCADE,
+    policy     TEXT NOT NULL,            -- SandboxPolicy as JSON
+    updated_at REAL NOT NULL
+);
 """
 
 
@@ -275,6 +283,51 @@ class IAM:
     def can_access(self, principal: Principal, project_id: str) -> bool:
         """True if the principal's project is project_id or one of its ancestors."""
         return principal.project_id in self.ancestors(project_id)
+
+    # ------------------------------------------------------------------ sandbox policy
+
+    def own_policy(self, project_id: str) -> SandboxPolicy:
+        with self._lock:
+            self._get_project(project_id, field="project_id")
+            r = self._db.execute("SELECT policy FROM project_policies WHERE project_id=?", (project_id,)).fetchone()
+        return SandboxPolicy.model_validate_json(r["policy"]) if r else SandboxPolicy()
+
+    def effective_policy(self, project_id: str) -> SandboxPolicy:
+        """The project's policy narrowed by every ancestor's (what its sandboxes may loosen)."""
+        chain = self.ancestors(project_id)          # self first, top-level last
+        if not chain:
+            raise NotFound(f"no project {project_id!r}", field="project_id",
+                           fix="use a project id returned by create_project")
+        with self._lock:
+            marks = ",".join("?" * len(chain))
+            rows = {r["project_id"]: r["policy"] for r in self._db.execute(
+                f"SELECT project_id, policy FROM project_policies WHERE project_id IN ({marks})", chain)}
+        eff = SandboxPolicy()
+        for pid in reversed(chain):                  # from the top down
+            if pid in rows:
+                eff = narrow(eff, SandboxPolicy.model_validate_json(rows[pid]))
+        return eff
+
+    def set_policy(self, project_id: str, policy: SandboxPolicy, *, by: Principal | None = None) -> SandboxPolicy:
+        """Replace a project's own policy. It must lie within the parent's effective policy
+        (Forbidden otherwise). `by`: the caller, who must act for a strict ancestor of the
+        project (a project cannot loosen its own policy), except for the root project."""
+        project = self.project(project_id)
+        if by is not None:
+            chain = self.ancestors(project_id)
+            if by.project_id not in chain or (by.project_id == project_id and project.parent_id is not None):
+                raise Forbidden(f"project {by.project_id} may not set the policy of {project_id}",
+                                field="project_id",
+                                fix="use a key of a parent project: a project's policy is set from above")
+        if project.parent_id is not None:
+            check_narrows(self.effective_policy(project.parent_id), policy)
+        with self._lock, self._tx():
+            self._db.execute(
+                "INSERT INTO project_policies (project_id, policy, updated_at) VALUES (?,?,?) "
+                "ON CONFLICT(project_id) DO UPDATE SET policy=excluded.policy, updated_at=excluded.updated_at",
+                (project_id, policy.model_dump_json(exclude_none=True), time.time()))
+        log.info("set sandbox policy of project %s: %s", project_id, policy.model_dump(exclude_none=True))
+        return policy
 
     # ------------------------------------------------------------------ keys
 

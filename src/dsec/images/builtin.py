@@ -8,6 +8,9 @@ debian-python  debootstrap --variant=minbase bookworm + python3, plus the `sandb
                `remove` takes seconds and gives the same digest.
 fncall-python  debian-python + gcc, g++ and numpy: the FnCall backend's pool image
                (dsec.backends.fncall); cached the same way.
+debian-vm      debootstrap minbase bookworm + systemd-sysv, udev and linux-image-cloud-amd64:
+               an image that brings its own kernel (/boot/vmlinuz-*, initrd) and init
+               (systemd), for full-VM disks (`dsec vm disk build`, dsec.backends.vm.disks).
 """
 
 from __future__ import annotations
@@ -192,8 +195,23 @@ def _build_fncall_python(service: ImageService, progress: Progress | None) -> Im
                                      customize=add_sandbox_user, progress=progress)
 
 
+# ---------------------------------------------------------------------------------------
+# debian-vm: brings its own kernel and init (a bootable full-VM disk, dsec.backends.vm.disks)
+# ---------------------------------------------------------------------------------------
+
+# The cloud kernel is Debian's smallest (virtio, no hardware drivers); its postinst builds
+# /boot/initrd.img-* with initramfs-tools (virtio_blk is a module, so the initrd is needed).
+DEBIAN_VM_PACKAGES = ("systemd-sysv", "udev", "linux-image-cloud-amd64")
+
+
+def _build_debian_vm(service: ImageService, progress: Progress | None) -> ImageInfo:
+    return service.build_debootstrap("debian-vm", suite="bookworm", include=DEBIAN_VM_PACKAGES,
+                                     customize=add_sandbox_user, progress=progress)
+
+
 BUILTIN_IMAGES: dict[str, Callable[[ImageService, Progress | None], ImageInfo]] = {
     "busybox": _build_busybox,
     "debian-python": _build_debian_python,
     "fncall-python": _build_fncall_python,
+    "debian-vm": _build_debian_vm,
 }

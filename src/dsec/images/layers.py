@@ -21,7 +21,7 @@ import stat
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 from dsec.types import InvalidArgument, Unavailable
 
@@ -66,9 +66,14 @@ def _copy_xattrs(src: str, dst: str) -> None:
                                       "(run as root on ext4/xfs/tmpfs)") from e
 
 
-def copy_upper(upper: Path, dest: Path, scrub: Iterable[str] = ()) -> int:
+def copy_upper(upper: Path, dest: Path, scrub: Iterable[str] = (),
+               map_id: Callable[[int], int] | None = None) -> int:
     """Copy an overlay upper dir to `dest` (which must not exist), leaving out scrubbed
-    paths. Returns the number of entries copied (0 besides the root: nothing changed)."""
+    paths. Returns the number of entries copied (0 besides the root: nothing changed).
+    `map_id` turns the host uids/gids stored in the upper into the ids the layer keeps (a
+    sandbox with its own user namespace writes shifted host ids: see
+    backends/container/idmap.py); None keeps them."""
+    ids = map_id or (lambda i: i)
     scrub = list(scrub)
     upper, dest = Path(upper), Path(dest)
     links: dict[tuple[int, int], str] = {}
@@ -98,7 +103,7 @@ def copy_upper(upper: Path, dest: Path, scrub: Iterable[str] = ()) -> int:
             return
         if st.st_nlink > 1 and not stat.S_ISDIR(mode):
             links[(st.st_dev, st.st_ino)] = dst
-        os.lchown(dst, st.st_uid, st.st_gid)
+        os.lchown(dst, ids(st.st_uid), ids(st.st_gid))
         _copy_xattrs(src, dst)
         if not stat.S_ISLNK(mode):
             os.chmod(dst, stat.S_IMODE(mode))

@@ -23,12 +23,15 @@ from pathlib import Path
 from dsec.config import Paths
 from dsec.types import InvalidArgument, Unavailable
 
+from .erofsmeta import metadata_blocks
 from .mounts import MNT_DETACH, mountinfo, sys_umount
 from .store import FileLock, check_digest
 
 log = logging.getLogger("dsec.images")
 
 DEFAULT_CHUNK = 2 << 20
+META_CHUNK = 256 << 10        # metadata pack segments: small, since a lookup touches few
+META_GRANULE = 16 << 10       # metadata is packed in aligned pieces of this size
 FS_TYPE = "fuse.dsec-lazy"
 LAZYFS = Path(__file__).with_name("lazyfs.py")
 SYSTEM_PYTHON = "/usr/bin/python3"
@@ -38,20 +41,72 @@ def manifest_file(layer: Path) -> Path:
     return layer.with_name(layer.name[:64] + ".chunks.json")
 
 
-def write_manifest(layer: Path, chunk: int = DEFAULT_CHUNK) -> Path:
-    """Record the sha256 of every aligned `chunk`-byte piece of a layer file (atomically)."""
-    if chunk < 4096 or chunk & (chunk - 1) or chunk > 64 << 20:
-        raise InvalidArgument(f"bad chunk size {chunk}", field="chunk",
-                              fix="a power of two between 4 KiB and 64 MiB, e.g. 2 MiB")
+def meta_file(layer: Path) -> Path:
+    """The layer's metadata pack: its EROFS metadata blocks, packed together (erofsmeta.py)."""
+    return layer.with_name(layer.name[:64] + ".meta")
+
+
+def _chunk_digests(path: Path, chunk: int) -> tuple[int, list[str]]:
     digests = []
     size = 0
-    with open(layer, "rb", buffering=0) as f:
+    with open(path, "rb", buffering=0) as f:
         while data := f.read(chunk):
             digests.append(hashlib.sha256(data).hexdigest())
             size += len(data)
+    return size, digests
+
+
+def _runs(blocks: list[int]) -> list[list[int]]:
+    """[1,2,3,7,8] -> [[1,3],[7,2]]: (first block, count) runs, to keep the manifest small."""
+    out: list[list[int]] = []
+    for b in blocks:
+        if out and out[-1][0] + out[-1][1] == b:
+            out[-1][1] += 1
+        else:
+            out.append([b, 1])
+    return out
+
+
+def _write_meta_pack(layer: Path) -> dict | None:
+    """Pack the layer's EROFS metadata blocks into meta_file(layer); None if the image
+    cannot be parsed (the view then fetches metadata with the data chunks, as before)."""
+    try:
+        bs, blocks = metadata_blocks(layer)
+    except (ValueError, OSError) as e:
+        log.warning("no metadata pack for %s: %s", layer.name, e)
+        return None
+    # the kernel reads the image's page cache in folios of several blocks (8 KiB seen on
+    # 6.18), so a metadata read drags its neighbours along: pack whole aligned granules
+    per = max(1, META_GRANULE // bs)
+    nblocks = (os.stat(layer).st_size + bs - 1) // bs
+    blocks = sorted({g + i for g in {b - b % per for b in blocks} for i in range(per)
+                     if g + i < nblocks})
+    out = meta_file(layer)
+    tmp = out.with_name(f".tmp-{os.getpid()}-{out.name}")
+    runs = _runs(blocks)
+    with open(layer, "rb", buffering=0) as fi, open(tmp, "wb") as fo:
+        for first, count in runs:
+            fo.write(os.pread(fi.fileno(), count * bs, first * bs))
+    size, digests = _chunk_digests(tmp, META_CHUNK)
+    os.replace(tmp, out)
+    return {"blksz": bs, "runs": runs, "size": size, "chunk": META_CHUNK, "sha256": digests}
+
+
+def write_manifest(layer: Path, chunk: int = DEFAULT_CHUNK, *, meta: bool = True) -> Path:
+    """Record the sha256 of every aligned `chunk`-byte piece of a layer file (atomically),
+    and (meta=True) write its metadata pack with per-segment digests."""
+    if chunk < 4096 or chunk & (chunk - 1) or chunk > 64 << 20:
+        raise InvalidArgument(f"bad chunk size {chunk}", field="chunk",
+                              fix="a power of two between 4 KiB and 64 MiB, e.g. 2 MiB")
+    size, digests = _chunk_digests(layer, chunk)
+    man: dict = {"size": size, "chunk": chunk, "sha256": digests}
+    if meta and (m := _write_meta_pack(layer)) is not None:
+        man["meta"] = m
+    else:
+        meta_file(layer).unlink(missing_ok=True)
     out = manifest_file(layer)
     tmp = out.with_name(f".tmp-{os.getpid()}-{out.name}")
-    tmp.write_text(json.dumps({"size": size, "chunk": chunk, "sha256": digests}))
+    tmp.write_text(json.dumps(man))
     os.replace(tmp, out)
     return out
 
@@ -62,7 +117,9 @@ class LazyView:
 
     def __init__(self, paths: Paths, *, store: Path | None = None, chunk: int = DEFAULT_CHUNK,
                  cache_bytes: int | None = None, latency_ms: float | None = None,
-                 timeout_s: float | None = None, root: Path | None = None):
+                 timeout_s: float | None = None, root: Path | None = None,
+                 bandwidth_mbps: float | None = None, prefetch: bool | None = None,
+                 meta: bool = True):
         self.paths = paths
         self.store = Path(store or paths.store)
         self.root = Path(root or paths.home / "lazy")
@@ -76,6 +133,13 @@ class LazyView:
             env.get("DSEC_LAZY_LATENCY_MS", "0"))
         self.timeout_s = timeout_s if timeout_s is not None else float(
             env.get("DSEC_LAZY_TIMEOUT_S", "30"))
+        # injected store bandwidth (MB/s, 0 = unlimited) for benchmarks; prefetch = bulk
+        # fetch of a layer's recorded access profile when the layer is first opened
+        self.bandwidth_mbps = bandwidth_mbps if bandwidth_mbps is not None else float(
+            env.get("DSEC_LAZY_BANDWIDTH_MBPS", "0"))
+        self.prefetch = prefetch if prefetch is not None else env.get(
+            "DSEC_LAZY_PREFETCH", "1") not in ("0", "false", "no")
+        self.meta = meta
         self._lock = FileLock(self.root / ".lock")
 
     def is_mounted(self) -> bool:
@@ -102,7 +166,10 @@ class LazyView:
             proc = subprocess.Popen(
                 [SYSTEM_PYTHON, str(LAZYFS), "--store", str(self.store), "--cache", str(self.cache),
                  "--mount", str(self.mnt), "--cache-bytes", str(self.cache_bytes),
-                 "--latency-ms", str(self.latency_ms), "--timeout-s", str(self.timeout_s)],
+                 "--latency-ms", str(self.latency_ms), "--timeout-s", str(self.timeout_s),
+                 "--bandwidth-mbps", str(self.bandwidth_mbps),
+                 *([] if self.prefetch else ["--no-prefetch"]),
+                 *([] if self.meta else ["--no-meta"])],
                 stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True,
                 close_fds=True)
             logf.close()
@@ -115,6 +182,7 @@ class LazyView:
                     raise Unavailable(f"the lazy layer view did not start: {tail}",
                                       fix=f"see {self.root / 'lazyfs.log'}")
                 time.sleep(0.02)
+            _no_readahead(self.mnt)
             log.info("lazy layer view of %s at %s (pid %d)", self.store, self.mnt, proc.pid)
 
     def stop(self) -> None:
@@ -157,11 +225,33 @@ class LazyView:
         self.start()
         return self.mnt / f"{hexd}.erofs"
 
+    def profile(self, digest: str) -> dict | None:
+        """The layer's recorded access profile ({"data": [chunk idx], "meta": [segment idx]},
+        first-touch order), kept next to the chunk cache; None before any read."""
+        hexd = check_digest(digest).split(":", 1)[1]
+        try:
+            return json.loads((self.cache / f"{hexd}.profile.json").read_text())
+        except (OSError, ValueError):
+            return None
+
     def stats(self) -> dict:
         try:
             return json.loads((self.cache / "stats.json").read_text())
         except (OSError, ValueError):
             return {"fetched_bytes": 0, "fetched_chunks": 0, "cache_hits": 0, "errors": 0}
+
+
+def _no_readahead(mnt: Path) -> None:
+    """Turn off kernel readahead on the view's FUSE connection. EROFS reads its metadata
+    through the page cache of the image file; readahead there would widen a 4 KiB
+    metadata read into 128 KiB that spills into data chunks. EROFS does its own readahead
+    for file data, so nothing is lost."""
+    dev = os.stat(mnt).st_dev
+    ra = Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb")
+    try:
+        ra.write_text("0")
+    except OSError as e:
+        log.warning("could not turn off readahead on %s (%s): %s", mnt, ra, e)
 
 
 def _cmdline_has(pid: int, text: str) -> bool:
@@ -191,4 +281,4 @@ def lazy_enabled() -> bool:
     return os.environ.get("DSEC_LAZY", "") not in ("", "0", "false", "no")
 
 
-__all__ = ["LazyView", "write_manifest", "manifest_file", "lazy_enabled"]
+__all__ = ["LazyView", "write_manifest", "manifest_file", "meta_file", "lazy_enabled"]

@@ -23,10 +23,11 @@ from .builder import (check_debootstrap_args, debootstrap_cached, default_mirror
 from .erofs import check_compression, mkfs, sha256_file
 from .oci import (DEFAULT_MERGE_BYTES, apply_layer, docker_archive_layers, group_layers,
                   oci_layout_layers)
-from .lazy import LazyView, lazy_enabled, manifest_file, write_manifest
+from .lazy import LazyView, lazy_enabled, manifest_file, meta_file, write_manifest
 from .layers import check_layer_name, chown_tree, copy_upper, git_archive, parse_owner
 from .mounts import LayerMounts, mounts_under
 from .progress import Progress, report
+from .pull import check_ref, pull_to_layout
 from .store import (DIGEST_RE, TMP_PREFIX, FileLock, Registry, check_digest, check_name,
                     layer_file, now_utc)
 
@@ -154,17 +155,19 @@ class ImageService:
 
     def pack_upper(self, name: str, upper: Path, *, parents: Sequence[ImageInfo] = (),
                    scrub: Sequence[str] = (), source: str, replace: bool = False,
-                   progress: Progress | None = None) -> ImageInfo:
+                   progress: Progress | None = None,
+                   map_id: Callable[[int], int] | None = None) -> ImageInfo:
         """pack_diff: turn an overlay upper dir (whiteouts and opaque dirs included) into a
         new layer NAME@VERSION stacked on the layers of `parents` (e.g. the workspace the
-        sandbox started from). Paths matching `scrub` are left out."""
+        sandbox started from). Paths matching `scrub` are left out. `map_id`: host id ->
+        layer id (a user-namespaced sandbox's upper holds shifted host ids)."""
         check_layer_name(name)
         if not Path(upper).is_dir():
             raise NotFound(f"no writable layer at {upper}", field="sandbox_id",
                            fix="pack_diff needs a running sandbox")
         with scratch_dir(self.paths, "diff") as work:
             root = work / "rootfs"
-            n = copy_upper(Path(upper), root, scrub)
+            n = copy_upper(Path(upper), root, scrub, map_id)
             log.info("pack_diff %s: %d entries from %s", name, n, upper)
             inherited = [lay for p in parents for lay in p.layers]
             return self._build(name, root, source, replace=replace, compression=None,
@@ -174,7 +177,7 @@ class ImageService:
                    docker_archive: str | os.PathLike | None = None, ref: str | None = None,
                    merge_bytes: int = DEFAULT_MERGE_BYTES, replace: bool = False,
                    compression: str | None = None,
-                   progress: Progress | None = None) -> ImageInfo:
+                   progress: Progress | None = None, source: str | None = None) -> ImageInfo:
         """Import an image from an OCI layout directory or a `docker save` archive. Runs of
         consecutive OCI layers up to `merge_bytes` become one EROFS layer each (whiteouts
         kept as overlay whiteouts/opaque dirs between them). All or nothing: on any error
@@ -214,15 +217,31 @@ class ImageService:
                     digest = sha256_file(tmp, progress=progress)
                     layers.append((LayerInfo(digest=digest, size_bytes=tmp.stat().st_size,
                                              created_at=now_utc(),
-                                             source=f"{field}:{src}#{gi}:{len(group)} layer(s)"),
+                                             source=f"{source or f'{field}:{src}'}#{gi}:"
+                                                    f"{len(group)} layer(s)"),
                                    tmp))
                 image = self._commit(name, layers, replace=replace)
         finally:
             for t in tmps:
-                t.unlink(missing_ok=True)
+                for f in (t, manifest_file(t), meta_file(t)):
+                    f.unlink(missing_ok=True)
         log.info("imported %s from %s: %d OCI layer(s) -> %d EROFS layer(s) in %.1fs", name, src,
                  len(blobs), len(groups), time.monotonic() - t0)
         return image
+
+    def pull(self, name: str, ref: str, *, tls_verify: bool = True, creds: str | None = None,
+             merge_bytes: int = DEFAULT_MERGE_BYTES, replace: bool = False,
+             compression: str | None = None, progress: Progress | None = None) -> ImageInfo:
+        """Pull `ref` (docker://HOST/REPO:TAG) from a registry with skopeo into a scratch OCI
+        layout, then import it like import_oci (same merging, all or nothing)."""
+        check_name(name)
+        check_ref(ref)
+        with scratch_dir(self.paths, "pull") as work:
+            report(progress, f"skopeo copy {ref}", None, level=logging.INFO)
+            layout, tag = pull_to_layout(ref, work / "layout", tls_verify=tls_verify, creds=creds)
+            return self.import_oci(name, oci=layout, ref=tag, merge_bytes=merge_bytes,
+                                   replace=replace, compression=compression, progress=progress,
+                                   source=ref)
 
     def _build(self, name: str, root: Path, source: str, *, replace: bool,
                compression: str | None, progress: Progress | None, kind: str = "image",
@@ -239,7 +258,8 @@ class ImageService:
             image = self._commit(name, [*((p, None) for p in parents), (layer, tmp)],
                                  replace=replace, kind=kind)
         finally:
-            tmp.unlink(missing_ok=True)
+            for f in (tmp, manifest_file(tmp), meta_file(tmp)):
+                f.unlink(missing_ok=True)
         report(progress, f"image {name} = {image.digest[:19]} ({image.size_bytes} bytes) in "
                          f"{time.monotonic() - t0:.1f}s", 1.0, level=logging.INFO)
         return image
@@ -266,6 +286,9 @@ class ImageService:
                             os.replace(tmp, final)
                             added.append(final)
                             added.append(manifest_file(final))
+                            if meta_file(tmp).exists():        # EROFS metadata, packed
+                                added.append(meta_file(final))
+                                os.replace(meta_file(tmp), meta_file(final))
                             os.replace(manifest_file(tmp), manifest_file(final))
                         _fsync_dir(self.paths.store)
             except BaseException:
@@ -314,6 +337,15 @@ class ImageService:
                            fix="use a digest listed in ImageService.get(name).layers")
         return path
 
+    def layer_source(self, digest: str) -> Path:
+        """The file a node reads a layer from (the lazy view of the store when one is set up,
+        else the store's file): what VMs attach as a read-only disk."""
+        path = self.mounts.source(digest) if self.mounts.source else self.layer_path(digest)
+        if not path.is_file():
+            raise NotFound(f"layer {digest} is not in the store ({path} is missing)", field="layer",
+                           fix="rebuild the image that uses this layer")
+        return path
+
     def mount_image(self, name_or_digest: str) -> list[Path]:
         """Mount every layer of the image (once per node); returns the dirs, base first."""
         info = self.get(name_or_digest)
@@ -352,6 +384,7 @@ class ImageService:
                 self.mounts.unmount(d)
                 layer_file(self.paths, d).unlink(missing_ok=True)
                 manifest_file(layer_file(self.paths, d)).unlink(missing_ok=True)
+                meta_file(layer_file(self.paths, d)).unlink(missing_ok=True)
                 log.info("deleted layer %s", d)
             return dead
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 from datetime import datetime, timezone
 import os
 import signal
@@ -16,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dsec.config import DEFAULT_PORT, Paths
-from dsec.types import ContainerArgs, DsecError
+from dsec.types import ContainerArgs, DsecError, MicroVMArgs, VMArgs
 
 app = typer.Typer(no_args_is_help=True, help="dsec: elastic sandboxes for agent training and evaluation")
 image_app = typer.Typer(no_args_is_help=True, help="build, list and remove images")
@@ -25,6 +27,8 @@ bench_app = typer.Typer(no_args_is_help=True, help="benchmarks, side by side wit
 app.add_typer(image_app, name="image")
 app.add_typer(sandbox_app, name="sandbox")
 app.add_typer(bench_app, name="bench")
+project_app = typer.Typer(no_args_is_help=True, help="project sandbox policy: what sandboxes may loosen")
+app.add_typer(project_app, name="project")
 console = Console(width=None if sys.stdout.isatty() else 200)  # pipes get whole ids
 err_console = Console(stderr=True)
 
@@ -160,6 +164,22 @@ def image_import(name: str,
     console.print(f"{info.name} {info.digest} {len(info.layers)} layer(s) {info.size_bytes / 1e6:.1f} MB")
 
 
+@image_app.command("pull")
+def image_pull(name: str,
+               ref: Annotated[str, typer.Argument(help="docker://HOST[:PORT]/REPO[:TAG]")],
+               tls_verify: Annotated[bool, typer.Option(help="require HTTPS with a valid certificate")] = True,
+               creds: Annotated[Optional[str], typer.Option(help="USER:PASSWORD for the registry")] = None,
+               merge_mb: Annotated[int, typer.Option(help="merge consecutive OCI layers up to this size")] = 3072,
+               replace: bool = False) -> None:
+    """Pull an image from a registry (through skopeo) and import it as EROFS layers."""
+    try:
+        info = _images().pull(name, ref, tls_verify=tls_verify, creds=creds,
+                              merge_bytes=merge_mb << 20, replace=replace)
+    except DsecError as e:
+        _fail(e)
+    console.print(f"{info.name} {info.digest} {len(info.layers)} layer(s) {info.size_bytes / 1e6:.1f} MB")
+
+
 @image_app.command("gc")
 def image_gc() -> None:
     """Delete layer files no image or layer references any more."""
@@ -226,14 +246,81 @@ def _client():
     return Client()
 
 
-@sandbox_app.command("create")
-def sandbox_create(image: str, cpu: float = 1.0, memory_mb: int = 512, ttl_idle_s: int = 600,
-                   user: Optional[str] = None) -> None:
+@project_app.command("policy")
+def project_policy(project_id: str) -> None:
+    """Show a project's own and effective sandbox policy (JSON)."""
     async def go() -> None:
         async with _client() as c:
-            sb = await c.create_container(ContainerArgs(image=image, cpu_cores=cpu, memory_mb=memory_mb,
-                                                        ttl_idle_s=ttl_idle_s, user=user))
+            console.print_json(data=await c.get_policy(project_id))
+    _run(go())
+
+
+@project_app.command("policy-set")
+def project_policy_set(project_id: str,
+                       policy: Annotated[str, typer.Argument(help='JSON, e.g. \'{"rulesets": ["pypi"], '
+                                                                   '"cidrs": [], "max_memory_mb": 4096}\'')]) -> None:
+    """Replace a project's own sandbox policy (needs a key of a parent project)."""
+    async def go() -> None:
+        async with _client() as c:
+            console.print_json(data=await c.set_policy(project_id, json.loads(policy)))
+    _run(go())
+
+
+Backend = Annotated[str, typer.Option(help="container, microvm (QEMU microvm) or vm (QEMU q35)")]
+
+
+def _args(backend: str, image: str, cpu: float, memory_mb: int, ttl_idle_s: int, user: Optional[str],
+          disk: Optional[str] = None):
+    """CLI flags -> the backend's own argument type (VMs count whole vCPUs)."""
+    if backend == "container":
+        return ContainerArgs(image=image, cpu_cores=cpu, memory_mb=memory_mb, ttl_idle_s=ttl_idle_s, user=user)
+    cls = {"microvm": MicroVMArgs, "vm": VMArgs}.get(backend)
+    if cls is None:
+        raise DsecError(f"unknown backend {backend!r}", field="backend", fix="use container, microvm or vm")
+    if disk is not None and backend != "vm":
+        raise DsecError("--disk boots a full VM", field="disk", fix="add --backend vm")
+    extra = {"disk": disk} if disk is not None else {}
+    return cls(image=image, vcpus=max(1, math.ceil(cpu)), memory_mb=max(128, memory_mb), ttl_idle_s=ttl_idle_s,
+               user=user, **extra)
+
+
+@sandbox_app.command("create")
+def sandbox_create(image: str, cpu: float = 1.0, memory_mb: int = 512, ttl_idle_s: int = 600,
+                   user: Optional[str] = None, backend: Backend = "container",
+                   disk: Annotated[Optional[str], typer.Option(help="vm: boot this disk (dsec vm disk build)")] = None
+                   ) -> None:
+    async def go() -> None:
+        async with _client() as c:
+            sb = await c.create(_args(backend, image, cpu, memory_mb, ttl_idle_s, user, disk))
             console.print(sb.id)
+    _run(go())
+
+
+@sandbox_app.command("suspend")
+def sandbox_suspend(sandbox_id: str) -> None:
+    """Park a VM sandbox on disk (memory freed); its next request resumes it."""
+    async def go() -> None:
+        async with _client() as c:
+            console.print((await (await c.get(sandbox_id)).suspend()).state.value)
+    _run(go())
+
+
+@sandbox_app.command("snapshot")
+def sandbox_snapshot(sandbox_id: str) -> None:
+    """Save a running VM; create new sandboxes from it with its snapshot id."""
+    async def go() -> None:
+        async with _client() as c:
+            snap = await (await c.get(sandbox_id)).snapshot()
+            console.print(f"{snap.id}  ({snap.size_bytes / 2**20:.1f} MiB)")
+    _run(go())
+
+
+@sandbox_app.command("console")
+def sandbox_console(sandbox_id: str, tail: int = 65536) -> None:
+    """Print the end of a VM's serial console."""
+    async def go() -> None:
+        async with _client() as c:
+            sys.stdout.write(await (await c.get(sandbox_id)).console(tail))
     _run(go())
 
 
@@ -289,11 +376,12 @@ def sandbox_rm(sandbox_ids: list[str]) -> None:
 
 @app.command("run", context_settings={"allow_extra_args": True})
 def run(image: str, cmd: Annotated[list[str], typer.Argument(help="command (after --)")],
-        cpu: float = 1.0, memory_mb: int = 512, timeout_s: float = 300.0, user: Optional[str] = None) -> None:
+        cpu: float = 1.0, memory_mb: int = 512, timeout_s: float = 300.0, user: Optional[str] = None,
+        backend: Backend = "container") -> None:
     """Create a sandbox from IMAGE, run CMD in it (output streamed), then remove it."""
     async def go() -> int:
         async with _client() as c:
-            sb = await c.create_container(ContainerArgs(image=image, cpu_cores=cpu, memory_mb=memory_mb, user=user))
+            sb = await c.create(_args(backend, image, cpu, memory_mb, 600, user))
             try:
                 return await _stream_to_terminal(sb, " ".join(cmd), None, timeout_s)
             finally:
@@ -320,10 +408,46 @@ def bench_fncall(n_python: int = 3000, n_c: int = 300, n_sandbox: int = 30, n_la
                      concurrency=concurrency, sandbox_parallel=sandbox_parallel, out=out)
 
 
+@bench_app.command("vm")
+def bench_vm(n: Annotated[int, typer.Option(help="clones and cold boots, one at a time, of each")] = 10,
+             burst: Annotated[int, typer.Option(help="VMs started in parallel, of each")] = 4,
+             n_idle: Annotated[int, typer.Option(help="idle VMs alive at once, of each, for memory")] = 20,
+             idle_s: float = 5.0, n_exec: int = 200,
+             n_vm: Annotated[int, typer.Option(help="q35 clones and cold boots (0: skip q35)")] = 3,
+             memory_mb: int = 256, vcpus: int = 1,
+             image: Annotated[str, typer.Option(help="busybox or debian-python")] = "busybox",
+             out: Path = Path("docs/benchmarks.md")) -> None:
+    """microVM clone-from-snapshot vs cold boot: time to first command, PSS per idle VM, exec round trip."""
+    from dsec.bench.vm import Opts, run_vm_bench
+    run_vm_bench(Opts(n=n, burst=burst, n_idle=n_idle, idle_s=idle_s, n_exec=n_exec, n_vm=n_vm,
+                      memory_mb=memory_mb, vcpus=vcpus, image=image), out=out)
+
+
 @bench_app.command("images")
 def bench_images(image: str = "debian-python", latency_ms: float = 5.0, chunk_mb: int = 2,
-                 out: Path = Path("docs/benchmarks.md")) -> None:
+                 out: Path = Path("docs/benchmarks.md"),
+                 suite: Annotated[str, typer.Option(help="'small': one image, three ways; 'env': the "
+                                                         ">= 1 GB environment suite (issue 3)")] = "small",
+                 chunk_kb: Annotated[int, typer.Option(help="env suite: lazy data chunk size")] = 2048,
+                 bandwidth_mbps: Annotated[float, typer.Option(help="env suite: store bandwidth")] = 100.0,
+                 envs: int = 10, sandboxes: int = 50, parallel: int = 2, workspaces: int = 100,
+                 mono_sample: Annotated[int, typer.Option(help="env suite: monolithic rebuilds done "
+                                                              "for real (scaled to --workspaces)")] = 3,
+                 tar_sample: Annotated[int, typer.Option(help="env suite: tar.gz sandboxes run for "
+                                                             "real (scaled to --sandboxes)")] = 6,
+                 work: Annotated[Path, typer.Option(help="env suite: cache of the built environments")]
+                 = Path("/var/cache/dsec-bench")) -> None:
     """Lazy (FUSE, on-demand chunks) vs full copy vs tar.gz unpack: bytes fetched, time to ready."""
+    if suite == "env":
+        from dsec.bench.images_report import run_and_report_env
+        run_and_report_env(out=out, work=work, latency_ms=latency_ms, chunk_kb=chunk_kb,
+                           bandwidth_mbps=bandwidth_mbps, envs=envs, sandboxes=sandboxes,
+                           parallel=parallel, workspaces=workspaces, mono_sample=mono_sample,
+                           tar_sample=tar_sample)
+        return
+    if suite != "small":
+        err_console.print("[red]error[/red]: --suite must be 'small' or 'env'")
+        raise typer.Exit(2)
     from dsec.bench.images import run_images_bench
     rows = run_images_bench(image=image, latency_ms=latency_ms, chunk=chunk_mb << 20)
     t = Table("way", "image MB", "fetched MB", "fetched %", "ready s",
@@ -342,6 +466,75 @@ def bench_images(image: str = "debian-python", latency_ms: float = 5.0, chunk_mb
     console.print(t)
     with out.open("a") as f:
         f.write("\n".join(md) + "\n")
+
+
+# -- VM guest artefacts -------------------------------------------------------------------------
+vm_app = typer.Typer(no_args_is_help=True, help="microVM / full-VM guest kernel and initramfs")
+app.add_typer(vm_app, name="vm")
+
+
+@vm_app.command("fetch-kernel")
+def vm_fetch_kernel(
+        initramfs: Annotated[bool, typer.Option(help="also build the guest initramfs")] = True) -> None:
+    """Download and unpack the guest kernel (linux-image-cloud-amd64) into DSEC_HOME (cached)."""
+    from dsec.backends.vm import guest
+    paths = Paths.from_env()
+    try:
+        k = guest.ensure_kernel(paths)
+        console.print(f"guest kernel {k.version}: {k.vmlinuz}")
+        if initramfs:
+            console.print(f"guest initramfs: {guest.build_initramfs(paths, k)}")
+    except guest.GuestError as e:
+        err_console.print(f"[red]error[/red]: {e}")
+        raise typer.Exit(2)
+
+
+vm_disk_app = typer.Typer(no_args_is_help=True, help="bootable full-VM disks: an image's own kernel and init as qcow2")
+vm_app.add_typer(vm_disk_app, name="disk")
+
+
+@vm_disk_app.command("build")
+def vm_disk_build(
+        name: Annotated[str, typer.Argument(help="disk name (then VMArgs(image=IMAGE, disk=NAME))")],
+        image: Annotated[str, typer.Option("--image", help="image with /boot/vmlinuz-* and systemd as /sbin/init")],
+        size_mb: Annotated[Optional[int], typer.Option("--size-mb", help="filesystem size (default: 2x the files + 512 MiB, at least 1024)")] = None) -> None:
+    """Build DSEC_HOME/vm/disks/NAME.qcow2 from IMAGE's layers, with the dsec agent as a systemd unit."""
+    import time as _time
+    from dsec.backends.vm import disks
+    from dsec.types import DsecError
+    t0 = _time.monotonic()
+    try:
+        d = disks.build(Paths.from_env(), name, image, size_mb=size_mb)
+    except DsecError as e:
+        err_console.print(f"[red]error[/red]: {e.message}" + (f" (field {e.field})" if e.field else "")
+                          + (f"\n  fix: {e.fix}" if e.fix else ""))
+        raise typer.Exit(2)
+    console.print(f"vm disk {d.name}: image {d.image} ({d.image_digest[:19]}), kernel {d.kernel_version}, "
+                  f"{d.size_mb} MiB, built in {_time.monotonic() - t0:.1f}s")
+
+
+@vm_disk_app.command("ls")
+def vm_disk_ls() -> None:
+    """List the VM disks on this node."""
+    from dsec.backends.vm import disks
+    t = Table("name", "image", "digest", "kernel", "size MiB", "built")
+    for d in disks.list_disks(Paths.from_env()):
+        t.add_row(d.name, d.image, d.image_digest[:19], d.kernel_version, str(d.size_mb),
+                  datetime.fromtimestamp(d.created_at, timezone.utc).isoformat(timespec="seconds"))
+    console.print(t)
+
+
+@vm_disk_app.command("rm")
+def vm_disk_rm(name: Annotated[str, typer.Argument(help="disk name")]) -> None:
+    """Remove a VM disk (running VMs keep their open base file; suspended ones then cannot resume)."""
+    from dsec.backends.vm import disks
+    from dsec.types import DsecError
+    try:
+        disks.remove(Paths.from_env(), name)
+    except DsecError as e:
+        err_console.print(f"[red]error[/red]: {e.message}")
+        raise typer.Exit(2)
+    console.print(f"removed vm disk {name}")
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ import httpx
 from dsec.config import DEFAULT_PORT, Paths
 from dsec.types import FnCallBatch, FnCallBatchItem, FnCallRequest, FnCallResult, FnCallStatus
 from dsec.types import PackDiffRequest
+from dsec.types import MicroVMArgs, SandboxArgs, SnapshotInfo, VMArgs
 from dsec.types import (ERRORS_BY_CODE, ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult,
                         FileEntry, FileList, ImageInfo, ImageList, NetworkPolicy, NodeStatus, SandboxInfo, SandboxList,
                         Unavailable)
@@ -118,11 +119,33 @@ class Client:
     # -- sandboxes -----------------------------------------------------------------------
     async def create_container(self, args: ContainerArgs | None = None, **kwargs: Any) -> "Sandbox":
         """Create a container sandbox. Pass ContainerArgs, or its fields as keywords."""
-        args = args if args is not None else ContainerArgs(**kwargs)
+        return await self.create(args if args is not None else ContainerArgs(**kwargs))
+
+    async def create_microvm(self, args: MicroVMArgs | None = None, **kwargs: Any) -> "Sandbox":
+        """Create a QEMU microvm sandbox (a clone of its environment's template by default)."""
+        return await self.create(args if args is not None else MicroVMArgs(**kwargs))
+
+    async def create_vm(self, args: VMArgs | None = None, **kwargs: Any) -> "Sandbox":
+        """Create a full QEMU q35 VM sandbox (layers mapped with virtio-pmem + DAX)."""
+        return await self.create(args if args is not None else VMArgs(**kwargs))
+
+    # -- project sandbox policy (dsec.iam.policy) -----------------------------------------
+    async def get_policy(self, project_id: str) -> dict:
+        """{"project_id", "own", "effective"}: what the project's sandboxes may loosen."""
+        resp = await self._request("GET", f"/v1/projects/{project_id}/policy")
+        return resp.json()
+
+    async def set_policy(self, project_id: str, policy: dict) -> dict:
+        """Replace a project's own policy (key of a parent project; it may only narrow)."""
+        resp = await self._request("PUT", f"/v1/projects/{project_id}/policy", json=policy)
+        return resp.json()
+
+    async def create(self, args: SandboxArgs) -> "Sandbox":
+        """Create a sandbox of the backend its argument type names."""
         resp = await self._request("POST", "/v1/sandboxes", content=args.model_dump_json(), headers=JSON)
         return Sandbox(self, SandboxInfo.model_validate_json(resp.content))
 
-    async def create_many(self, n: int, args: ContainerArgs, *, concurrency: int = 32
+    async def create_many(self, n: int, args: SandboxArgs, *, concurrency: int = 32
                           ) -> AsyncIterator["Created"]:
         """Create n sandboxes; yield each as soon as it is ready (or failed), in completion order.
 
@@ -137,7 +160,7 @@ class Client:
                 if abandoned:
                     return Created(i, None, DsecError("not created: the caller stopped iterating"))
                 try:
-                    return Created(i, await self.create_container(args), None)
+                    return Created(i, await self.create(args), None)
                 except DsecError as e:
                     return Created(i, None, e)
                 except httpx.HTTPError as e:
@@ -338,6 +361,29 @@ class Sandbox:
         resp = await self._c._request("POST", f"{self._base}/pack_diff",
                                       content=req.model_dump_json(), headers=JSON)
         return ImageInfo.model_validate_json(resp.content)
+
+    async def console(self, tail: int = 65536) -> str:
+        """VM sandboxes: the end of the guest's serial console (also after it failed)."""
+        resp = await self._c._request("GET", f"/v1/sandboxes/{self.id}/console", params={"tail": tail})
+        return resp.content.decode(errors="replace")
+
+    async def suspend(self) -> SandboxInfo:
+        """VM sandboxes: park on disk (host memory freed). The next request resumes it, with
+        its processes where they were; `resume()` does it explicitly."""
+        resp = await self._c._request("POST", f"/v1/sandboxes/{self.id}/suspend")
+        self.info = SandboxInfo.model_validate_json(resp.content)
+        return self.info
+
+    async def resume(self) -> SandboxInfo:
+        resp = await self._c._request("POST", f"/v1/sandboxes/{self.id}/resume")
+        self.info = SandboxInfo.model_validate_json(resp.content)
+        return self.info
+
+    async def snapshot(self) -> SnapshotInfo:
+        """VM sandboxes: save memory, devices and disk; `create_microvm(image=..., snapshot=s.id)`
+        (or create_vm) restores it as a new sandbox, as many times as wanted."""
+        resp = await self._c._request("POST", f"/v1/sandboxes/{self.id}/snapshot")
+        return SnapshotInfo.model_validate_json(resp.content)
 
     async def stop(self) -> SandboxInfo:
         resp = await self._c._request("DELETE", self._base)

@@ -3,7 +3,9 @@
 Per sandbox, under <home>/sb/<id>/: `upper` and `work` (the writable layer, on local disk),
 `rootfs` (mountpoint; the overlay is mounted there only inside a private mount namespace, see
 nsexec.c), `run/agent.sock` (the agent's listening socket, never visible inside the sandbox),
-`run/init.log` (crun's and the agent's own stderr) and `config.json`.
+`run/init.log` (crun's and the agent's own stderr) and `config.json`. With user namespaces
+(default; DSEC_USERNS=0 turns them off) also `lower/N`: mountpoints for the idmapped clones of
+the layer mounts, used only inside the private mount namespace (nsexec.c, idmap.py).
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import logging
 import os
 import shutil
 import socket
+from dataclasses import replace
 from pathlib import Path
 
 from dsec.backends.container import cgroups
 from dsec.backends.container.disk import open_quotas
+from dsec.backends.container.idmap import IdRanges
 from dsec.backends.container.network import SandboxNetworks
 from dsec.backends.container.spec import ContainerSpec, build_config, cgroup_path
 from dsec.config import Paths
@@ -46,6 +50,8 @@ class ContainerDriver:
         self.net = SandboxNetworks(paths, lambda sid: cgroups.v2_dir(cgroup_path(sid)))
         # writable-layer quota: sandbox dirs are btrfs subvolumes with a limit (or polled)
         self.disk = open_quotas(paths)
+        # a user namespace per sandbox with its own host id range (idmap.py)
+        self.ids = IdRanges() if os.environ.get("DSEC_USERNS", "1") != "0" else None
 
     # -- paths ---------------------------------------------------------------------------
     def sandbox_dir(self, sandbox_id: str) -> Path:
@@ -61,7 +67,7 @@ class ContainerDriver:
     async def create(self, sandbox_id: str, spec: ContainerSpec) -> None:
         d = self.sandbox_dir(sandbox_id)
         try:
-            await asyncio.to_thread(self._prepare_bundle, d, spec)
+            spec = await asyncio.to_thread(self._prepare_bundle, d, spec)
             listener = self._listen(self.agent_socket(sandbox_id))
             try:
                 await self._run_crun(sandbox_id, d, spec, listener)
@@ -72,14 +78,27 @@ class ContainerDriver:
             await asyncio.shield(self.destroy(sandbox_id))
             raise
 
-    def _prepare_bundle(self, d: Path, spec: ContainerSpec) -> None:
+    def _prepare_bundle(self, d: Path, spec: ContainerSpec) -> ContainerSpec:
         self.disk.create_dir(d, spec.disk_mb << 20)   # mode 0700; a quota'd subvolume if possible
         for sub in ("upper", "work", "rootfs", "run"):
             (d / sub).mkdir(mode=0o700)
         # overlay needs the upper root to be traversable by the sandbox user
         os.chmod(d / "upper", 0o755)
+        if self.ids is not None:
+            # claimed only now that d exists: a claim whose directory is gone counts as stale
+            spec = replace(spec, id_base=self.ids.allocate(d), userns_path=str(d / "run" / "userns"))
+            (d / "run" / "userns").touch(mode=0o600)   # bind-mount target (nsexec -N)
+            # the upper root is the sandbox's "/": owned by its root, i.e. the range's first id
+            os.chown(d / "upper", spec.id_base, spec.id_base)
+            # crun's init runs as that unprivileged host uid: it must traverse the bundle dir
+            # to reach rootfs (the dirs inside stay 0700; nothing in the sandbox sees host paths)
+            os.chmod(d, 0o711)
+            (d / "lower").mkdir(mode=0o700)
+            for i in range(len(spec.lower_dirs)):
+                (d / "lower" / str(i)).mkdir(mode=0o700)
         cfg = build_config(spec, self.agent_binary, cgroup_v2=self.cgroup_v2)
         (d / "config.json").write_text(json.dumps(cfg))
+        return spec
 
     @staticmethod
     def _listen(path: Path) -> socket.socket:
@@ -95,10 +114,19 @@ class ContainerDriver:
 
     async def _run_crun(self, sandbox_id: str, d: Path, spec: ContainerSpec,
                         listener: socket.socket) -> None:
-        lower = ":".join(str(p) for p in reversed(spec.lower_dirs))  # overlay wants top first
+        idmapped: list[str] = []
+        lowers = [str(p) for p in spec.lower_dirs]
+        if spec.id_base is not None:
+            # nsexec attaches an idmapped clone of each layer at lower/N and overlays those
+            targets = [str(d / "lower" / str(i)) for i in range(len(lowers))]
+            idmapped = ["-u", str(spec.id_base), "-N", str(spec.userns_path)]
+            for src, dst in zip(lowers, targets):
+                idmapped += ["-l", f"{src}:{dst}"]
+            lowers = targets
+        lower = ":".join(reversed(lowers))  # overlay wants top first
         opts = f"lowerdir={lower},upperdir={d / 'upper'},workdir={d / 'work'}"
         fd = listener.fileno()
-        argv = [str(self.nsexec), "-o", opts, "-t", str(d / "rootfs"), "-f", str(fd), "--",
+        argv = [str(self.nsexec), "-o", opts, "-t", str(d / "rootfs"), "-f", str(fd), *idmapped, "--",
                 *self._crun("run", "-d", "--preserve-fds", "1", "--pid-file", str(d / "run" / "pid"),
                             "--bundle", str(d), sandbox_id)]
         with open(d / "run" / "init.log", "ab") as logf:
@@ -136,9 +164,21 @@ class ContainerDriver:
             except OSError as e:
                 log.warning("cgroup left behind", extra={"sandbox": sandbox_id, "path": str(cg), "error": str(e)})
         d = self.sandbox_dir(sandbox_id)
+        base = self.id_base(sandbox_id)
         if d.exists():
             await asyncio.to_thread(self.disk.remove_dir, d)
+        if base is not None and self.ids is not None:
+            self.ids.release(base, d)   # after `crun delete`: no process of the range is left
         await self.net.release(sandbox_id)   # veth (if any), IP, BPF map entries
+
+    def id_base(self, sandbox_id: str) -> int | None:
+        """Host uid/gid of the sandbox's root (its user namespace's mapping, as crun was told
+        in config.json, which survives edge restarts); None without a user namespace."""
+        try:
+            cfg = json.loads((self.sandbox_dir(sandbox_id) / "config.json").read_text())
+            return int(cfg["linux"]["uidMappings"][0]["hostID"])
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            return None
 
     @property
     def disk_enforced(self) -> bool:

@@ -34,6 +34,9 @@ class ContainerSpec:
     disk_mb: int = 10240            # writable-layer quota (disk.py)
     nofile: int = 4096              # RLIMIT_NOFILE of every command (soft = hard)
     max_file_mb: int | None = None  # RLIMIT_FSIZE of every command; None: unlimited
+    id_base: int | None = None      # host uid/gid of root inside (own user namespace); None: no userns
+    id_count: int = 65536           # ids mapped: 0..id_count-1 inside -> id_base.. on the host
+    userns_path: str | None = None  # the user namespace to join (made by nsexec.c, owned by id_base)
 
 
 def cgroup_path(sandbox_id: str) -> str:
@@ -46,6 +49,15 @@ def build_config(spec: ContainerSpec, agent_binary: Path, *, cgroup_v2: bool) ->
     namespaces = [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")]
     if cgroup_v2:
         namespaces.append({"type": "cgroup"})
+    linux_user: dict = {}
+    if spec.id_base is not None:
+        # Own user namespace: root inside is host uid id_base (unprivileged), and per-user kernel
+        # limits are per sandbox. The lowers are idmapped to match (nsexec.c, idmap.py).
+        # Joined, not created: nsexec makes it as host uid id_base so that the kernel's per-user
+        # counts at host level are charged to this sandbox's range, not to host root.
+        namespaces.append({"type": "user", **({"path": spec.userns_path} if spec.userns_path else {})})
+        m = [{"containerID": 0, "hostID": spec.id_base, "size": spec.id_count}]
+        linux_user = {"uidMappings": m, "gidMappings": m}
     return {
         "ociVersion": "1.0.2",
         "process": {
@@ -83,6 +95,7 @@ def build_config(spec: ContainerSpec, agent_binary: Path, *, cgroup_v2: bool) ->
         ],
         "linux": {
             "namespaces": namespaces,
+            **linux_user,
             "cgroupsPath": cgroup_path(spec.sandbox_id),
             "resources": {
                 "devices": [{"allow": False, "access": "rwm"}],

@@ -70,7 +70,9 @@ class FnCallSettings:
     container_cpu: float = 1.0
     container_memory_mb: int = 4096 + 512
     container_pids: int = 2048
-    uid_base: int = 200_000           # call uids: one per worker, from here (host uids: no userns)
+    # call uids: one per worker, from here. Must lie inside the 65536 ids a container's user
+    # namespace maps (backends/container/idmap.py): unmapped ids make chown() fail (EINVAL).
+    uid_base: int = 20_000
     uid_count: int = 10_000
     stdout_budget: int = 12 << 20     # retire before the agent's EXEC_CAP is reached
     call_slack_s: float = 30.0        # beyond compile+run timeouts before a worker is presumed stuck

@@ -1,0 +1,493 @@
+"""microVM and full-VM backends on QEMU: the same driver interface as containers.
+
+Per sandbox, under <home>/vm/sb/<id>/: `upper.img` (raw ext4, cold boots) or `upper.qcow2`
+(copy-on-write over a template's or snapshot's disk), `agent.sock` (QEMU's end of the
+virtio-serial agent port), `qmp.sock`, `console.log` (the guest's serial console), `qemu.pid`,
+`spec.json` (what it was built from: snapshots and restarts need it).
+
+Three ways to start a VM:
+- cold boot: kernel + initramfs, root = overlay of the layers + the writable disk (guest.py);
+- clone (default): a copy-on-write restore of the environment's template snapshot (guest RAM
+  mapped privately from the template's RAM file, so untouched pages stay shared between all
+  clones; device state from the migration stream; disk as a qcow2 overlay) — templates.py;
+- restore-as-new of a snapshot taken with `snapshot()` (its RAM is in the stream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from dsec.agent.client import AgentClient, Exit
+from dsec.backends.vm import guest
+from dsec.backends.vm.accel import AccelChooser
+from dsec.backends.vm.qemu import (Disk, Kind, Machine, Pmem, Qmp, kill, launch, pid_alive, pss_bytes, qemu_binary,
+                                   qemu_log_tail)
+from dsec.backends.vm.templates import Templates
+from dsec.config import Paths
+from dsec.security.netpolicy import Allow
+from dsec.types import InvalidArgument, NotFound, SandboxFailed, Unavailable
+
+log = logging.getLogger("dsec.backends.vm")
+
+CONSOLE_KEEP_BYTES = 256 << 10
+AGENT_BOOT_TIMEOUT_S = float(os.environ.get("DSEC_VM_BOOT_TIMEOUT_S", "90"))
+
+
+@dataclass(frozen=True)
+class LayerFile:
+    digest: str
+    path: Path
+
+
+@dataclass(frozen=True)
+class BootDisk:
+    """A full VM that boots its image's own kernel and init from a disk (disks.py): the files
+    of the disk build it was created from (paths, so a resume finds the same ones)."""
+
+    name: str
+    base: str                           # NAME.qcow2: backing file of the VM's own overlay
+    kernel: str
+    initrd: str | None
+    append: str
+
+
+@dataclass(frozen=True)
+class VMSpec:
+    """A VM sandbox as data (what the edge asks for)."""
+
+    sandbox_id: str
+    kind: Kind
+    accel: Literal["kvm", "tcg"]
+    layers: tuple[LayerFile, ...]       # bottom (base) first
+    vcpus: int = 1
+    memory_mb: int = 512
+    disk_mb: int = 2048
+    uid: int = 1000
+    gid: int = 1000
+    workdir: str = "/work"
+    nofile: int = 4096
+    pmem: bool = False
+    clone: bool = True
+    snapshot_dir: Path | None = None    # restore-as-new from this snapshot
+    boot_disk: BootDisk | None = None   # q35 booting its own kernel/init from a disk (no layers)
+
+    def boot_identity(self) -> dict:
+        """What a template must share with a sandbox for the sandbox to be its clone."""
+        return {"kind": self.kind, "accel": self.accel, "layers": [lay.digest for lay in self.layers],
+                "vcpus": self.vcpus, "memory_mb": self.memory_mb, "disk_mb": self.disk_mb,
+                "uid": self.uid, "gid": self.gid, "workdir": self.workdir, "nofile": self.nofile,
+                "pmem": self.pmem}
+
+
+@dataclass
+class _Started:
+    how: str                            # cold | clone | snapshot
+    seconds: float
+    extra: dict = field(default_factory=dict)
+
+
+class VMDriver:
+    """Both QEMU backends ('microvm' and 'vm'); one instance serves both."""
+
+    backends = ("microvm", "vm")
+
+    def __init__(self, paths: Paths):
+        self.paths = paths
+        self.qemu = qemu_binary()               # Unavailable (names the fix) if QEMU is missing
+        self.root = paths.vm_sandboxes
+        self.snapshots = paths.vm / "snapshots"
+        self.consoles = paths.vm / "consoles"     # console logs of ended VMs
+        for p in (self.root, self.snapshots, paths.vm_templates):
+            p.mkdir(parents=True, exist_ok=True)
+        kernel = guest.installed_kernel(paths)   # never downloads here: that is install time
+        if kernel is None:
+            raise Unavailable("no guest kernel on this node", field="backend",
+                              fix="run `dsec vm fetch-kernel` (scripts/install.sh does), then restart dsec")
+        self.kernel = kernel
+        self.initrd = guest.build_initramfs(paths, kernel)
+        self.accel = AccelChooser(paths.vm / "accel.json", self.qemu, self.kernel.vmlinuz)
+        self.templates = Templates(paths, self)
+        self.started: dict[str, _Started] = {}
+        self._pmem_lock = asyncio.Lock()
+
+    # -- paths ---------------------------------------------------------------------------
+    def sandbox_dir(self, sandbox_id: str) -> Path:
+        return self.root / sandbox_id
+
+    def agent_socket(self, sandbox_id: str) -> Path:
+        return self.sandbox_dir(sandbox_id) / "agent.sock"
+
+    def _pid(self, sandbox_id: str) -> int | None:
+        try:
+            return int((self.sandbox_dir(sandbox_id) / "qemu.pid").read_text())
+        except (OSError, ValueError):
+            return None
+
+    # -- the machine description -----------------------------------------------------------
+    def append_line(self, spec: VMSpec) -> str:
+        # microvm under TCG needs the TSC frequency or ~25% of boots hang (host-facts.md)
+        tsc = guest.host_tsc_khz() if spec.kind == "microvm" and spec.accel == "tcg" else None
+        return guest.kernel_cmdline(layers=len(spec.layers), pmem=spec.pmem, workdir=spec.workdir,
+                                    uid=spec.uid, gid=spec.gid, nofile=spec.nofile, tsc_khz=tsc)
+
+    async def machine(self, spec: VMSpec, d: Path, upper: Disk, *, ram_file: Path | None = None,
+                      ram_shared: bool = False, incoming: bool = False, name: str | None = None) -> Machine:
+        if spec.boot_disk is not None:   # the image's kernel + init; the disk is /dev/vda (root=)
+            b = spec.boot_disk
+            return Machine(name=name or spec.sandbox_id, kind=spec.kind, accel=spec.accel, vcpus=spec.vcpus,
+                           memory_mb=spec.memory_mb, kernel=Path(b.kernel),
+                           initrd=Path(b.initrd) if b.initrd else None, append=b.append,
+                           disks=(Disk(upper.path, "dsec-root", readonly=False, fmt=upper.fmt),),
+                           ram_file=ram_file, ram_shared=ram_shared, agent_socket=d / "agent.sock",
+                           qmp_socket=d / "qmp.sock", console_log=d / "console.log", pidfile=d / "qemu.pid",
+                           incoming=incoming)
+        disks: list[Disk] = []
+        pmems: list[Pmem] = []
+        for i, lay in enumerate(spec.layers):
+            if spec.pmem:
+                pmems.append(await self._pmem_file(lay))
+            else:
+                disks.append(Disk(lay.path, f"dsec-l{i}"))
+        disks.append(upper)
+        return Machine(name=name or spec.sandbox_id, kind=spec.kind, accel=spec.accel, vcpus=spec.vcpus,
+                       memory_mb=spec.memory_mb, kernel=self.kernel.vmlinuz, initrd=self.initrd,
+                       append=self.append_line(spec), disks=tuple(disks), pmems=tuple(pmems),
+                       ram_file=ram_file, ram_shared=ram_shared, agent_socket=d / "agent.sock",
+                       qmp_socket=d / "qmp.sock", console_log=d / "console.log", pidfile=d / "qemu.pid",
+                       incoming=incoming)
+
+    async def _pmem_file(self, lay: LayerFile) -> Pmem:
+        """virtio-pmem maps whole 2 MiB units: the layer padded to that (a copy made once per
+        layer per node, shared by every VM)."""
+        async with self._pmem_lock:
+            path = await asyncio.to_thread(guest.pmem_image, lay.path, self.paths.vm / "pmem")
+        return Pmem(path, path.stat().st_size)
+
+    # -- lifecycle -----------------------------------------------------------------------
+    async def create(self, sandbox_id: str, spec: VMSpec) -> None:
+        d = self.sandbox_dir(sandbox_id)
+        t0 = time.monotonic()
+        try:
+            d.mkdir(mode=0o700)
+            (d / "spec.json").write_text(json.dumps(_spec_json(spec)))
+            if spec.snapshot_dir is not None:
+                how = "snapshot"
+                await self._restore(spec, d, spec.snapshot_dir / "state", spec.snapshot_dir / _upper_name(spec.snapshot_dir),
+                                    ram_file=None, ignore_shared=False)
+            elif spec.clone and spec.boot_disk is None:   # disk VMs always cold-boot (no templates)
+                how = "clone"
+                tpl = await self.templates.ensure(spec)
+                await self._restore(spec, d, tpl.state, tpl.upper, ram_file=tpl.ram, ignore_shared=True)
+            else:
+                how = "cold"
+                await self.cold_boot(spec, d)
+        except BaseException:
+            await asyncio.shield(self.destroy(sandbox_id))
+            raise
+        self.started[sandbox_id] = _Started(how, time.monotonic() - t0)
+        log.info("vm started", extra={"sandbox": sandbox_id, "how": how, "kind": spec.kind,
+                                      "accel": spec.accel, "seconds": round(time.monotonic() - t0, 3)})
+
+    async def cold_boot(self, spec: VMSpec, d: Path, *, ram_file: Path | None = None,
+                        ram_shared: bool = False, name: str | None = None) -> int:
+        if spec.boot_disk is not None:   # a copy-on-write overlay: the built disk stays untouched
+            upper_q = d / "upper.qcow2"
+            await _run("qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", spec.boot_disk.base,
+                       str(upper_q))
+            m = await self.machine(spec, d, Disk(upper_q, "dsec-root", readonly=False, fmt="qcow2"), name=name)
+            return await launch(m, d)
+        upper = d / "upper.img"
+        await asyncio.to_thread(guest.make_upper_disk, upper, spec.disk_mb)
+        m = await self.machine(spec, d, Disk(upper, "dsec-upper", readonly=False), ram_file=ram_file,
+                               ram_shared=ram_shared, name=name)
+        return await launch(m, d)
+
+    async def _restore(self, spec: VMSpec, d: Path, state: Path, base_disk: Path, *,
+                       ram_file: Path | None, ignore_shared: bool) -> None:
+        upper = d / "upper.qcow2"
+        fmt = "qcow2" if base_disk.suffix == ".qcow2" else "raw"
+        if (state.parent / "console.log").is_file():   # the boot log of the guest it copies
+            shutil.copyfile(state.parent / "console.log", d / "console.log")
+        await _run("qemu-img", "create", "-q", "-f", "qcow2", "-F", fmt, "-b", str(base_disk), str(upper))
+        m = await self.machine(spec, d, Disk(upper, "dsec-upper", readonly=False, fmt="qcow2"),
+                               ram_file=ram_file, ram_shared=False, incoming=True)
+        await launch(m, d)
+        try:
+            async with Qmp(m.qmp_socket, spec.sandbox_id) as q:
+                if ignore_shared:   # RAM is not in the stream: it is the template's file, mapped privately
+                    await q.run("migrate-set-capabilities",
+                                capabilities=[{"capability": "x-ignore-shared", "state": True}])
+                await q.run("migrate-incoming", uri=f"exec:cat {_shq(state)}")
+                # connect to the agent only once the devices are loaded: a host connection made
+                # during the restore is overwritten by the saved port state (host disconnected)
+                await q.wait_running()
+        except SandboxFailed:
+            raise
+        except Exception as e:      # QMP lost: QEMU exited during the restore
+            raise SandboxFailed(f"restoring VM {spec.sandbox_id} from {state.parent.name} failed "
+                                f"({e.__class__.__name__}){console_tail(d)}",
+                                fix="the snapshot may not match this node's QEMU or guest kernel; take a new one") from e
+
+    async def wait_agent(self, name: str, d: Path | None = None,
+                         timeout_s: float = AGENT_BOOT_TIMEOUT_S) -> AgentClient:
+        """Connect to the guest agent of VM `name`, waiting for the guest to boot. One
+        connection: its PING waits in QEMU until the agent runs (reconnecting could leave a
+        stale PING behind). Fails early, with the console tail, if QEMU exits."""
+        d = d or self.sandbox_dir(name)
+        deadline = time.monotonic() + timeout_s
+
+        def qemu_gone() -> bool:
+            try:
+                return not pid_alive(int((d / "qemu.pid").read_text()), name)
+            except (OSError, ValueError):
+                return True
+
+        while True:
+            remaining = deadline - time.monotonic()
+            attempt = asyncio.ensure_future(AgentClient.connect(d / "agent.sock", timeout=max(0.5, remaining)))
+            while not attempt.done():
+                await asyncio.wait([attempt], timeout=0.05)
+                if not attempt.done() and (qemu_gone() or time.monotonic() > deadline):
+                    attempt.cancel()
+                    await asyncio.gather(attempt, return_exceptions=True)
+                    break
+            if attempt.done() and not attempt.cancelled() and attempt.exception() is None:
+                return attempt.result()
+            if qemu_gone():
+                raise SandboxFailed(f"VM {name} exited while booting{console_tail(d)}",
+                                    fix="see the console log; check the image has /bin/sh")
+            if time.monotonic() > deadline:
+                raise SandboxFailed(f"VM {name}: the guest agent did not answer within {timeout_s:.0f}s"
+                                    f"{console_tail(d)}", fix="the guest hung while booting; retry or "
+                                    "use clone=False / another accel")
+            await asyncio.sleep(0.02)     # the socket is not there yet: QEMU is starting
+
+    async def ready(self, sandbox_id: str, agent: AgentClient, chan: int) -> None:
+        """A clone or restored VM is a copy of another guest: give it its own entropy and the
+        current time (its clock and RNG state are the template's)."""
+        st = self.started.get(sandbox_id)
+        if st is None or st.how == "cold":
+            return
+        seed = secrets.token_hex(64)
+        cmd = f"date -u -s @{int(time.time())} >/dev/null 2>&1; printf %s {seed} > /dev/urandom"
+        async for item in agent.exec(chan, cmd=cmd, uid=0, gid=0, timeout_ms=10000):
+            if isinstance(item, Exit):
+                break
+        await agent.release(chan)
+
+    async def destroy(self, sandbox_id: str) -> None:
+        d = self.sandbox_dir(sandbox_id)
+        pid = self._pid(sandbox_id)
+        if pid is not None:
+            await kill(pid, sandbox_id)
+        self.started.pop(sandbox_id, None)
+        if d.exists():
+            self._keep_console(d)
+            await asyncio.to_thread(shutil.rmtree, d, True)
+
+    def _keep_console(self, d: Path) -> None:
+        """The console log outlives the VM (for `console` on a failed sandbox), bounded in size
+        and purged with the sandbox's record."""
+        src = d / "console.log"
+        if not src.is_file() or src.stat().st_size == 0:
+            return
+        self.consoles.mkdir(parents=True, exist_ok=True)
+        with open(src, "rb") as f:
+            f.seek(max(0, src.stat().st_size - CONSOLE_KEEP_BYTES))
+            (self.consoles / f"{d.name}.log").write_bytes(f.read())
+
+    def purge_consoles(self, older_than: float) -> None:
+        for p in self.consoles.glob("*.log") if self.consoles.is_dir() else ():
+            if p.stat().st_mtime < older_than:
+                p.unlink(missing_ok=True)
+
+    async def is_running(self, sandbox_id: str) -> bool:
+        pid = self._pid(sandbox_id)
+        return pid is not None and pid_alive(pid, sandbox_id)
+
+    async def list_ids(self) -> dict[str, str]:
+        out = {}
+        for d in self.root.iterdir() if self.root.exists() else ():
+            out[d.name] = ("running" if await self.is_running(d.name)
+                           else "saved" if self.is_saved(d.name) else "stopped")
+        return out
+
+    async def pause(self, sandbox_id: str) -> None:
+        async with Qmp(self.sandbox_dir(sandbox_id) / "qmp.sock", sandbox_id) as q:
+            await q.run("stop")
+
+    async def resume(self, sandbox_id: str) -> None:
+        async with Qmp(self.sandbox_dir(sandbox_id) / "qmp.sock", sandbox_id) as q:
+            await q.run("cont")
+
+    # -- snapshots -----------------------------------------------------------------------------
+    async def snapshot(self, sandbox_id: str, snapshot_id: str, meta: dict) -> int:
+        """Save a running VM (RAM and device state in the stream, a copy of its disk) so it can
+        be restored as new sandboxes; the VM pauses for the save, then runs on. Returns bytes."""
+        d = self.sandbox_dir(sandbox_id)
+        out = self.snapshots / snapshot_id
+        tmp = self.snapshots / f".{snapshot_id}.tmp"
+        tmp.mkdir(parents=True)
+        try:
+            spec = json.loads((d / "spec.json").read_text())
+            (tmp / "spec.json").write_text(json.dumps({**spec, **meta, "source": sandbox_id}))
+            async with Qmp(d / "qmp.sock", sandbox_id) as q:
+                await q.run("stop")
+                try:
+                    # the whole RAM goes into the stream (a clone still has the capability on
+                    # from its own restore; the restoring side must see the same setting)
+                    await q.run("migrate-set-capabilities",
+                                capabilities=[{"capability": "x-ignore-shared", "state": False}])
+                    await q.run("migrate", uri=f"exec:cat > {_shq(tmp / 'state')}")
+                    await q.wait_migration()
+                    upper = d / ("upper.qcow2" if (d / "upper.qcow2").exists() else "upper.img")
+                    # the disk as it was at the pause; a qcow2 keeps pointing at its (immutable) base
+                    await _run("cp", "--sparse=always", str(upper), str(tmp / upper.name))
+                    if (d / "console.log").is_file():
+                        shutil.copyfile(d / "console.log", tmp / "console.log")
+                finally:
+                    await q.run("cont")
+            os.replace(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return sum(p.stat().st_blocks * 512 for p in out.iterdir())
+
+    # -- stop-to-disk and resume -----------------------------------------------------------
+    async def save_to_disk(self, sandbox_id: str) -> int:
+        """Park a VM: its RAM and device state go to `saved.state` in its dir, QEMU exits
+        (the host memory is free), the writable disk stays where it is. Returns bytes saved."""
+        d = self.sandbox_dir(sandbox_id)
+        tmp, out = d / "saved.state.tmp", d / "saved.state"
+        async with Qmp(d / "qmp.sock", sandbox_id) as q:
+            await q.run("stop")
+            try:
+                await q.run("migrate-set-capabilities",
+                            capabilities=[{"capability": "x-ignore-shared", "state": False}])
+                await q.run("migrate", uri=f"exec:cat > {_shq(tmp)}")
+                await q.wait_migration()
+            except BaseException:
+                await q.run("cont")       # could not save: the VM runs on as before
+                tmp.unlink(missing_ok=True)
+                raise
+        os.replace(tmp, out)
+        pid = self._pid(sandbox_id)
+        if pid is not None:
+            await kill(pid, sandbox_id)
+        for f in ("agent.sock", "qmp.sock", "qemu.pid"):
+            (d / f).unlink(missing_ok=True)
+        self.started.pop(sandbox_id, None)
+        return out.stat().st_blocks * 512
+
+    def is_saved(self, sandbox_id: str) -> bool:
+        return (self.sandbox_dir(sandbox_id) / "saved.state").is_file()
+
+    async def restore_from_disk(self, sandbox_id: str) -> None:
+        """Resume a parked VM in place: same disk, RAM from `saved.state` (then deleted)."""
+        d = self.sandbox_dir(sandbox_id)
+        spec = _spec_from_json(json.loads((d / "spec.json").read_text()))
+        upper = d / "upper.qcow2" if (d / "upper.qcow2").exists() else d / "upper.img"
+        fmt = "qcow2" if upper.suffix == ".qcow2" else "raw"
+        m = await self.machine(spec, d, Disk(upper, "dsec-upper", readonly=False, fmt=fmt), incoming=True)
+        await launch(m, d)
+        try:
+            async with Qmp(m.qmp_socket, sandbox_id) as q:
+                await q.run("migrate-incoming", uri=f"exec:cat {_shq(d / 'saved.state')}")
+                await q.wait_running()
+        except BaseException as e:
+            pid = self._pid(sandbox_id)
+            if pid is not None:
+                await kill(pid, sandbox_id)
+            if isinstance(e, SandboxFailed):
+                raise
+            raise SandboxFailed(f"resuming VM {sandbox_id} failed ({e.__class__.__name__}){console_tail(d)}") from e
+        (d / "saved.state").unlink()
+        self.started[sandbox_id] = _Started("resumed", 0.0)
+
+    def snapshot_dir(self, snapshot_id: str) -> Path:
+        d = self.snapshots / snapshot_id
+        if not (d / "state").is_file():
+            raise NotFound(f"no snapshot {snapshot_id!r} on this node", field="snapshot",
+                           fix="use an id returned by Sandbox.snapshot(); list them with `dsec vm snapshots`")
+        return d
+
+    def snapshot_spec(self, snapshot_id: str) -> dict:
+        return json.loads((self.snapshot_dir(snapshot_id) / "spec.json").read_text())
+
+    def remove_snapshot(self, snapshot_id: str) -> None:
+        shutil.rmtree(self.snapshot_dir(snapshot_id))
+
+    # -- things containers have and VMs do not, or differently ----------------------------
+    async def set_network(self, sandbox_id: str, allows: list[Allow]) -> None:
+        raise InvalidArgument("VM sandboxes have no network device, so no egress policy to change",
+                              field="backend", fix="use a container sandbox for tasks that need network")
+
+    async def recover_network(self, live_ids: set[str]) -> None:
+        return None
+
+    disk_enforced = True     # the writable disk has a fixed size: the guest sees ENOSPC
+
+    def disk_usage(self, sandbox_id: str) -> int:
+        d = self.sandbox_dir(sandbox_id)
+        return sum(p.stat().st_blocks * 512 for p in d.glob("upper.*"))
+
+    def log_tail(self, sandbox_id: str, n: int = 800) -> str:
+        return console_tail(self.sandbox_dir(sandbox_id), n)
+
+    def pss(self, sandbox_id: str) -> int | None:
+        pid = self._pid(sandbox_id)
+        return pss_bytes(pid) if pid is not None and pid_alive(pid, sandbox_id) else None
+
+
+def console_tail(d: Path, n: int = 800) -> str:
+    """The end of the guest's serial console, and QEMU's own errors if it wrote any."""
+    try:
+        tail = (d / "console.log").read_bytes()[-n:].decode(errors="replace").strip()
+    except OSError:
+        tail = ""
+    out = f" (console: ...{tail})" if tail else ""
+    qemu_err = qemu_log_tail(d, 400)
+    return out + (f" (qemu: {qemu_err})" if qemu_err else "")
+
+
+def _upper_name(snapshot_dir: Path) -> str:
+    return "upper.qcow2" if (snapshot_dir / "upper.qcow2").exists() else "upper.img"
+
+
+def _spec_json(spec: VMSpec) -> dict:
+    out = asdict(spec)
+    out["layers"] = [{"digest": lay.digest, "path": str(lay.path)} for lay in spec.layers]
+    out["snapshot_dir"] = str(spec.snapshot_dir) if spec.snapshot_dir else None
+    out["boot_disk"] = asdict(spec.boot_disk) if spec.boot_disk else None
+    return out
+
+
+def _spec_from_json(j: dict) -> VMSpec:
+    return VMSpec(**{**j, "layers": tuple(LayerFile(lay["digest"], Path(lay["path"])) for lay in j["layers"]),
+                     "snapshot_dir": Path(j["snapshot_dir"]) if j.get("snapshot_dir") else None,
+                     "boot_disk": BootDisk(**j["boot_disk"]) if j.get("boot_disk") else None})
+
+
+def _shq(p: Path) -> str:
+    s = str(p)
+    if any(c in s for c in " '\"\\$`;&|<>"):
+        raise InvalidArgument(f"path {s!r} has shell metacharacters", field="DSEC_HOME",
+                              fix="use a DSEC_HOME without spaces or quotes")
+    return s
+
+
+async def _run(*argv: str) -> None:
+    proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await proc.communicate()
+    if proc.returncode != 0:
+        raise SandboxFailed(f"{argv[0]} failed: {(err or out).decode(errors='replace').strip()[-800:]}")

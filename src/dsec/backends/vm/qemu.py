@@ -1,0 +1,251 @@
+"""One QEMU process: its command line as data, launching it detached, and its QMP channel.
+
+The command line is built from a `Machine` (the VM's declarative description, like a
+container's config.json) so tests can assert on it and a Firecracker driver could realise the
+same description differently. QEMU runs daemonized with a pidfile, in its own session: an edge
+restart leaves every VM running, and the restarted edge finds them through their directories.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from qemu.qmp import QMPClient
+
+from dsec.types import SandboxFailed, Unavailable
+
+log = logging.getLogger("dsec.backends.vm")
+
+QEMU = "qemu-system-x86_64"
+Kind = Literal["microvm", "vm"]
+
+
+def qemu_binary() -> str:
+    path = shutil.which(QEMU)
+    if path is None:
+        raise Unavailable("the microvm/vm backends need QEMU, which is not installed on this node",
+                          field="backend", fix="apt-get install qemu-system-x86 qemu-utils (scripts/install.sh does)")
+    return path
+
+
+@dataclass(frozen=True)
+class Disk:
+    path: Path
+    serial: str                 # how the guest tells disks apart (/sys/block/vdX/serial)
+    readonly: bool = True
+    fmt: Literal["raw", "qcow2"] = "raw"
+
+
+@dataclass(frozen=True)
+class Pmem:
+    path: Path                  # file mapped into the guest (padded to the pmem alignment)
+    size: int
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Everything that decides a VM's QEMU command line."""
+
+    name: str
+    kind: Kind
+    accel: Literal["kvm", "tcg"]
+    vcpus: int
+    memory_mb: int
+    kernel: Path
+    initrd: Path | None               # None: a full-VM disk whose image brings no initrd
+    append: str
+    disks: tuple[Disk, ...]
+    pmems: tuple[Pmem, ...] = ()
+    ram_file: Path | None = None      # guest RAM in a file (templates: shared; clones: private)
+    ram_shared: bool = False
+    agent_socket: Path = Path("agent.sock")
+    qmp_socket: Path = Path("qmp.sock")
+    console_log: Path = Path("console.log")
+    pidfile: Path = Path("qemu.pid")
+    incoming: bool = False            # wait for `migrate-incoming` (restore from a snapshot)
+    extra: tuple[str, ...] = field(default=())
+
+    def _dev(self, name: str) -> str:
+        # microvm has no PCI: virtio devices sit on virtio-mmio ("-device" suffix)
+        return f"{name}-device" if self.kind == "microvm" else f"{name}-pci"
+
+    def argv(self, qemu: str = QEMU) -> list[str]:
+        machine = ("microvm,pit=off,pic=off,rtc=on,isa-serial=on" if self.kind == "microvm"
+                   else "q35,vmport=off,smm=off")
+        mem = f"{self.memory_mb}M"
+        if self.pmems:   # pmem devices are memory devices: they need hotplug slots and room
+            extra_mb = sum((p.size + (1 << 20) - 1) >> 20 for p in self.pmems)
+            mem += f",slots={len(self.pmems)},maxmem={self.memory_mb + extra_mb}M"
+        a = [qemu, "-name", f"dsec-{self.name},debug-threads=off",
+             "-machine", f"{machine},accel={self.accel},memory-backend=ram",
+             "-cpu", "max" if self.accel == "tcg" else "host",
+             "-smp", str(self.vcpus), "-m", mem,
+             "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+             "-kernel", str(self.kernel), *(["-initrd", str(self.initrd)] if self.initrd else []),
+             "-append", self.append,
+             "-chardev", f"file,id=con,path={self.console_log},append=on", "-serial", "chardev:con",
+             "-device", self._dev("virtio-serial"),
+             "-chardev", f"socket,id=agent,path={self.agent_socket},server=on,wait=off",
+             "-device", "virtserialport,chardev=agent,name=dsec.agent",
+             "-device", self._dev("virtio-balloon") + ",free-page-reporting=on",
+             "-qmp", f"unix:{self.qmp_socket},server=on,wait=off",
+             "-pidfile", str(self.pidfile)]
+        if self.ram_file is not None:
+            a += ["-object", f"memory-backend-file,id=ram,size={self.memory_mb}M,mem-path={self.ram_file},"
+                             f"share={'on' if self.ram_shared else 'off'}"]
+        else:
+            a += ["-object", f"memory-backend-ram,id=ram,size={self.memory_mb}M"]
+        for i, d in enumerate(self.disks):
+            ro = ",readonly=on" if d.readonly else ""
+            cache = "" if d.readonly else ",cache=writeback,discard=unmap"
+            a += ["-drive", f"if=none,id=d{i},file={d.path},format={d.fmt}{ro}{cache}",
+                  "-device", f"{self._dev('virtio-blk')},drive=d{i},serial={d.serial}"]
+        for i, p in enumerate(self.pmems):
+            a += ["-object", f"memory-backend-file,id=pm{i},mem-path={p.path},size={p.size},share=off,readonly=on",
+                  "-device", f"virtio-pmem-pci,memdev=pm{i},id=pmem{i}"]
+        if self.incoming:
+            a += ["-incoming", "defer"]
+        return a + list(self.extra)
+
+
+async def launch(m: Machine, workdir: Path) -> int:
+    """Start QEMU in its own session, detached from the edge (`setsid --fork`: an edge restart
+    leaves the VM running and no zombie behind), with its stderr in `qemu.log`. Returns its pid
+    once QMP is listening. QEMU's own error message is in the exception if it exits early."""
+    argv = m.argv(qemu_binary())
+    (workdir / "qemu.argv").write_text("\0".join(argv))
+    log_path = workdir / "qemu.log"
+    with open(log_path, "ab") as logf:
+        proc = await asyncio.create_subprocess_exec(
+            "setsid", "--fork", *argv, cwd=workdir, stdin=asyncio.subprocess.DEVNULL, stdout=logf, stderr=logf)
+        await proc.wait()
+    deadline = time.monotonic() + 20.0
+    started = time.monotonic()
+    while True:
+        try:
+            pid = int(m.pidfile.read_text())
+        except (OSError, ValueError):
+            pid = None
+        if pid is not None and m.qmp_socket.exists():
+            return pid
+        failed = (pid is not None and not pid_alive(pid, m.name)) or (
+            pid is None and time.monotonic() - started > 0.5 and log_path.stat().st_size > 0)
+        if failed or time.monotonic() > deadline:
+            msg = qemu_log_tail(workdir) or "no output"
+            raise SandboxFailed(f"QEMU could not start VM {m.name}: {msg}",
+                                fix="check the guest kernel/initramfs (dsec vm fetch-kernel) and the VM arguments")
+        await asyncio.sleep(0.002)
+
+
+def qemu_log_tail(workdir: Path, n: int = 1500) -> str:
+    try:
+        return (workdir / "qemu.log").read_bytes()[-n:].decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def pid_alive(pid: int, name: str) -> bool:
+    """True if `pid` is a live (non-zombie) QEMU of VM `name`: pids are reused."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    state = stat.rsplit(")", 1)[-1].split()[0]
+    return f"dsec-{name},".encode() in cmdline and state not in ("Z", "X")
+
+
+async def kill(pid: int, name: str, timeout_s: float = 5.0) -> None:
+    """SIGKILL a VM's QEMU and wait until it is gone (its memory is then free)."""
+    if not pid_alive(pid, name):
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout_s
+    while pid_alive(pid, name) and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
+
+
+def pss_bytes(pid: int) -> int | None:
+    """Proportional set size of a process: its private pages plus its share of shared ones."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+class Qmp:
+    """A short-lived QMP connection (qemu.qmp, the QEMU project's own async client)."""
+
+    def __init__(self, socket_path: Path, name: str):
+        self.path = socket_path
+        self.client = QMPClient(f"dsec-{name}")
+
+    async def __aenter__(self) -> "Qmp":
+        deadline = time.monotonic() + 10.0
+        while True:
+            try:
+                await self.client.connect(str(self.path))
+                return self
+            except Exception as e:   # the socket appears a moment after QEMU daemonizes
+                if time.monotonic() > deadline:
+                    raise SandboxFailed(f"no QMP connection to {self.path}: {e}") from e
+                self.client = QMPClient(self.client.name)
+                await asyncio.sleep(0.01)
+
+    async def __aexit__(self, *exc: object) -> None:
+        try:
+            await self.client.disconnect()
+        except (EOFError, OSError):   # QEMU already closed its end (after `quit`, or it died)
+            pass
+
+    async def run(self, cmd: str, **args: Any) -> Any:
+        return await self.client.execute(cmd, args or None)
+
+    async def wait_migration(self, timeout_s: float = 120.0) -> None:
+        """Poll an outgoing or incoming migration until it completes."""
+        deadline = time.monotonic() + timeout_s
+        delay = 0.002
+        while True:
+            st = await self.run("query-migrate")
+            status = st.get("status")
+            if status == "completed":
+                return
+            if status in ("failed", "cancelled"):
+                raise SandboxFailed(f"VM snapshot transfer {status}: {st.get('error-desc', 'no detail')}")
+            if time.monotonic() > deadline:
+                raise SandboxFailed(f"VM snapshot transfer did not finish in {timeout_s:.0f}s (status {status})")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    async def wait_running(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        delay = 0.002
+        while True:
+            st = await self.run("query-status")
+            if st.get("status") == "running":
+                return
+            if st.get("status") in ("paused", "postmigrate", "prelaunch"):
+                # the stream carries the source's run state: snapshots are taken paused
+                await self.run("cont")
+                continue
+            if st.get("status") in ("internal-error", "guest-panicked", "shutdown"):
+                raise SandboxFailed(f"VM is {st.get('status')} after restore")
+            if time.monotonic() > deadline:
+                raise SandboxFailed(f"VM did not start running in {timeout_s:.0f}s after restore "
+                                    f"(status {st.get('status')})")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)

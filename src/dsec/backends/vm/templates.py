@@ -1,0 +1,127 @@
+"""Template snapshots: boot one VM per environment once, save it, clone it many times.
+
+A template is a cold-booted VM whose guest RAM lives in a file on tmpfs (`share=on`, so the
+file holds exactly the guest's memory). Once its agent answers, the VM is paused, its device
+state is saved with a migration that skips that RAM (`x-ignore-shared`), and it exits. A clone
+maps the same RAM file *privately*: every page it never writes stays one shared page in the
+host's page cache, whatever the number of clones. Its writable disk is a qcow2 overlay over
+the template's disk. The clone's guest finds its agent port reconnected and carries on.
+
+Templates are a cache keyed by everything that shapes the booted guest (layers, vCPUs, RAM,
+disk size, user, workdir, kernel and initramfs); they are rebuilt when the RAM file is gone
+(tmpfs does not survive a reboot).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dsec.backends.vm.qemu import Qmp, kill
+from dsec.config import Paths
+
+if TYPE_CHECKING:
+    from dsec.backends.vm.driver import VMDriver, VMSpec
+
+log = logging.getLogger("dsec.backends.vm")
+
+
+@dataclass(frozen=True)
+class Template:
+    key: str
+    dir: Path
+    ram: Path
+
+    @property
+    def state(self) -> Path:
+        return self.dir / "state"
+
+    @property
+    def upper(self) -> Path:
+        return self.dir / "upper.img"
+
+
+def ram_dir(paths: Paths) -> Path:
+    """Template RAM files live on tmpfs (RAM speed, no writeback), one dir per dsec home."""
+    tag = hashlib.sha256(str(paths.home.resolve()).encode()).hexdigest()[:12]
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else paths.vm
+    return base / f"dsec-vm-{tag}"
+
+
+class Templates:
+    def __init__(self, paths: Paths, driver: "VMDriver"):
+        self.paths = paths
+        self.driver = driver
+        self.root = paths.vm_templates
+        self.rams = ram_dir(paths)
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def key(self, spec: "VMSpec") -> str:
+        ident = {**spec.boot_identity(), "kernel": str(self.driver.kernel.vmlinuz),
+                 "initrd": str(self.driver.initrd)}
+        return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
+
+    def _template(self, key: str) -> Template:
+        return Template(key, self.root / key, self.rams / f"{key}.ram")
+
+    def _usable(self, t: Template) -> bool:
+        return t.state.is_file() and t.upper.is_file() and t.ram.is_file()
+
+    async def ensure(self, spec: "VMSpec") -> Template:
+        t = self._template(self.key(spec))
+        if self._usable(t):
+            return t
+        async with self._locks.setdefault(t.key, asyncio.Lock()):
+            if not self._usable(t):
+                await self._build(spec, t)
+        return t
+
+    async def _build(self, spec: "VMSpec", t: Template) -> None:
+        t0 = time.monotonic()
+        shutil.rmtree(t.dir, ignore_errors=True)
+        t.dir.mkdir(parents=True, mode=0o700)
+        self.rams.mkdir(parents=True, exist_ok=True, mode=0o700)
+        t.ram.unlink(missing_ok=True)
+        name = f"tpl-{t.key[:12]}"
+        boot = replace(spec, sandbox_id=name)
+        pid = -1
+        try:
+            pid = await self.driver.cold_boot(boot, t.dir, ram_file=t.ram, ram_shared=True, name=name)
+            agent = await self.driver.wait_agent(name, t.dir)
+            # disconnect first: the saved guest then waits for a host, as every clone must
+            await agent.close()
+            async with Qmp(t.dir / "qmp.sock", name) as q:
+                # saved while running (the migration stops it at the end, after the last device
+                # state): the stream then says "running" and every clone starts by itself
+                await q.run("migrate-set-capabilities",
+                            capabilities=[{"capability": "x-ignore-shared", "state": True}])
+                await q.run("migrate", uri=f"exec:cat > {t.dir / 'state.tmp'}")
+                await q.wait_migration()
+                try:
+                    await q.run("quit")
+                except Exception:   # QEMU may close the socket before it answers
+                    pass
+            await kill(pid, name)
+            os.replace(t.dir / "state.tmp", t.state)
+            os.chmod(t.upper, 0o400)      # the clones' qcow2 base: never written again
+        except BaseException:
+            await asyncio.shield(kill(pid, name))
+            shutil.rmtree(t.dir, ignore_errors=True)
+            t.ram.unlink(missing_ok=True)
+            raise
+        for f in ("agent.sock", "qmp.sock", "qemu.pid"):
+            (t.dir / f).unlink(missing_ok=True)
+        log.info("vm template built", extra={"template": t.key, "seconds": round(time.monotonic() - t0, 2),
+                                             "ram_bytes": t.ram.stat().st_blocks * 512})
+
+    def remove_all(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+        shutil.rmtree(self.rams, ignore_errors=True)

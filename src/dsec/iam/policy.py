@@ -1,0 +1,141 @@
+"""Project sandbox policy: what a project's sandboxes may loosen, inherited down the tree.
+
+Every defence is on by default; a sandbox's arguments can loosen some (network egress, larger
+limits, running as root). A project policy bounds how far. The policy that applies to a
+project is the intersection of its own and every ancestor's ("effective" policy), so a child
+project can only narrow what its parent allows, never widen it: setting a child's policy wider
+than its parent's effective one is refused, and narrowing a parent later narrows every child at
+once (nothing is copied).
+
+A field left out (None) adds no restriction of its own. There is no option to disable Landlock,
+seccomp or the user namespace at all (not even for the root project), so the policy has no
+field for them.
+
+Enforced by the apiserver on create and on set_network (apiserver/app.py); errors are 403
+`forbidden` naming the offending field and the most the project allows.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from dsec.types import RULESET_NAME_RE, Forbidden, NetworkPolicy
+
+# policy field -> sandbox argument it bounds (numbers: the argument must be <= the bound)
+LIMITS = {"max_cpu_cores": "cpu_cores", "max_memory_mb": "memory_mb", "max_disk_mb": "disk_mb",
+          "max_pids_limit": "pids_limit", "max_nofile": "nofile", "max_output_cap_bytes": "output_cap_bytes",
+          "max_output_total_bytes": "output_total_bytes"}
+
+
+class SandboxPolicy(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    rulesets: Annotated[list[Annotated[str, Field(pattern=RULESET_NAME_RE)]] | None,
+                        Field(description="named network rule sets sandboxes may turn on; None: any; []: none")] = None
+    cidrs: Annotated[list[str] | None,
+                     Field(description="networks that explicit egress rules must lie within; None: any; "
+                                       "[]: no explicit rules")] = None
+    allow_root: bool | None = Field(None, description="False: sandboxes and commands may not run as user 'root'")
+    max_cpu_cores: Annotated[float | None, Field(gt=0)] = None
+    max_memory_mb: Annotated[int | None, Field(ge=1)] = None
+    max_disk_mb: Annotated[int | None, Field(ge=1)] = None
+    max_pids_limit: Annotated[int | None, Field(ge=1)] = None
+    max_nofile: Annotated[int | None, Field(ge=1)] = None
+    max_output_cap_bytes: Annotated[int | None, Field(ge=1)] = None
+    max_output_total_bytes: Annotated[int | None, Field(ge=1)] = None
+
+    @field_validator("cidrs")
+    @classmethod
+    def _valid_cidrs(cls, v: list[str] | None) -> list[str] | None:
+        if v is None:
+            return None
+        try:
+            return [str(ipaddress.ip_network(c.strip(), strict=False)) for c in v]
+        except ValueError as e:
+            raise ValueError(f"cidrs: {e}; use e.g. '10.0.0.0/8'") from None
+
+
+class EffectivePolicy(BaseModel):
+    """GET /v1/projects/{id}/policy: the project's own policy and the one that applies."""
+
+    project_id: str
+    own: SandboxPolicy
+    effective: SandboxPolicy
+
+
+def _within(net: str, allowed: list[str]) -> bool:
+    n = ipaddress.ip_network(net, strict=False)
+    return any(n.version == a.version and n.subnet_of(a)   # type: ignore[arg-type]
+               for a in (ipaddress.ip_network(x) for x in allowed))
+
+
+def narrow(parent: SandboxPolicy, child: SandboxPolicy) -> SandboxPolicy:
+    """The intersection: what both allow."""
+    out: dict = {}
+    out["rulesets"] = (child.rulesets if parent.rulesets is None else parent.rulesets if child.rulesets is None
+                       else [r for r in child.rulesets if r in parent.rulesets])
+    out["cidrs"] = (child.cidrs if parent.cidrs is None else parent.cidrs if child.cidrs is None
+                    else [c for c in child.cidrs if _within(c, parent.cidrs)])
+    out["allow_root"] = None if parent.allow_root is None and child.allow_root is None else \
+        bool((parent.allow_root is not False) and (child.allow_root is not False))
+    for f in LIMITS:
+        vals = [v for v in (getattr(parent, f), getattr(child, f)) if v is not None]
+        out[f] = min(vals) if vals else None
+    return SandboxPolicy(**out)
+
+
+def check_narrows(parent: SandboxPolicy, child: SandboxPolicy) -> None:
+    """Refuse a child policy that allows more than its parent's effective policy."""
+    fix = "a project may only narrow its parent's policy: ask for at most what the parent allows"
+    if child.rulesets is not None and parent.rulesets is not None:
+        extra = [r for r in child.rulesets if r not in parent.rulesets]
+        if extra:
+            raise Forbidden(f"rule sets {extra} are not allowed by the parent project (it allows {parent.rulesets})",
+                            field="rulesets", fix=fix)
+    if child.cidrs is not None and parent.cidrs is not None:
+        extra = [c for c in child.cidrs if not _within(c, parent.cidrs)]
+        if extra:
+            raise Forbidden(f"networks {extra} lie outside the parent project's {parent.cidrs}", field="cidrs", fix=fix)
+    if child.allow_root and parent.allow_root is False:
+        raise Forbidden("allow_root=true but the parent project forbids root", field="allow_root", fix=fix)
+    for f in LIMITS:
+        c, p = getattr(child, f), getattr(parent, f)
+        if c is not None and p is not None and c > p:
+            raise Forbidden(f"{f}={c} exceeds the parent project's {p}", field=f, fix=fix)
+
+
+def _fix(project_id: str, what: str) -> str:
+    return (f"{what}, or ask an admin of a parent project to allow it "
+            f"(PUT /v1/projects/{project_id}/policy, `dsec project policy-set`)")
+
+
+def check_network(policy: SandboxPolicy, net: NetworkPolicy, project_id: str, prefix: str = "network.") -> None:
+    for name, on in net.rulesets.items():
+        if on and policy.rulesets is not None and name not in policy.rulesets:
+            raise Forbidden(f"project {project_id} does not allow network rule set {name!r}",
+                            field=f"{prefix}rulesets.{name}",
+                            fix=_fix(project_id, f"use only rule sets {policy.rulesets}"))
+    for i, rule in enumerate(net.rules):
+        if policy.cidrs is not None and not _within(rule.cidr, policy.cidrs):
+            raise Forbidden(f"project {project_id} does not allow egress to {rule.cidr}",
+                            field=f"{prefix}rules.{i}.cidr",
+                            fix=_fix(project_id, f"allow only networks within {policy.cidrs}" if policy.cidrs
+                                     else "this project allows no explicit egress rules"))
+
+
+def check_create(policy: SandboxPolicy, args: object, project_id: str) -> None:
+    """Refuse sandbox arguments beyond the project's effective policy (403 naming the field)."""
+    for f, arg in LIMITS.items():
+        bound, value = getattr(policy, f), getattr(args, arg, None)
+        if bound is not None and value is not None and value > bound:
+            raise Forbidden(f"{arg}={value} exceeds project {project_id}'s {f}={bound}", field=arg,
+                            fix=_fix(project_id, f"ask for at most {arg}={bound}"))
+    if policy.allow_root is False and getattr(args, "user", None) in ("root", "0", "0:0"):
+        raise Forbidden(f"project {project_id} does not allow sandboxes running as root", field="user",
+                        fix=_fix(project_id, "leave user unset (uid 1000)"))
+    net = getattr(args, "network", None)
+    if isinstance(net, NetworkPolicy):
+        check_network(policy, net, project_id)

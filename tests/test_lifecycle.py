@@ -71,7 +71,8 @@ async def test_stop_frees_everything(client, server):
 async def test_idle_ttl_reaps_and_frees(client, server):
     sb = await client.create_container(image="busybox", ttl_idle_s=1)
     deadline = time.monotonic() + 20
-    while (await sb.refresh()).state.value == "running":
+    # "stopping" is visible while the reaper tears the sandbox down (a busy host makes it last)
+    while (await sb.refresh()).state.value in ("running", "stopping"):
         assert time.monotonic() < deadline, "sandbox was not reaped"
         await asyncio.sleep(0.5)
     assert sb.info.state.value == "stopped" and "ttl_idle_s" in (sb.info.error or "")

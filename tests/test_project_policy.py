@@ -70,7 +70,7 @@ async def test_create_set_network_and_exec_bounded_by_project_policy(server, tre
     async with server.client() as admin, Client(server.url, tree["child_key"]) as child:
         await admin.set_policy(tree["parent"], {"rulesets": ["pol-a"], "cidrs": ["10.0.0.0/8"], "max_memory_mb": 512,
                                                 "allow_root": False, "max_output_cap_bytes": 1 << 20})
-        refused = [({"memory_mb": 1024}, "memory_mb"), ({"user": "root"}, "user"),
+        refused = [({"memory_mb": 1024}, "memory_mb"), ({"user": "root"}, "user"), ({"user": "00:1000"}, "user"),
                    ({"output_cap_bytes": 4 << 20}, "output_cap_bytes"),
                    ({"network": {"rulesets": {"pol-b": True}}}, "network.rulesets.pol-b"),
                    ({"network": {"rules": [{"cidr": "192.168.0.0/16"}]}}, "network.rules.0.cidr")]

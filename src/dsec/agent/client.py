@@ -107,7 +107,7 @@ class AgentClient:
             raise AgentDisconnected(f"cannot connect to agent at {socket_path}: {e!r}") from e
         client = cls(reader, writer)
         try:
-            await asyncio.wait_for(client.ping(), timeout)
+            await client._ping_until(asyncio.get_running_loop().time() + timeout)
         except asyncio.TimeoutError as e:
             await client.close()
             raise AgentDisconnected(f"agent at {socket_path} did not answer PING") from e
@@ -115,6 +115,21 @@ class AgentClient:
             await client.close()
             raise
         return client
+
+    async def _ping_until(self, deadline: float, every: float = 1.0) -> None:
+        """PING, again every `every` s, until one is answered. In device mode (VMs) a PING that
+        reaches the agent before it has seen the host reconnect is dropped as stale input; a
+        new one on a fresh chan is not lost, and a late PONG for an old chan is discarded."""
+        loop = asyncio.get_running_loop()
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise asyncio.TimeoutError
+            try:
+                await asyncio.wait_for(self.ping(), min(every, left))
+                return
+            except asyncio.TimeoutError:
+                continue
 
     @property
     def closed(self) -> bool:

@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from dsec.iam import IAM, Principal
-from dsec.iam.policy import EffectivePolicy, SandboxPolicy, check_create, check_network
+from dsec.iam.policy import EffectivePolicy, SandboxPolicy, check_create, check_network, is_root
 from dsec.images.service import ImageService
 from dsec.placement import Placer
 from dsec.types import (CapacityExceeded, ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult,
@@ -203,7 +203,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
     async def check_exec(edge: EdgeHandle, sandbox_id: str, req: ExecRequest) -> None:
         """Per-command loosening (root, a larger output cap) is bounded like create. Looked up
         only when a command asks for one, so plain execs cost no IAM query."""
-        if req.user in ("root", "0", "0:0") or req.output_cap_bytes is not None:
+        if is_root(req.user) or req.output_cap_bytes is not None:
             project = (await edge.get(sandbox_id)).project
             check_create(ctx.iam.effective_policy(project), req, project)
 

@@ -221,14 +221,10 @@ class Edge:
                 await self.driver.create(rec.id, spec)
             await self._agent(rec)   # ready means the agent answers
         except BaseException as e:
-            self._live.pop(rec.id, None)
-            await asyncio.shield(self._forget_agent(rec.id))
-            await asyncio.shield(self.driver.destroy(rec.id))
-            self.records.set_state(rec.id, SandboxState.failed, f"creation failed: {e}")
-            log.error("create failed", extra={"sandbox": rec.id, "error": str(e)})
+            await asyncio.shield(self._abort_create(rec, self.driver, e))
             if isinstance(e, DsecError):
                 raise
-            raise SandboxFailed(f"sandbox creation failed: {e}") from e
+            raise SandboxFailed(f"sandbox creation failed: {e!r}") from e
         rec.state = SandboxState.running
         self.records.set_state(rec.id, SandboxState.running)
         log.info("sandbox created", extra={"sandbox": rec.id, "image": args.image, "project": project})
@@ -282,21 +278,12 @@ class Edge:
                           workdir=args.workdir, nofile=4096, pmem=bool(getattr(args, "pmem", False)),
                           clone=args.clone and boot_disk is None, snapshot_dir=snapshot_dir, boot_disk=boot_disk)
             await vm.create(rec.id, spec)
-            agent = await vm.wait_agent(rec.id)
-            self._agents[rec.id] = agent
-            self._next_chan[rec.id] = max([c for c, _ in await agent.list_execs()] + [0]) + 1
-            chan = self._next_chan[rec.id]
-            self._next_chan[rec.id] += 1
-            await vm.ready(rec.id, agent, chan)
+            await self._adopt_vm_agent(rec, await vm.wait_agent(rec.id))
         except BaseException as e:
-            self._live.pop(rec.id, None)
-            await asyncio.shield(self._forget_agent(rec.id))
-            await asyncio.shield(vm.destroy(rec.id))
-            self.records.set_state(rec.id, SandboxState.failed, f"creation failed: {e}")
-            log.error("create failed", extra={"sandbox": rec.id, "error": str(e)})
+            await asyncio.shield(self._abort_create(rec, vm, e))
             if isinstance(e, DsecError):
                 raise
-            raise SandboxFailed(f"sandbox creation failed: {e}") from e
+            raise SandboxFailed(f"sandbox creation failed: {e!r}") from e
         rec.state = SandboxState.running
         self.records.set_state(rec.id, SandboxState.running)
         log.info("sandbox created", extra={"sandbox": rec.id, "backend": args.backend, "accel": accel,
@@ -316,6 +303,22 @@ class Edge:
         f = info.files(self.paths)
         return BootDisk(name=name, base=str(f.qcow2), kernel=str(f.kernel),
                         initrd=str(f.initrd) if f.initrd else None, append=disks.kernel_append())
+
+    async def _abort_create(self, rec: SandboxRecord, driver: Any, error: BaseException) -> None:
+        """A creation that failed leaves nothing: no agent channel, no runtime, a failed record."""
+        self._live.pop(rec.id, None)
+        await self._forget_agent(rec.id)
+        await driver.destroy(rec.id)
+        self.records.set_state(rec.id, SandboxState.failed, f"creation failed: {error!s}")
+        log.error("create failed", extra={"sandbox": rec.id, "error": str(error) or repr(error)})
+
+    async def _adopt_vm_agent(self, rec: SandboxRecord, agent: AgentClient) -> None:
+        """Use the connection wait_agent made, then let the driver refresh a restored guest
+        (clock, entropy: it copies another guest, or stood still while parked)."""
+        self._agents[rec.id] = agent
+        chan = max([c for c, _ in await agent.list_execs()] + [self._next_chan.get(rec.id, 0)]) + 1
+        self._next_chan[rec.id] = chan + 1
+        await self._drv(rec).ready(rec.id, agent, chan)
 
     def _layer_files(self, stack: list[ImageInfo]) -> list[tuple[str, Path]]:
         """EROFS layer files of base + workspace + toolkits, bottom first, each once (topmost)."""
@@ -369,16 +372,10 @@ class Edge:
                 vm = self._drv(rec)
                 try:
                     await vm.restore_from_disk(rec.id)
-                    agent = await vm.wait_agent(rec.id)
+                    await self._adopt_vm_agent(rec, await vm.wait_agent(rec.id))
                 except DsecError as e:
                     await self._fail(rec, f"could not resume the parked VM: {e.message}")
                     raise
-                self._agents[rec.id] = agent
-                self._next_chan[rec.id] = max([c for c, _ in await agent.list_execs()] +
-                                              [self._next_chan.get(rec.id, 0)]) + 1
-                chan = self._next_chan[rec.id]
-                self._next_chan[rec.id] += 1
-                await vm.ready(rec.id, agent, chan)   # the guest clock stood still while parked
                 rec.state = SandboxState.running
                 self.records.set_state(rec.id, SandboxState.running)
                 log.info("vm resumed", extra={"sandbox": rec.id, "seconds": round(time.monotonic() - t0, 3)})

@@ -126,6 +126,14 @@ def check_network(policy: SandboxPolicy, net: NetworkPolicy, project_id: str, pr
                                      else "this project allows no explicit egress rules"))
 
 
+def is_root(user: str | None) -> bool:
+    """'root', '0' or '0:GID' (any group): uid 0 inside the sandbox."""
+    if user is None:
+        return False
+    uid = user.partition(":")[0]
+    return user == "root" or (uid.isdigit() and int(uid) == 0)   # "00" is uid 0 too
+
+
 def check_create(policy: SandboxPolicy, args: object, project_id: str) -> None:
     """Refuse sandbox arguments beyond the project's effective policy (403 naming the field)."""
     for f, arg in LIMITS.items():
@@ -133,7 +141,7 @@ def check_create(policy: SandboxPolicy, args: object, project_id: str) -> None:
         if bound is not None and value is not None and value > bound:
             raise Forbidden(f"{arg}={value} exceeds project {project_id}'s {f}={bound}", field=arg,
                             fix=_fix(project_id, f"ask for at most {arg}={bound}"))
-    if policy.allow_root is False and getattr(args, "user", None) in ("root", "0", "0:0"):
+    if policy.allow_root is False and is_root(getattr(args, "user", None)):
         raise Forbidden(f"project {project_id} does not allow sandboxes running as root", field="user",
                         fix=_fix(project_id, "leave user unset (uid 1000)"))
     net = getattr(args, "network", None)

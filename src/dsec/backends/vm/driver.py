@@ -343,12 +343,7 @@ class VMDriver:
             async with Qmp(d / "qmp.sock", sandbox_id) as q:
                 await q.run("stop")
                 try:
-                    # the whole RAM goes into the stream (a clone still has the capability on
-                    # from its own restore; the restoring side must see the same setting)
-                    await q.run("migrate-set-capabilities",
-                                capabilities=[{"capability": "x-ignore-shared", "state": False}])
-                    await q.run("migrate", uri=f"exec:cat > {_shq(tmp / 'state')}")
-                    await q.wait_migration()
+                    await q.save_state(_checked(tmp / "state"))
                     upper = d / ("upper.qcow2" if (d / "upper.qcow2").exists() else "upper.img")
                     # the disk as it was at the pause; a qcow2 keeps pointing at its (immutable) base
                     await _run("cp", "--sparse=always", str(upper), str(tmp / upper.name))
@@ -371,10 +366,7 @@ class VMDriver:
         async with Qmp(d / "qmp.sock", sandbox_id) as q:
             await q.run("stop")
             try:
-                await q.run("migrate-set-capabilities",
-                            capabilities=[{"capability": "x-ignore-shared", "state": False}])
-                await q.run("migrate", uri=f"exec:cat > {_shq(tmp)}")
-                await q.wait_migration()
+                await q.save_state(_checked(tmp))
             except BaseException:
                 await q.run("cont")       # could not save: the VM runs on as before
                 tmp.unlink(missing_ok=True)
@@ -475,6 +467,11 @@ def _spec_from_json(j: dict) -> VMSpec:
     return VMSpec(**{**j, "layers": tuple(LayerFile(lay["digest"], Path(lay["path"])) for lay in j["layers"]),
                      "snapshot_dir": Path(j["snapshot_dir"]) if j.get("snapshot_dir") else None,
                      "boot_disk": BootDisk(**j["boot_disk"]) if j.get("boot_disk") else None})
+
+
+def _checked(p: Path) -> Path:
+    _shq(p)
+    return p
 
 
 def _shq(p: Path) -> str:

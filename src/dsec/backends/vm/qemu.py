@@ -215,6 +215,15 @@ class Qmp:
     async def run(self, cmd: str, **args: Any) -> Any:
         return await self.client.execute(cmd, args or None)
 
+    async def save_state(self, path: Path) -> None:
+        """Write the paused VM's whole state, RAM included, to `path`. (A clone still has
+        x-ignore-shared on from its own restore; the restoring side must see it off.) The
+        default bandwidth cap (128 MiB/s) is for networks, not a local file."""
+        await self.run("migrate-set-capabilities", capabilities=[{"capability": "x-ignore-shared", "state": False}])
+        await self.run("migrate-set-parameters", **{"max-bandwidth": 64 << 30})
+        await self.run("migrate", uri=f"exec:cat > {path}")
+        await self.wait_migration()
+
     async def wait_migration(self, timeout_s: float = 120.0) -> None:
         """Poll an outgoing or incoming migration until it completes."""
         deadline = time.monotonic() + timeout_s

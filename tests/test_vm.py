@@ -10,7 +10,6 @@ import os
 import shutil
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
@@ -234,5 +233,24 @@ async def test_hung_guest_is_marked_failed_and_freed(vm_client, server):
     deadline = time.monotonic() + 90
     while (info := await sb.refresh()).state.value == "running" and time.monotonic() < deadline:
         await asyncio.sleep(0.5)
+    assert info.state.value == "failed" and "hung" in (info.error or ""), info
+    assert_vm_freed(server, sb.id, pid)
+
+
+async def test_request_to_a_guest_that_stops_mid_command_ends(vm_client, server):
+    """A guest frozen while a command runs: the request does not hang forever; the liveness
+    pings (busy VMs too) fail the VM and the waiting request gets an error."""
+    sb = await vm_client.create_microvm(image="busybox", memory_mb=256)
+    pid = _qemu_pid(server, sb.id)
+
+    async def freeze_soon() -> None:
+        await asyncio.sleep(1.0)
+        os.kill(pid, signal.SIGSTOP)
+
+    freezer = asyncio.create_task(freeze_soon())
+    with pytest.raises(Exception):
+        await asyncio.wait_for(sb.run("sleep 600", timeout_s=900), timeout=120)
+    await freezer
+    info = await sb.refresh()
     assert info.state.value == "failed" and "hung" in (info.error or ""), info
     assert_vm_freed(server, sb.id, pid)

@@ -13,7 +13,6 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import tempfile
 import time
@@ -29,27 +28,11 @@ from dsec.config import Paths
 from dsec.images.service import ImageService
 from dsec.sdk.client import Client
 from dsec.types import ContainerArgs
+from dsec.bench.hostmem import settled_mem_available_mib
 
 console = Console()
 IMAGE = "debian-python"
 PARALLEL = 2
-
-
-def _mem_available_mib() -> float:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no MemAvailable")
-
-
-def _settle() -> float:
-    """MemAvailable after the kernel had a moment to settle (median of three reads)."""
-    vals = []
-    for _ in range(3):
-        time.sleep(1.0)
-        vals.append(_mem_available_mib())
-    return statistics.median(vals)
 
 
 def _pct(xs: list[float], p: float) -> float:
@@ -187,15 +170,15 @@ async def _bench(n_create: int, n_idle: int, n_exec: int) -> dict:
                 sbs = []
 
                 # 4. host memory per idle sandbox
-                base = await asyncio.to_thread(_settle)
+                base = await asyncio.to_thread(settled_mem_available_mib)
                 _, sbs = await _sdk_create(c, n_idle, args, progress, f"create {n_idle} idle via SDK")
-                after = await asyncio.to_thread(_settle)
+                after = await asyncio.to_thread(settled_mem_available_mib)
                 sdk_mib = (base - after) / max(len(sbs), 1)
                 await _stop_all(c, sbs, progress, "stop")
                 sbs = []
-                base = await asyncio.to_thread(_settle)
+                base = await asyncio.to_thread(settled_mem_available_mib)
                 await asyncio.to_thread(_raw_create, raw, n_idle, "m")
-                after = await asyncio.to_thread(_settle)
+                after = await asyncio.to_thread(settled_mem_available_mib)
                 raw_mib = (base - after) / n_idle
                 out["memory"] = {"n": n_idle, "sdk_mib_per_sandbox": sdk_mib, "raw_mib_per_container": raw_mib}
             finally:

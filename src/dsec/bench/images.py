@@ -19,11 +19,15 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dsec.config import Paths
 from dsec.images.builder import extract_tarball, safe_rmtree
 from dsec.images.lazy import LazyView, write_manifest
 from dsec.images.mounts import MNT_DETACH, MOUNT_FLAGS, sys_mount, sys_umount
+
+if TYPE_CHECKING:
+    from dsec.bench.imgenv import SlowStore
 
 
 def _fetch(src: Path, dst: Path, chunk: int, latency_s: float) -> int:

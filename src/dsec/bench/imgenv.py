@@ -253,7 +253,6 @@ def _ensure_base_tree(svc: ImageService, tree: Path, progress) -> None:
         return
     safe_rmtree(tree)
     progress("extracting the base tree (for the monolithic baselines)")
-    from dsec.images.builtin import add_sandbox_user  # noqa: F401  (same tree as the layer)
     debootstrap_cached(svc.paths, tree, "bookworm", BASE_PACKAGES)
 
 

@@ -34,6 +34,7 @@ from rich.table import Table
 
 from dsec.bench.server import BenchServer
 from dsec.sdk.client import Client, Sandbox
+from dsec.bench.hostmem import settled_mem_available_mib
 
 console = Console()
 IDLE_CONCURRENCY = 2     # creations in flight while filling the idle groups (2 cores here)
@@ -42,23 +43,6 @@ IDLE_CONCURRENCY = 2     # creations in flight while filling the idle groups (2 
 def _pct(xs: list[float], p: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
-
-
-def _mem_available_mib() -> float:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no MemAvailable")
-
-
-def _settle() -> float:
-    """MemAvailable after the kernel had a moment to settle (median of three reads)."""
-    vals = []
-    for _ in range(3):
-        time.sleep(1.0)
-        vals.append(_mem_available_mib())
-    return statistics.median(vals)
 
 
 def _smaps_pss_mib(pid: int) -> float | None:
@@ -197,7 +181,7 @@ async def _burst(live: Live, make: Make, n: int) -> dict:
 
 async def _idle_group(server: BenchServer, live: Live, make: Make, n: int, idle_s: float,
                       progress: Progress, label: str) -> dict:
-    base = await asyncio.to_thread(_settle)
+    base = await asyncio.to_thread(settled_mem_available_mib)
     task = progress.add_task(label, total=n)
     sem = asyncio.Semaphore(IDLE_CONCURRENCY)
 
@@ -208,7 +192,7 @@ async def _idle_group(server: BenchServer, live: Live, make: Make, n: int, idle_
             return sb
     sbs = await asyncio.gather(*(one() for _ in range(n)))
     await asyncio.sleep(idle_s)
-    after = await asyncio.to_thread(_settle)
+    after = await asyncio.to_thread(settled_mem_available_mib)
     pss, direct = [], []
     for sb in sbs:
         info = await sb.refresh()

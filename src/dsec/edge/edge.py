@@ -35,7 +35,7 @@ from dsec.security.netpolicy import RULESETS_FILE, Rulesets, resolve
 from dsec.types import FnCallRequest, FnCallResult, SnapshotInfo, Unavailable, VM_BACKENDS, make_snapshot_id
 from dsec.types import DEFAULT_SCRUB, PackDiffRequest
 from dsec.types import MicroVMArgs, SandboxArgs, VMArgs
-from dsec.types import (CapacityExceeded, Conflict, ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult,
+from dsec.types import (CapacityExceeded, Conflict, DsecError, ExecEvent, ExecRequest, ExecResult,
                         FileEntry, ImageInfo, InvalidArgument, NetworkPolicy, NodeStatus, NotFound, SandboxFailed,
                         SandboxInfo, SandboxState, make_sandbox_id)
 
@@ -768,11 +768,12 @@ class Edge:
             if not await self._drv(rec).is_running(rec.id) and rec.state == SandboxState.running:
                 await self._fail(rec, _vm_end_reason(self._init_log_tail(rec)))
         if time.monotonic() >= self._vm_next_ping:
-            # A guest that stopped scheduling (hung kernel, stuck vCPU) keeps QEMU alive: only
-            # its agent's silence tells. Idle VMs only: a busy one answers its own requests.
+            # A guest that stopped scheduling (hung kernel, stuck vCPU, a reboot that spins)
+            # keeps QEMU alive: only its agent's silence tells. Busy VMs too: a request in
+            # flight to a dead guest would otherwise wait forever; failing the VM ends it.
             self._vm_next_ping = time.monotonic() + VM_PING_S
-            idle = [r for r in vms if r.state == SandboxState.running and r.in_flight == 0]
-            await asyncio.gather(*(self._ping_vm(r) for r in idle))
+            live = [r for r in vms if r.state == SandboxState.running]
+            await asyncio.gather(*(self._ping_vm(r) for r in live))
 
     async def _ping_vm(self, rec: SandboxRecord) -> None:
         try:
@@ -780,7 +781,8 @@ class Edge:
             await asyncio.wait_for(agent.ping(), VM_PING_TIMEOUT_S)
             self._vm_misses.pop(rec.id, None)
         except (OSError, ConnectionError, asyncio.TimeoutError, AgentError):
-            await self._forget_agent(rec.id)    # a late answer must not pair with a new request
+            # the connection stays: requests in flight keep it, and a late PONG goes to its own
+            # (abandoned) chan and is dropped; a dead connection is replaced by the next _agent()
             misses = self._vm_misses[rec.id] = self._vm_misses.get(rec.id, 0) + 1
             if misses >= VM_PING_MISSES and rec.state == SandboxState.running:
                 self._vm_misses.pop(rec.id, None)

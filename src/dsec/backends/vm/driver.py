@@ -136,8 +136,11 @@ class VMDriver:
     def append_line(self, spec: VMSpec) -> str:
         # microvm under TCG needs the TSC frequency or ~25% of boots hang (host-facts.md)
         tsc = guest.host_tsc_khz() if spec.kind == "microvm" and spec.accel == "tcg" else None
+        # reboot=t: a reboot inside the guest triple-faults, which QEMU (-no-reboot) turns into
+        # its exit; microvm has no keyboard controller, so the kernel's default methods spin
         return guest.kernel_cmdline(layers=len(spec.layers), pmem=spec.pmem, workdir=spec.workdir,
-                                    uid=spec.uid, gid=spec.gid, nofile=spec.nofile, tsc_khz=tsc)
+                                    uid=spec.uid, gid=spec.gid, nofile=spec.nofile, tsc_khz=tsc,
+                                    extra=("reboot=t",))
 
     async def machine(self, spec: VMSpec, d: Path, upper: Disk, *, ram_file: Path | None = None,
                       ram_shared: bool = False, incoming: bool = False, name: str | None = None) -> Machine:

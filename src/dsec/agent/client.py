@@ -117,19 +117,21 @@ class AgentClient:
         return client
 
     async def _ping_until(self, deadline: float, every: float = 1.0) -> None:
-        """PING, again every `every` s, until one is answered. In device mode (VMs) a PING that
-        reaches the agent before it has seen the host reconnect is dropped as stale input; a
-        new one on a fresh chan is not lost, and a late PONG for an old chan is discarded."""
+        """PING, again after 50 ms, 100 ms ... then every `every` s, until one is answered. In
+        device mode (VMs) a PING that reaches the agent before it has seen the host reconnect
+        is dropped as stale input; a new one on a fresh chan is not lost, and a late PONG for
+        an old chan is discarded."""
         loop = asyncio.get_running_loop()
+        wait = 0.05
         while True:
             left = deadline - loop.time()
             if left <= 0:
                 raise asyncio.TimeoutError
             try:
-                await asyncio.wait_for(self.ping(), min(every, left))
+                await asyncio.wait_for(self.ping(), min(wait, left))
                 return
             except asyncio.TimeoutError:
-                continue
+                wait = min(wait * 2, every)
 
     @property
     def closed(self) -> bool:

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from dsec.backends.vm.qemu import pid_alive
-from dsec.types import Conflict, InvalidArgument
+from dsec.types import Conflict, InvalidArgument, MicroVMArgs
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None,
@@ -254,3 +254,14 @@ async def test_request_to_a_guest_that_stops_mid_command_ends(vm_client, server)
     info = await sb.refresh()
     assert info.state.value == "failed" and "hung" in (info.error or ""), info
     assert_vm_freed(server, sb.id, pid)
+
+
+async def test_burst_of_clones_each_ready_and_independent(vm_client):
+    args = MicroVMArgs(image="busybox", memory_mb=256)
+    made = [c async for c in vm_client.create_many(6, args, concurrency=6)]
+    try:
+        assert all(c.ok for c in made), [c.error for c in made]
+        outs = await asyncio.gather(*(c.sandbox.run("echo $$; hostname") for c in made))
+        assert all(o.exit_code == 0 for o in outs)
+    finally:
+        await asyncio.gather(*(c.sandbox.stop() for c in made if c.sandbox))

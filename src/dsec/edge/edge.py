@@ -277,7 +277,8 @@ class Edge:
                           vcpus=args.vcpus, memory_mb=args.memory_mb, disk_mb=args.disk_mb, uid=uid, gid=gid,
                           workdir=args.workdir, nofile=4096, pmem=bool(getattr(args, "pmem", False)),
                           clone=args.clone and boot_disk is None, snapshot_dir=snapshot_dir, boot_disk=boot_disk)
-            await vm.create(rec.id, spec)
+            async with self._create_slots:   # a burst of VMs starts a few QEMUs at a time
+                await vm.create(rec.id, spec)
             await self._adopt_vm_agent(rec, await vm.wait_agent(rec.id))
         except BaseException as e:
             await asyncio.shield(self._abort_create(rec, vm, e))

@@ -521,11 +521,13 @@ class Edge:
         return rec.info(self.node_id)
 
     async def _fail(self, rec: SandboxRecord, reason: str) -> None:
-        await self._forget_agent(rec.id)
-        tail = self._init_log_tail(rec)
-        await self._drv(rec).destroy(rec.id)
-        rec.state, rec.error, rec.ended_at = SandboxState.failed, reason + tail, time.time()
+        if rec.state == SandboxState.failed:
+            return                                  # already failed by another path
+        # state first: requests woken by the teardown below must already see why
+        rec.state, rec.error, rec.ended_at = SandboxState.failed, reason + self._init_log_tail(rec), time.time()
         self.records.set_state(rec.id, SandboxState.failed, rec.error)
+        await self._forget_agent(rec.id)
+        await self._drv(rec).destroy(rec.id)
         self._live.pop(rec.id, None)
         self._agent_locks.pop(f"park:{rec.id}", None)
         log.error("sandbox failed", extra={"sandbox": rec.id, "reason": rec.error})
@@ -596,6 +598,9 @@ class Edge:
             self._touch(rec)
 
     async def _check_alive(self, rec: SandboxRecord, cause: BaseException) -> None:
+        if rec.state == SandboxState.failed:       # failed meanwhile (e.g. a hung VM)
+            raise SandboxFailed(f"sandbox {rec.id} failed: {rec.error}", field="sandbox_id",
+                                fix="create a new sandbox") from cause
         if not await self._drv(rec).is_running(rec.id):
             if rec.backend in VM_BACKENDS:
                 await self._fail(rec, _vm_end_reason(self._init_log_tail(rec)))

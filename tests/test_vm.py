@@ -34,9 +34,14 @@ def _qemu_pid(server, sandbox_id: str) -> int:
     return int((server.paths.vm_sandboxes / sandbox_id / "qemu.pid").read_text())
 
 
-def assert_vm_freed(server, sandbox_id: str, pid: int) -> None:
+def assert_vm_freed(server, sandbox_id: str, pid: int, within_s: float = 15.0) -> None:
+    """QEMU gone and the VM's dir removed (a failed VM is reported failed first, then torn down)."""
+    d = server.paths.vm_sandboxes / sandbox_id
+    deadline = time.monotonic() + within_s
+    while (pid_alive(pid, sandbox_id) or d.exists()) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not pid_alive(pid, sandbox_id)
-    assert not (server.paths.vm_sandboxes / sandbox_id).exists()
+    assert not d.exists()
 
 
 async def test_microvm_clone_runs_commands_sessions_files(vm_client, server):

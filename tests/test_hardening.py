@@ -115,13 +115,13 @@ async def test_polled_disk_quota_fallback_fails_the_sandbox(tmp_path_factory):
     import tempfile
     from pathlib import Path
 
-    from conftest import SHARED_CACHE, ServerProc, _cleanup_home
+    from conftest import ServerProc, _cleanup_home, link_downloads
     from dsec.config import Paths
     from dsec.images.builtin import ensure_builtin
     from dsec.images.service import ImageService
 
     home = Path(tempfile.mkdtemp(prefix="dsec-test-poll-", dir="/var/tmp"))
-    (home / "cache").symlink_to(SHARED_CACHE)
+    link_downloads(home)
     Paths(home).ensure()
     ensure_builtin(ImageService(Paths(home)), "busybox")
     srv = ServerProc(home, env={"DSEC_DISK_QUOTA": "poll", "DSEC_DISK_POLL_S": "0.2"})

@@ -48,10 +48,9 @@ def kernel() -> guest.KernelFiles:
 
 @pytest.fixture(scope="module")
 def home() -> Path:
-    from conftest import SHARED_CACHE, _cleanup_home
+    from conftest import _cleanup_home, link_downloads
     h = Path(tempfile.mkdtemp(prefix="dsec-vmtest-", dir="/var/tmp"))
-    SHARED_CACHE.mkdir(parents=True, exist_ok=True)
-    (h / "cache").symlink_to(SHARED_CACHE)
+    link_downloads(h)
     Paths(h).ensure()
     yield h
     _cleanup_home(h)

@@ -34,6 +34,14 @@ def _qemu_pid(server, sandbox_id: str) -> int:
     return int((server.paths.vm_sandboxes / sandbox_id / "qemu.pid").read_text())
 
 
+async def _left_running(sb, within_s: float):
+    """The sandbox's info once it is no longer running (or when within_s has passed)."""
+    deadline = time.monotonic() + within_s
+    while (info := await sb.refresh()).state.value == "running" and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    return info
+
+
 def assert_vm_freed(server, sandbox_id: str, pid: int, within_s: float = 15.0) -> None:
     """QEMU gone and the VM's dir removed (a failed VM is reported failed first, then torn down)."""
     d = server.paths.vm_sandboxes / sandbox_id
@@ -119,9 +127,7 @@ async def test_qemu_killed_marks_failed_with_console_and_frees(vm_client, server
     sb = await vm_client.create_microvm(image="busybox", memory_mb=256)
     pid = _qemu_pid(server, sb.id)
     os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 20
-    while (info := await sb.refresh()).state.value == "running" and time.monotonic() < deadline:
-        await asyncio.sleep(0.2)
+    info = await _left_running(sb, within_s=20)
     assert info.state.value == "failed" and "QEMU process exited" in (info.error or ""), info
     assert "console" in info.error
     assert_vm_freed(server, sb.id, pid)
@@ -141,9 +147,7 @@ async def test_guest_shutting_itself_down_marks_failed_and_frees(vm_client, serv
         await sb.run("reboot -f", timeout_s=10)
     except Exception:
         pass          # the channel dies with the guest
-    deadline = time.monotonic() + 30
-    while (info := await sb.refresh()).state.value == "running" and time.monotonic() < deadline:
-        await asyncio.sleep(0.2)
+    info = await _left_running(sb, within_s=30)
     assert info.state.value == "failed" and "shut itself down" in (info.error or ""), info
     assert_vm_freed(server, sb.id, pid)
 
@@ -235,9 +239,7 @@ async def test_hung_guest_is_marked_failed_and_freed(vm_client, server):
     sb = await vm_client.create_microvm(image="busybox", memory_mb=256)
     pid = _qemu_pid(server, sb.id)
     os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 90
-    while (info := await sb.refresh()).state.value == "running" and time.monotonic() < deadline:
-        await asyncio.sleep(0.5)
+    info = await _left_running(sb, within_s=90)
     assert info.state.value == "failed" and "hung" in (info.error or ""), info
     assert_vm_freed(server, sb.id, pid)
 

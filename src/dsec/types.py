@@ -14,7 +14,7 @@ from datetime import datetime
 from enum import Enum
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
 # ---------------------------------------------------------------------------------------
 # Errors: every failure a user can cause names the field and the fix.
@@ -125,6 +125,17 @@ def _check_env(env: dict[str, str]) -> dict[str, str]:
     return env
 
 
+# Field types shared by argument models: one definition of what a field means wherever it is.
+Env = Annotated[dict[str, str], AfterValidator(_check_env)]
+USER_RE = r"^(root|sandbox|[0-9]{1,9}(:[0-9]{1,9})?)$"
+ImageRef = Annotated[str, Field(pattern=NAME_RE, description="image name or sha256 digest")]
+SandboxUser = Annotated[str | None, Field(description="None: non-root 'sandbox' (uid 1000); 'root'; or 'UID[:GID]'",
+                                          pattern=USER_RE)]
+IdleTtl = Annotated[int, Field(gt=0, le=MAX_TTL_S, description="reap after this long without a request")]
+OutputCap = Annotated[int, Field(ge=1024, le=64 * 1024 * 1024,
+                                 description="per stream per command; beyond it output is dropped and reported")]
+
+
 PORT_RANGE_RE = re.compile(r"^\s*(\d{1,5})\s*(?:-\s*(\d{1,5})\s*)?$")
 RULESET_NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 
@@ -191,7 +202,7 @@ class ContainerArgs(_Strict):
     """A crun container over overlayfs on read-only EROFS layers."""
 
     backend: Literal["container"] = "container"
-    image: Annotated[str, Field(pattern=NAME_RE, description="image name or sha256 digest")]
+    image: ImageRef
     workspace: Annotated[str | None, Field(pattern=NAME_RE,
                                            description="workspace layer(s) above the base, e.g. 'django-15388@v2'")] = None
     toolkits: Annotated[list[Annotated[str, Field(pattern=NAME_RE)]],
@@ -205,13 +216,11 @@ class ContainerArgs(_Strict):
     nofile: Annotated[int, Field(ge=64, le=65536, description="open files per process of every command (RLIMIT_NOFILE)")] = 4096
     max_file_mb: Annotated[int | None, Field(ge=1, le=1024 * 1024,
                                              description="largest file a command may write (RLIMIT_FSIZE); None: no limit")] = None
-    ttl_idle_s: Annotated[int, Field(gt=0, le=MAX_TTL_S, description="reap after this long without a request")] = 600
-    user: Annotated[str | None, Field(description="None: non-root 'sandbox' (uid 1000); 'root'; or 'UID[:GID]'",
-                                      pattern=r"^(root|sandbox|[0-9]{1,9}(:[0-9]{1,9})?)$")] = None
+    ttl_idle_s: IdleTtl = 600
+    user: SandboxUser = None
     workdir: Annotated[str, Field(pattern=r"^/[^\x00]{0,255}$")] = "/work"
-    env: dict[str, str] = Field(default_factory=dict)
-    output_cap_bytes: Annotated[int, Field(ge=1024, le=64 * 1024 * 1024,
-                                           description="per stream per command; beyond it output is dropped and reported")] = 1024 * 1024
+    env: Env = Field(default_factory=dict)
+    output_cap_bytes: OutputCap = 1024 * 1024
     output_total_bytes: Annotated[int, Field(ge=1024 * 1024, le=16 * 1024 ** 3,
                                              description="stdout+stderr a sandbox may deliver over its life; beyond it "
                                                          "commands still run but deliver nothing "
@@ -220,18 +229,13 @@ class ContainerArgs(_Strict):
     network: NetworkPolicy = Field(default_factory=NetworkPolicy,
                                    description="egress allow-list (cgroup-BPF); default: deny all but loopback")
 
-    @field_validator("env")
-    @classmethod
-    def _valid_env(cls, v: dict[str, str]) -> dict[str, str]:
-        return _check_env(v)
-
 
 class _VMArgs(_Strict):
     """Fields shared by the QEMU backends (dsec.backends.vm). The guest boots the same EROFS
     layers as containers (read-only disks shared by every VM on the node) under an overlay
     with a private writable disk. There is no network device: a VM has no egress at all."""
 
-    image: Annotated[str, Field(pattern=NAME_RE, description="image name or sha256 digest")]
+    image: ImageRef
     workspace: Annotated[str | None, Field(pattern=NAME_RE, description="workspace layer above the base")] = None
     toolkits: Annotated[list[Annotated[str, Field(pattern=NAME_RE)]],
                         Field(max_length=16, description="toolkit layers above the workspace; the last is topmost")
@@ -240,16 +244,14 @@ class _VMArgs(_Strict):
     memory_mb: Annotated[int, Field(ge=128, le=64 * 1024, description="guest RAM, MiB")] = 512
     disk_mb: Annotated[int, Field(ge=64, le=1024 * 1024,
                                   description="size of the guest's writable disk, MiB (sparse on the host)")] = 2048
-    ttl_idle_s: Annotated[int, Field(gt=0, le=MAX_TTL_S, description="reap after this long without a request")] = 600
+    ttl_idle_s: IdleTtl = 600
     suspend_idle_s: Annotated[int | None, Field(gt=0, le=MAX_TTL_S,
                                                 description="park the VM on disk after this long without a request "
                                                             "(memory freed; the next request resumes it); None: never")] = None
-    user: Annotated[str | None, Field(description="None: non-root 'sandbox' (uid 1000); 'root'; or 'UID[:GID]'",
-                                      pattern=r"^(root|sandbox|[0-9]{1,9}(:[0-9]{1,9})?)$")] = None
+    user: SandboxUser = None
     workdir: Annotated[str, Field(pattern=r"^/[^\x00 ]{0,255}$")] = "/work"
-    env: dict[str, str] = Field(default_factory=dict)
-    output_cap_bytes: Annotated[int, Field(ge=1024, le=64 * 1024 * 1024,
-                                           description="per stream per command; beyond it output is dropped and reported")] = 1024 * 1024
+    env: Env = Field(default_factory=dict)
+    output_cap_bytes: OutputCap = 1024 * 1024
     labels: dict[str, str] = Field(default_factory=dict)
     accel: Literal["auto", "kvm", "tcg"] = Field(
         "auto", description="auto: KVM when it boots a guest on this node, else TCG software emulation")
@@ -258,11 +260,6 @@ class _VMArgs(_Strict):
     snapshot: Annotated[str | None, Field(pattern=r"^snap-[A-Za-z0-9_-]{1,64}\.[0-9a-f]{12}$",
                                           description="restore a snapshot taken with Sandbox.snapshot() as a "
                                                       "new sandbox (image/layers/size come from the snapshot)")] = None
-
-    @field_validator("env")
-    @classmethod
-    def _valid_env(cls, v: dict[str, str]) -> dict[str, str]:
-        return _check_env(v)
 
     @property
     def cpu_cores(self) -> float:   # what placement and admission count
@@ -373,16 +370,11 @@ class ExecRequest(_Strict):
     session: Annotated[str | None, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$",
                                          description="persistent shell session name; cwd and env survive between calls")] = None
     cwd: Annotated[str | None, Field(pattern=r"^/[^\x00]{0,4095}$")] = None
-    env: dict[str, str] = Field(default_factory=dict)
+    env: Env = Field(default_factory=dict)
     timeout_s: Annotated[float, Field(gt=0, le=MAX_EXEC_TIMEOUT_S)] = 300.0
     stdin: Annotated[str | None, Field(max_length=16 * 1024 * 1024, description="text fed to stdin, then closed")] = None
     output_cap_bytes: Annotated[int | None, Field(ge=1024, le=64 * 1024 * 1024)] = None
-    user: Annotated[str | None, Field(pattern=r"^(root|sandbox|[0-9]{1,9}(:[0-9]{1,9})?)$")] = None
-
-    @field_validator("env")
-    @classmethod
-    def _valid_env(cls, v: dict[str, str]) -> dict[str, str]:
-        return _check_env(v)
+    user: Annotated[str | None, Field(pattern=USER_RE)] = None
 
     @field_validator("cmd")
     @classmethod
@@ -542,7 +534,7 @@ class FnCallRequest(_Strict):
     files_b64: dict[str, str] = Field(default_factory=dict, description="extra binary files: relative path -> base64")
     fetch_files: Annotated[list[str], Field(max_length=64, description="files to return after the run (base64)")] = []
     args: Annotated[list[str], Field(max_length=256, description="command-line arguments of the program")] = []
-    env: dict[str, str] = Field(default_factory=dict)
+    env: Env = Field(default_factory=dict)
     timeout_s: Annotated[float, Field(gt=0, le=FNCALL_MAX_TIMEOUT_S, description="wall-clock limit of the run step")] = 10.0
     compile_timeout_s: Annotated[float, Field(gt=0, le=FNCALL_MAX_TIMEOUT_S)] = 10.0
     memory_mb: Annotated[int, Field(ge=16, le=4096, description="address space the program may add (RLIMIT_AS)")] = 512
@@ -581,11 +573,6 @@ class FnCallRequest(_Strict):
         for k in v:
             _check_rel_path(k)
         return v
-
-    @field_validator("env")
-    @classmethod
-    def _valid_env(cls, v: dict[str, str]) -> dict[str, str]:
-        return _check_env(v)
 
     @field_validator("args")
     @classmethod

@@ -106,6 +106,7 @@ class Edge:
         self.fncall = FnCallService(self, settings.fncall_project)
         self.rulesets = Rulesets(paths.home / RULESETS_FILE)   # operator's named network rule sets
         self._net_locks: dict[str, asyncio.Lock] = {}
+        self._park_locks: dict[str, asyncio.Lock] = {}
         self._vm_misses: dict[str, int] = {}
         self._vm_next_ping = 0.0
 
@@ -237,16 +238,14 @@ class Edge:
         snapshot_dir = None
         boot_disk: BootDisk | None = None
         if args.snapshot is not None:     # restore-as-new: the snapshot decides what the VM is
-            snap = vm.snapshot_spec(args.snapshot)
-            if snap["kind"] != args.backend:
-                raise InvalidArgument(f"snapshot {args.snapshot} is of a {snap['kind']!r} sandbox, not {args.backend!r}",
-                                      field="backend", fix=f"create it with backend={snap['kind']!r}")
+            was, meta = vm.snapshot_spec(args.snapshot)
+            if was.kind != args.backend:
+                raise InvalidArgument(f"snapshot {args.snapshot} is of a {was.kind!r} sandbox, not {args.backend!r}",
+                                      field="backend", fix=f"create it with backend={was.kind!r}")
             snapshot_dir = vm.snapshot_dir(args.snapshot)
-            args = args.model_copy(update={k: snap[k] for k in ("vcpus", "memory_mb", "disk_mb", "workdir")}
-                                   | {"accel": snap["accel"], "image": snap["image"] if "image" in snap else args.image})
-            layers = tuple(LayerFile(lay["digest"], Path(lay["path"])) for lay in snap["layers"])
-            uid, gid = snap["uid"], snap["gid"]
-            boot_disk = BootDisk(**snap["boot_disk"]) if snap.get("boot_disk") else None
+            args = args.model_copy(update={"vcpus": was.vcpus, "memory_mb": was.memory_mb, "disk_mb": was.disk_mb,
+                                           "workdir": was.workdir, "accel": was.accel, "image": meta["image"]})
+            layers, uid, gid, boot_disk = was.layers, was.uid, was.gid, was.boot_disk
             image = await self._resolve_image(args.image)
         elif getattr(args, "disk", None):   # full VM: the image's own kernel + init from a built disk
             image = await self._resolve_image(args.image)
@@ -400,7 +399,8 @@ class Edge:
             return b""
 
     def _lock_for(self, sandbox_id: str) -> asyncio.Lock:
-        return self._agent_locks.setdefault(f"park:{sandbox_id}", asyncio.Lock())
+        """Serialises parking and resuming one VM."""
+        return self._park_locks.setdefault(sandbox_id, asyncio.Lock())
 
     async def _resolve_image(self, name: str, field: str = "image") -> ImageInfo:
         """Name -> image, cached briefly: a burst of 1,000 creations needs one registry read."""
@@ -474,10 +474,12 @@ class Edge:
                            fix="list sandboxes with `dsec sandbox ls`; stopped ones are forgotten after a day")
         return rec
 
-    async def get(self, sandbox_id: str) -> SandboxInfo:
+    async def get(self, sandbox_id: str, usage: bool = False) -> SandboxInfo:
+        """The sandbox's record; with `usage`, also what it costs the host now (VMs: PSS, a
+        /proc read: not for the ownership check every request makes)."""
         rec = self._record(sandbox_id)
         info = rec.info(self.node_id)
-        if rec.backend in VM_BACKENDS and rec.state == SandboxState.running and self.vm is not None:
+        if usage and rec.backend in VM_BACKENDS and rec.state == SandboxState.running and self.vm is not None:
             pss = await asyncio.to_thread(self.vm.pss, rec.id)   # what this VM costs the host now
             info.host_pss_mb = round(pss / (1 << 20), 1) if pss is not None else None
         return info
@@ -516,7 +518,7 @@ class Edge:
         rec.ended_at = time.time()
         self.records.set_state(rec.id, SandboxState.stopped, reason)
         self._live.pop(rec.id, None)
-        self._agent_locks.pop(f"park:{rec.id}", None)
+        self._park_locks.pop(rec.id, None)
         log.info("sandbox stopped", extra={"sandbox": rec.id, "reason": reason or "requested"})
         return rec.info(self.node_id)
 
@@ -529,7 +531,7 @@ class Edge:
         await self._forget_agent(rec.id)
         await self._drv(rec).destroy(rec.id)
         self._live.pop(rec.id, None)
-        self._agent_locks.pop(f"park:{rec.id}", None)
+        self._park_locks.pop(rec.id, None)
         log.error("sandbox failed", extra={"sandbox": rec.id, "reason": rec.error})
 
     def _init_log_tail(self, rec: SandboxRecord) -> str:

@@ -22,7 +22,7 @@ import os
 import secrets
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Literal
 
@@ -30,7 +30,7 @@ from dsec.agent.client import AgentClient, Exit
 from dsec.backends.vm import guest
 from dsec.backends.vm.accel import AccelChooser
 from dsec.backends.vm.qemu import (Disk, Kind, Machine, Pmem, Qmp, kill, launch, pid_alive, pss_bytes, qemu_binary,
-                                   qemu_log_tail)
+                                   qemu_log_tail, shell_safe)
 from dsec.backends.vm.templates import Templates
 from dsec.config import Paths
 from dsec.security.netpolicy import Allow
@@ -88,13 +88,6 @@ class VMSpec:
                 "pmem": self.pmem}
 
 
-@dataclass
-class _Started:
-    how: str                            # cold | clone | snapshot
-    seconds: float
-    extra: dict = field(default_factory=dict)
-
-
 class VMDriver:
     """Both QEMU backends ('microvm' and 'vm'); one instance serves both."""
 
@@ -116,7 +109,7 @@ class VMDriver:
         self.initrd = guest.build_initramfs(paths, kernel)
         self.accel = AccelChooser(paths.vm / "accel.json", self.qemu, self.kernel.vmlinuz)
         self.templates = Templates(paths, self)
-        self.started: dict[str, _Started] = {}
+        self.started: dict[str, str] = {}   # how each VM came up here: cold|clone|snapshot|resumed
         self._pmem_lock = asyncio.Lock()
 
     # -- paths ---------------------------------------------------------------------------
@@ -196,7 +189,7 @@ class VMDriver:
         except BaseException:
             await asyncio.shield(self.destroy(sandbox_id))
             raise
-        self.started[sandbox_id] = _Started(how, time.monotonic() - t0)
+        self.started[sandbox_id] = how
         log.info("vm started", extra={"sandbox": sandbox_id, "how": how, "kind": spec.kind,
                                       "accel": spec.accel, "seconds": round(time.monotonic() - t0, 3)})
 
@@ -229,7 +222,7 @@ class VMDriver:
                 if ignore_shared:   # RAM is not in the stream: it is the template's file, mapped privately
                     await q.run("migrate-set-capabilities",
                                 capabilities=[{"capability": "x-ignore-shared", "state": True}])
-                await q.run("migrate-incoming", uri=f"exec:cat {_shq(state)}")
+                await q.run("migrate-incoming", uri=f"exec:cat {shell_safe(state)}")
                 # connect to the agent only once the devices are loaded: a host connection made
                 # during the restore is overwritten by the saved port state (host disconnected)
                 await q.wait_running()
@@ -277,8 +270,7 @@ class VMDriver:
     async def ready(self, sandbox_id: str, agent: AgentClient, chan: int) -> None:
         """A clone or restored VM is a copy of another guest: give it its own entropy and the
         current time (its clock and RNG state are the template's)."""
-        st = self.started.get(sandbox_id)
-        if st is None or st.how == "cold":
+        if self.started.get(sandbox_id, "cold") == "cold":
             return
         seed = secrets.token_hex(64)
         cmd = f"date -u -s @{int(time.time())} >/dev/null 2>&1; printf %s {seed} > /dev/urandom"
@@ -346,7 +338,7 @@ class VMDriver:
             async with Qmp(d / "qmp.sock", sandbox_id) as q:
                 await q.run("stop")
                 try:
-                    await q.save_state(_checked(tmp / "state"))
+                    await q.save_state(tmp / "state")
                     upper = d / ("upper.qcow2" if (d / "upper.qcow2").exists() else "upper.img")
                     # the disk as it was at the pause; a qcow2 keeps pointing at its (immutable) base
                     await _run("cp", "--sparse=always", str(upper), str(tmp / upper.name))
@@ -369,7 +361,7 @@ class VMDriver:
         async with Qmp(d / "qmp.sock", sandbox_id) as q:
             await q.run("stop")
             try:
-                await q.save_state(_checked(tmp))
+                await q.save_state(tmp)
             except BaseException:
                 await q.run("cont")       # could not save: the VM runs on as before
                 tmp.unlink(missing_ok=True)
@@ -396,7 +388,7 @@ class VMDriver:
         await launch(m, d)
         try:
             async with Qmp(m.qmp_socket, sandbox_id) as q:
-                await q.run("migrate-incoming", uri=f"exec:cat {_shq(d / 'saved.state')}")
+                await q.run("migrate-incoming", uri=f"exec:cat {shell_safe(d / 'saved.state')}")
                 await q.wait_running()
         except BaseException as e:
             pid = self._pid(sandbox_id)
@@ -406,7 +398,7 @@ class VMDriver:
                 raise
             raise SandboxFailed(f"resuming VM {sandbox_id} failed ({e.__class__.__name__}){console_tail(d)}") from e
         (d / "saved.state").unlink()
-        self.started[sandbox_id] = _Started("resumed", 0.0)
+        self.started[sandbox_id] = "resumed"
 
     def snapshot_dir(self, snapshot_id: str) -> Path:
         d = self.snapshots / snapshot_id
@@ -415,11 +407,12 @@ class VMDriver:
                            fix="use an id returned by Sandbox.snapshot(); list them with `dsec vm snapshots`")
         return d
 
-    def snapshot_spec(self, snapshot_id: str) -> dict:
-        return json.loads((self.snapshot_dir(snapshot_id) / "spec.json").read_text())
-
-    def remove_snapshot(self, snapshot_id: str) -> None:
-        shutil.rmtree(self.snapshot_dir(snapshot_id))
+    def snapshot_spec(self, snapshot_id: str) -> tuple[VMSpec, dict]:
+        """The VM a snapshot was taken of, and what the edge stored beside it (image, project)."""
+        j = json.loads((self.snapshot_dir(snapshot_id) / "spec.json").read_text())
+        own = {f.name for f in fields(VMSpec)}
+        return (_spec_from_json({k: v for k, v in j.items() if k in own}),
+                {k: v for k, v in j.items() if k not in own})
 
     # -- things containers have and VMs do not, or differently ----------------------------
     async def set_network(self, sandbox_id: str, allows: list[Allow]) -> None:
@@ -470,19 +463,6 @@ def _spec_from_json(j: dict) -> VMSpec:
     return VMSpec(**{**j, "layers": tuple(LayerFile(lay["digest"], Path(lay["path"])) for lay in j["layers"]),
                      "snapshot_dir": Path(j["snapshot_dir"]) if j.get("snapshot_dir") else None,
                      "boot_disk": BootDisk(**j["boot_disk"]) if j.get("boot_disk") else None})
-
-
-def _checked(p: Path) -> Path:
-    _shq(p)
-    return p
-
-
-def _shq(p: Path) -> str:
-    s = str(p)
-    if any(c in s for c in " '\"\\$`;&|<>"):
-        raise InvalidArgument(f"path {s!r} has shell metacharacters", field="DSEC_HOME",
-                              fix="use a DSEC_HOME without spaces or quotes")
-    return s
 
 
 async def _run(*argv: str) -> None:

@@ -14,13 +14,13 @@ import os
 import shutil
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from qemu.qmp import QMPClient
 
-from dsec.types import SandboxFailed, Unavailable
+from dsec.types import InvalidArgument, SandboxFailed, Unavailable
 
 log = logging.getLogger("dsec.backends.vm")
 
@@ -71,7 +71,6 @@ class Machine:
     console_log: Path = Path("console.log")
     pidfile: Path = Path("qemu.pid")
     incoming: bool = False            # wait for `migrate-incoming` (restore from a snapshot)
-    extra: tuple[str, ...] = field(default=())
 
     def _dev(self, name: str) -> str:
         # microvm has no PCI: virtio devices sit on virtio-mmio ("-device" suffix)
@@ -113,7 +112,7 @@ class Machine:
                   "-device", f"virtio-pmem-pci,memdev=pm{i},id=pmem{i}"]
         if self.incoming:
             a += ["-incoming", "defer"]
-        return a + list(self.extra)
+        return a
 
 
 async def launch(m: Machine, workdir: Path) -> int:
@@ -150,6 +149,14 @@ def qemu_log_tail(workdir: Path, n: int = 1500) -> str:
         return (workdir / "qemu.log").read_bytes()[-n:].decode(errors="replace").strip()
     except OSError:
         return ""
+
+
+def shell_safe(p: Path) -> Path:
+    """`p`, checked for use in QEMU's `exec:` migration URIs (run by /bin/sh, unquoted)."""
+    if any(c in str(p) for c in " '\"\\$`;&|<>"):
+        raise InvalidArgument(f"path {str(p)!r} has shell metacharacters", field="DSEC_HOME",
+                              fix="use a DSEC_HOME without spaces or quotes")
+    return p
 
 
 def pid_alive(pid: int, name: str) -> bool:
@@ -221,7 +228,7 @@ class Qmp:
         default bandwidth cap (128 MiB/s) is for networks, not a local file."""
         await self.run("migrate-set-capabilities", capabilities=[{"capability": "x-ignore-shared", "state": False}])
         await self.run("migrate-set-parameters", **{"max-bandwidth": 64 << 30})
-        await self.run("migrate", uri=f"exec:cat > {path}")
+        await self.run("migrate", uri=f"exec:cat > {shell_safe(path)}")
         await self.wait_migration()
 
     async def wait_migration(self, timeout_s: float = 120.0) -> None:

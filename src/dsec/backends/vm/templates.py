@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dsec.backends.vm.qemu import Qmp, kill
+from dsec.backends.vm.qemu import Qmp, kill, shell_safe
 from dsec.config import Paths
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ class Templates:
                 # state): the stream then says "running" and every clone starts by itself
                 await q.run("migrate-set-capabilities",
                             capabilities=[{"capability": "x-ignore-shared", "state": True}])
-                await q.run("migrate", uri=f"exec:cat > {t.dir / 'state.tmp'}")
+                await q.run("migrate", uri=f"exec:cat > {shell_safe(t.dir / 'state.tmp')}")
                 await q.wait_migration()
                 try:
                     await q.run("quit")

@@ -649,3 +649,13 @@ async def test_file_api_refuses_magic_links(client, agent):
         await client.list_dir("/proc/self/root/", uid=0, gid=0)
     assert ei.value.errno == errno.ELOOP
     assert b"Uid:" in await client.read_file("/proc/self/status", uid=0, gid=0)   # plain /proc files are fine
+
+
+async def test_refresh_is_refused_outside_device_mode(client):
+    """REFRESH sets the clock and reseeds the kernel RNG: only a VM guest's agent (device mode)
+    does it; a container's agent shares the host kernel and must refuse, changing nothing."""
+    before = time.time()
+    with pytest.raises(AgentError) as e:
+        await client.refresh(seed=os.urandom(64), time_ns=0)
+    assert e.value.errno == errno.EPERM and "device mode" in str(e.value)
+    assert time.time() >= before      # the host clock was not set to 1970

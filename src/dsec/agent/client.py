@@ -419,6 +419,10 @@ class AgentClient:
             MsgType.MKDIR, P.encode_fields([(Tag.PATH, path), (Tag.UID, uid), (Tag.GID, gid), (Tag.MODE, mode)])
         )
 
+    async def refresh(self, *, seed: bytes, time_ns: int) -> None:
+        """VM guests only: set the guest clock and reseed its CRNG (a restored guest is a copy)."""
+        await self._request(MsgType.REFRESH, P.encode_fields([(Tag.TIME_NS, P.U64.pack(time_ns)), (Tag.DATA, seed)]))
+
     async def close_session(self, name: str) -> None:
         await self._request(MsgType.SESSION_CLOSE, P.encode_fields([(Tag.SESSION, name)]))
 

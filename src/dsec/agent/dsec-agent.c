@@ -35,6 +35,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/fsuid.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/signalfd.h>
@@ -77,13 +78,13 @@ extern char **environ;
 
 enum {
 	T_EXEC = 1, T_STDIN, T_SIGNAL, T_RELEASE, T_ATTACH, T_FILE_READ, T_FILE_WRITE, T_LIST,
-	T_PING, T_SESSION_CLOSE, T_LIST_EXECS, T_REMOVE, T_MKDIR,
+	T_PING, T_SESSION_CLOSE, T_LIST_EXECS, T_REMOVE, T_MKDIR, T_REFRESH,
 	T_STDOUT = 101, T_STDERR, T_EXIT, T_ERROR, T_DATA, T_OK, T_LISTING, T_PONG, T_EXECS,
 };
 
 enum {
 	F_CMD = 1, F_CWD, F_ENV, F_UID, F_GID, F_TIMEOUT_MS, F_CAP, F_SESSION, F_STDIN, F_PATH,
-	F_DATA, F_MODE, F_MKDIRS, F_MAXLEN, F_KEEP_STDIN, F_MAX
+	F_DATA, F_MODE, F_MKDIRS, F_MAXLEN, F_KEEP_STDIN, F_TIME_NS, F_MAX
 };
 
 /* supervisor -> agent messages (SEQPACKET, one struct each) */
@@ -109,6 +110,8 @@ static uint32_t get32(const uint8_t *p)
 {
 	return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
+
+static uint64_t get64(const uint8_t *p) { return (uint64_t)get32(p) | (uint64_t)get32(p + 4) << 32; }
 
 static int64_t now_ms(void)
 {
@@ -2069,6 +2072,56 @@ static void h_mkdir(uint32_t chan, const struct fields *f)
 		send_ok(chan);
 }
 
+/* ------------------------------------------------------------------ VM guest refresh */
+
+/* <linux/random.h> values, spelled out because musl-gcc does not see the kernel headers. */
+#define DSEC_RNDADDENTROPY 0x40085203 /* _IOW('R', 0x03, int[2]) */
+#define DSEC_RNDRESEEDCRNG 0x5207     /* _IO('R', 0x07) */
+#define REFRESH_SEED_MAX 512
+
+/* A restored VM is a byte copy of another guest: same clock, same CRNG state. Writing to
+ * /dev/urandom only mixes into the input pool (the CRNG keeps its key until its next timed
+ * reseed), so the seed is credited with RNDADDENTROPY and the CRNG reseeded at once. */
+static void h_refresh(uint32_t chan, const struct fields *f)
+{
+	if (!G.dev) {
+		send_err(chan, EPERM, "REFRESH is only for VM guests (agent in device mode)");
+		return;
+	}
+	if ((f->has[F_TIME_NS] && f->n[F_TIME_NS] != 8) ||
+	    (f->has[F_DATA] && (f->n[F_DATA] == 0 || f->n[F_DATA] > REFRESH_SEED_MAX))) {
+		send_err(chan, EINVAL, "TIME_NS must be 8 bytes, DATA 1..%d bytes", REFRESH_SEED_MAX);
+		return;
+	}
+	if (f->has[F_TIME_NS]) {
+		uint64_t ns = get64(f->v[F_TIME_NS]);
+		struct timespec ts = { .tv_sec = (time_t)(ns / 1000000000u), .tv_nsec = (long)(ns % 1000000000u) };
+		if (clock_settime(CLOCK_REALTIME, &ts) < 0) {
+			send_err(chan, errno, "clock_settime: %s", strerror(errno));
+			return;
+		}
+	}
+	if (f->has[F_DATA]) {
+		struct { int entropy_count, buf_size; uint8_t buf[REFRESH_SEED_MAX]; } pool;
+		pool.entropy_count = (int)f->n[F_DATA] * 8;
+		pool.buf_size = (int)f->n[F_DATA];
+		memcpy(pool.buf, f->v[F_DATA], f->n[F_DATA]);
+		int fd = open("/dev/urandom", O_WRONLY | O_CLOEXEC), err = 0;
+		if (fd < 0 || ioctl(fd, DSEC_RNDADDENTROPY, &pool) < 0)
+			err = errno;
+		else if (ioctl(fd, DSEC_RNDRESEEDCRNG) < 0 && errno != ENODATA) /* ENODATA: not seeded yet */
+			err = errno;
+		if (fd >= 0)
+			close(fd);
+		explicit_bzero(pool.buf, sizeof pool.buf);
+		if (err) {
+			send_err(chan, err, "reseeding the guest RNG: %s", strerror(err));
+			return;
+		}
+	}
+	send_ok(chan);
+}
+
 /* ------------------------------------------------------------------ frame dispatch */
 
 static void handle_frame(int type, uint32_t chan, const uint8_t *p, uint32_t n)
@@ -2094,7 +2147,7 @@ static void handle_frame(int type, uint32_t chan, const uint8_t *p, uint32_t n)
 		h_list_execs(chan);
 		return;
 	case T_EXEC: case T_FILE_READ: case T_FILE_WRITE: case T_LIST: case T_SESSION_CLOSE:
-	case T_REMOVE: case T_MKDIR:
+	case T_REMOVE: case T_MKDIR: case T_REFRESH:
 		break;
 	default:
 		send_err(chan, EINVAL, "unknown frame type %d", type);
@@ -2112,6 +2165,7 @@ static void handle_frame(int type, uint32_t chan, const uint8_t *p, uint32_t n)
 	case T_SESSION_CLOSE: h_session_close(chan, &f); break;
 	case T_REMOVE: h_remove(chan, &f); break;
 	case T_MKDIR: h_mkdir(chan, &f); break;
+	case T_REFRESH: h_refresh(chan, &f); break;
 	}
 }
 

@@ -43,6 +43,7 @@ class MsgType(IntEnum):
     LIST_EXECS = 11
     REMOVE = 12
     MKDIR = 13
+    REFRESH = 14
     # agent -> edge
     STDOUT = 101
     STDERR = 102
@@ -71,6 +72,7 @@ class Tag(IntEnum):
     MKDIRS = 13
     MAXLEN = 14
     KEEP_STDIN = 15
+    TIME_NS = 16
 
 
 KIND_NAMES = {0: "file", 1: "dir", 2: "symlink", 3: "other"}

@@ -316,9 +316,8 @@ class Edge:
         """Use the connection wait_agent made, then let the driver refresh a restored guest
         (clock, entropy: it copies another guest, or stood still while parked)."""
         self._agents[rec.id] = agent
-        chan = max([c for c, _ in await agent.list_execs()] + [self._next_chan.get(rec.id, 0)]) + 1
-        self._next_chan[rec.id] = chan + 1
-        await self._drv(rec).ready(rec.id, agent, chan)
+        await self._continue_chans(rec.id, agent)
+        await self._drv(rec).ready(rec.id, agent)
 
     def _layer_files(self, stack: list[ImageInfo]) -> list[tuple[str, Path]]:
         """EROFS layer files of base + workspace + toolkits, bottom first, each once (topmost)."""
@@ -561,11 +560,15 @@ class Edge:
             agent = self._agents.get(rec.id)
             if agent is None or agent.closed:
                 agent = await AgentClient.connect(self._drv(rec).agent_socket(rec.id))
-                execs = await agent.list_execs()
-                # chans still retained by the agent (from before an edge restart) are not reused
-                self._next_chan[rec.id] = max([c for c, _ in execs] + [self._next_chan.get(rec.id, 0)]) + 1
+                await self._continue_chans(rec.id, agent)
                 self._agents[rec.id] = agent
             return agent
+
+    async def _continue_chans(self, sandbox_id: str, agent: AgentClient) -> None:
+        """Chans the agent still retains (from before an edge restart, or in a restored guest)
+        are not reused."""
+        execs = await agent.list_execs()
+        self._next_chan[sandbox_id] = max([c for c, _ in execs] + [self._next_chan.get(sandbox_id, 0)]) + 1
 
     async def _forget_agent(self, sandbox_id: str) -> None:
         agent = self._agents.pop(sandbox_id, None)

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Literal
 
-from dsec.agent.client import AgentClient, Exit
+from dsec.agent.client import AgentClient
 from dsec.backends.vm import guest
 from dsec.backends.vm.accel import AccelChooser
 from dsec.backends.vm.qemu import (Disk, Kind, Machine, Pmem, Qmp, kill, launch, pid_alive, pss_bytes, qemu_binary,
@@ -267,17 +267,12 @@ class VMDriver:
                                     "use clone=False / another accel")
             await asyncio.sleep(0.02)     # the socket is not there yet: QEMU is starting
 
-    async def ready(self, sandbox_id: str, agent: AgentClient, chan: int) -> None:
+    async def ready(self, sandbox_id: str, agent: AgentClient) -> None:
         """A clone or restored VM is a copy of another guest: give it its own entropy and the
         current time (its clock and RNG state are the template's)."""
         if self.started.get(sandbox_id, "cold") == "cold":
             return
-        seed = secrets.token_hex(64)
-        cmd = f"date -u -s @{int(time.time())} >/dev/null 2>&1; printf %s {seed} > /dev/urandom"
-        async for item in agent.exec(chan, cmd=cmd, uid=0, gid=0, timeout_ms=10000):
-            if isinstance(item, Exit):
-                break
-        await agent.release(chan)
+        await agent.refresh(seed=secrets.token_bytes(64), time_ns=time.time_ns())
 
     async def destroy(self, sandbox_id: str) -> None:
         d = self.sandbox_dir(sandbox_id)

@@ -4,6 +4,7 @@ overlay through the whole stack (SDK -> apiserver -> edge -> QEMU -> systemd -> 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import time
@@ -72,10 +73,17 @@ async def test_disk_vm_boots_its_own_kernel_and_systemd(client, server, vm_disk)
         assert any(e.name == "data.txt" for e in await sb.files.list("/work"))
         console = await sb.console()
         assert "systemd" in console and "Reached target" in console and "dsec-agent.service" in console
-        # suspend to disk and back: the same VM, its files and processes
+        # suspend to disk and back: the same VM, its files and processes, even though the disk
+        # it booted from is rebuilt meanwhile (the VM holds its own link to the old one)
         await sb.run("sleep 1000 >/dev/null 2>&1 &")
         await sb.suspend()
         assert not pid_alive(pid, sb.id)
+        old_inode = f.qcow2.stat().st_ino
+        await asyncio.to_thread(disks.build, server.paths, "dvm", "debian-vm")
+        assert f.qcow2.stat().st_ino != old_inode
+        linked = server.paths.vm_sandboxes / sb.id / "chain-disk-dvm.qcow2"
+        assert linked.stat().st_ino == old_inode
+        assert linked.stat().st_mtime_ns == base_mtime     # untouched: the VM writes its own overlay
         r = await sb.run("cat /work/data.txt; grep -qx sleep /proc/[0-9]*/comm && echo sleeping")
         assert r.stdout == "payloadsleeping\n", r
         pid = int((server.paths.vm_sandboxes / sb.id / "qemu.pid").read_text())
@@ -83,5 +91,3 @@ async def test_disk_vm_boots_its_own_kernel_and_systemd(client, server, vm_disk)
         await sb.stop()
     assert not pid_alive(pid, sb.id)
     assert not (server.paths.vm_sandboxes / sb.id).exists()
-    # the built disk is untouched by the VM (it wrote to its own overlay)
-    assert f.qcow2.stat().st_mtime_ns == base_mtime

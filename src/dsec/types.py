@@ -95,6 +95,20 @@ def make_sandbox_id(node_id: str) -> str:
     return f"sb-{node_id}.{secrets.token_hex(6)}"
 
 
+SNAPSHOT_ID_PATTERN = r"^snap-[a-z0-9][a-z0-9-]{0,30}\.[0-9a-f]{12}$"
+
+
+def make_snapshot_id(node: str) -> str:
+    return f"snap-{node}.{secrets.token_hex(6)}"
+
+
+def node_of_snapshot(snapshot_id: str) -> str:
+    if not re.match(SNAPSHOT_ID_PATTERN, snapshot_id):
+        raise NotFound(f"no snapshot {snapshot_id!r}: not a snapshot id", field="snapshot",
+                       fix="use an id returned by Sandbox.snapshot(), e.g. 'snap-node0.0123456789ab'")
+    return snapshot_id.removeprefix("snap-").rsplit(".", 1)[0]
+
+
 def node_of(sandbox_id: str) -> str:
     m = SANDBOX_ID_RE.match(sandbox_id)
     if not m:
@@ -257,7 +271,7 @@ class _VMArgs(_Strict):
         "auto", description="auto: KVM when it boots a guest on this node, else TCG software emulation")
     clone: bool = Field(True, description="start as a copy-on-write clone of the environment's template "
                                           "snapshot (fast, shares memory); False: cold boot")
-    snapshot: Annotated[str | None, Field(pattern=r"^snap-[A-Za-z0-9_-]{1,64}\.[0-9a-f]{12}$",
+    snapshot: Annotated[str | None, Field(pattern=SNAPSHOT_ID_PATTERN,
                                           description="restore a snapshot taken with Sandbox.snapshot() as a "
                                                       "new sandbox (image/layers/size come from the snapshot)")] = None
 
@@ -346,12 +360,15 @@ class SnapshotInfo(BaseModel):
     sandbox_id: str = Field(description="the sandbox it was taken from")
     backend: str
     image: str
-    size_bytes: int = Field(description="bytes on the node's disk (state file + disk delta)")
+    project: str = Field(description="the project of the sandbox it was taken from: it and its ancestors "
+                                     "may restore, list and delete it")
+    size_bytes: int = Field(description="bytes of its own on the node's disk (state file + disk delta; "
+                                        "the base disks it shares with its source are not counted)")
     created_at: datetime
 
 
-def make_snapshot_id(node: str) -> str:
-    return f"snap-{node}.{secrets.token_hex(6)}"
+class SnapshotList(BaseModel):
+    snapshots: list[SnapshotInfo]
 
 
 class SandboxList(BaseModel):

@@ -24,7 +24,7 @@ from dsec.types import (CapacityExceeded, ContainerArgs, DsecError, ExecEvent, E
                         SandboxInfo, SandboxList, Unavailable, node_of)
 from dsec.types import FnCallRequest, FnCallResult
 from dsec.types import ImageInfo, PackDiffRequest
-from dsec.types import MicroVMArgs, SandboxArgs, SnapshotInfo, VMArgs
+from dsec.types import MicroVMArgs, SandboxArgs, SnapshotInfo, SnapshotList, VMArgs, node_of_snapshot
 from dsec.watcher import Watcher
 
 log = logging.getLogger("dsec.apiserver")
@@ -41,8 +41,6 @@ def _fields_for(path: str, loc: tuple) -> list[str]:
     return list(BACKEND_TAGS[tag].model_fields)
 
 
-def node_of_snapshot(snapshot_id: str) -> str:
-    return snapshot_id.removeprefix("snap-").rsplit(".", 1)[0]
 PLACEMENT_TRIES = 3
 
 
@@ -52,6 +50,9 @@ class EdgeHandle(Protocol):
     async def status(self) -> NodeStatus: ...
     async def create(self, project: str, args: SandboxArgs) -> SandboxInfo: ...
     async def snapshot(self, sandbox_id: str) -> SnapshotInfo: ...
+    async def get_snapshot(self, snapshot_id: str) -> SnapshotInfo: ...
+    async def list_snapshots(self, project: str | None = None) -> list[SnapshotInfo]: ...
+    async def delete_snapshot(self, snapshot_id: str) -> None: ...
     async def suspend(self, sandbox_id: str) -> SandboxInfo: ...
     async def console(self, sandbox_id: str, tail: int = ...) -> bytes: ...
     async def resume(self, sandbox_id: str) -> SandboxInfo: ...
@@ -139,6 +140,22 @@ def create_app(ctx: ApiContext) -> FastAPI:
             raise NotFound(f"no sandbox {sandbox_id!r}", field="sandbox_id", fix="check the id and API key")
         return edge
 
+    async def owned_snapshot(snapshot_id: str, who: Principal, field: str = "snapshot_id") -> EdgeHandle:
+        """The edge holding a snapshot the caller's project (or an ancestor) took."""
+        node = node_of_snapshot(snapshot_id)
+        edge = ctx.edges.get(node)
+        missing = NotFound(f"no snapshot {snapshot_id!r}", field=field,
+                           fix="use an id returned by Sandbox.snapshot(); list them with `dsec vm snapshot ls`")
+        if edge is None:
+            raise missing
+        try:
+            info = await edge.get_snapshot(snapshot_id)
+        except NotFound:
+            raise missing from None
+        if not ctx.iam.can_access(who, info.project):
+            raise missing          # a snapshot holds a guest's memory: other projects never reach it
+        return edge
+
     # -- routes --------------------------------------------------------------------------
     @app.get("/healthz")
     async def healthz() -> dict:
@@ -151,11 +168,8 @@ def create_app(ctx: ApiContext) -> FastAPI:
         check_create(ctx.iam.effective_policy(who.project_id), args, who.project_id)
         if getattr(args, "snapshot", None):
             # a snapshot lives on one node: the new sandbox is restored there
-            node = node_of_snapshot(args.snapshot)
-            if node not in ctx.edges:
-                raise NotFound(f"no snapshot {args.snapshot!r}: node {node!r} is unknown", field="snapshot",
-                               fix="use an id returned by Sandbox.snapshot()")
-            return await ctx.edges[node].create(who.project_id, args)
+            edge = await owned_snapshot(args.snapshot, who, field="snapshot")
+            return await edge.create(who.project_id, args)
         excluded: set[str] = set()
         last: DsecError | None = None
         for _ in range(PLACEMENT_TRIES):
@@ -250,6 +264,27 @@ def create_app(ctx: ApiContext) -> FastAPI:
         `{"backend": ..., "image": ..., "snapshot": id}`. The VM pauses briefly and runs on."""
         edge = await owned(sandbox_id, who)
         return await edge.snapshot(sandbox_id)
+
+    @app.get("/v1/snapshots", response_model=SnapshotList)
+    async def list_snapshots(who: Who) -> SnapshotList:
+        """VM snapshots of the caller's project and its sub-projects, on every node."""
+        out: list[SnapshotInfo] = []
+        for edge in ctx.edges.values():
+            out += [s for s in await edge.list_snapshots() if ctx.iam.can_access(who, s.project)]
+        return SnapshotList(snapshots=out)
+
+    @app.get("/v1/snapshots/{snapshot_id}", response_model=SnapshotInfo)
+    async def get_snapshot(snapshot_id: str, who: Who) -> SnapshotInfo:
+        edge = await owned_snapshot(snapshot_id, who)
+        return await edge.get_snapshot(snapshot_id)
+
+    @app.delete("/v1/snapshots/{snapshot_id}", status_code=204)
+    async def delete_snapshot(snapshot_id: str, who: Who) -> Response:
+        """Free a snapshot's disk. Sandboxes restored from it, and snapshots of those, are not
+        affected (they keep their own links to the disk it shares with them)."""
+        edge = await owned_snapshot(snapshot_id, who)
+        await edge.delete_snapshot(snapshot_id)
+        return Response(status_code=204)
 
     @app.post("/v1/sandboxes/{sandbox_id}/pack_diff", status_code=201, response_model=ImageInfo)
     async def pack_diff(sandbox_id: str, req: PackDiffRequest, who: Who) -> ImageInfo:

@@ -12,6 +12,7 @@ import codecs
 import functools
 import logging
 import os
+import shutil
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -337,12 +338,40 @@ class Edge:
         snap_id = make_snapshot_id(self.node_id)
         rec.in_flight += 1
         try:
-            size = await self._drv(rec).snapshot(rec.id, snap_id, {"image": rec.image, "project": rec.project})
+            size = await self._drv(rec).snapshot(rec.id, snap_id, {"image": rec.image, "project": rec.project,
+                                                                  "created_at": time.time()})
         finally:
             rec.in_flight -= 1
         log.info("vm snapshot", extra={"sandbox": rec.id, "snapshot": snap_id, "bytes": size})
-        return SnapshotInfo(id=snap_id, node=self.node_id, sandbox_id=rec.id, backend=rec.backend,
-                            image=rec.image, size_bytes=size, created_at=datetime.now(timezone.utc))
+        return await self.get_snapshot(snap_id)
+
+    def _vm_driver(self) -> Any:
+        return self._drv(VM_BACKENDS[0])      # one driver serves every VM backend
+
+    async def get_snapshot(self, snapshot_id: str) -> SnapshotInfo:
+        r = await asyncio.to_thread(self._vm_driver().snapshot_record, snapshot_id)
+        return SnapshotInfo(id=snapshot_id, node=self.node_id, **{
+            **r, "created_at": datetime.fromtimestamp(r["created_at"], timezone.utc)})
+
+    async def list_snapshots(self, project: str | None = None) -> list[SnapshotInfo]:
+        if self.vm is None:
+            return []
+        out = []
+        for snap_id in self.vm.snapshot_ids():
+            try:
+                info = await self.get_snapshot(snap_id)
+            except NotFound:          # deleted meanwhile
+                continue
+            if project is None or info.project == project:
+                out.append(info)
+        return out
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        """Remove a snapshot. Sandboxes restored from it and snapshots of those keep running and
+        restoring: they hold their own links to its disk (backends/vm/chain.py)."""
+        gone = self._vm_driver().delete_snapshot(snapshot_id)
+        await asyncio.to_thread(shutil.rmtree, gone, True)
+        log.info("vm snapshot deleted", extra={"snapshot": snapshot_id})
 
     async def suspend(self, sandbox_id: str) -> SandboxInfo:
         """Park a VM on disk: memory and device state saved, QEMU gone, host memory free.

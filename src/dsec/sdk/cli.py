@@ -30,7 +30,7 @@ app.add_typer(bench_app, name="bench")
 project_app = typer.Typer(no_args_is_help=True, help="project sandbox policy: what sandboxes may loosen")
 app.add_typer(project_app, name="project")
 console = Console(width=None if sys.stdout.isatty() else 200)  # pipes get whole ids
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=not sys.stderr.isatty())   # logs and pipes get whole lines
 
 
 def _fail(e: DsecError) -> None:
@@ -489,6 +489,34 @@ def vm_fetch_kernel(
         raise typer.Exit(2)
 
 
+vm_snapshot_app = typer.Typer(no_args_is_help=True, help="VM snapshots (dsec sandbox snapshot ID takes one)")
+vm_app.add_typer(vm_snapshot_app, name="snapshot")
+
+
+@vm_snapshot_app.command("ls")
+def vm_snapshot_ls() -> None:
+    """List the snapshots of your project and its sub-projects."""
+    async def go() -> None:
+        async with _client() as c:
+            t = Table("id", "backend", "image", "project", "from sandbox", "MiB", "created")
+            for s in await c.snapshots():
+                t.add_row(s.id, s.backend, s.image, s.project, s.sandbox_id, f"{s.size_bytes / 2**20:.1f}",
+                          s.created_at.isoformat(timespec="seconds"))
+            console.print(t)
+    _run(go())
+
+
+@vm_snapshot_app.command("rm")
+def vm_snapshot_rm(snapshot_ids: list[str]) -> None:
+    """Delete snapshots (sandboxes restored from them keep running and can still be suspended)."""
+    async def go() -> None:
+        async with _client() as c:
+            for sid in snapshot_ids:
+                await c.delete_snapshot(sid)
+                console.print(f"deleted {sid}")
+    _run(go())
+
+
 vm_disk_app = typer.Typer(no_args_is_help=True, help="bootable full-VM disks: an image's own kernel and init as qcow2")
 vm_app.add_typer(vm_disk_app, name="disk")
 
@@ -526,7 +554,7 @@ def vm_disk_ls() -> None:
 
 @vm_disk_app.command("rm")
 def vm_disk_rm(name: Annotated[str, typer.Argument(help="disk name")]) -> None:
-    """Remove a VM disk (running VMs keep their open base file; suspended ones then cannot resume)."""
+    """Remove a VM disk (VMs booted from it, running or suspended, and their snapshots keep their own link to it)."""
     from dsec.backends.vm import disks
     from dsec.types import DsecError
     try:

@@ -23,7 +23,7 @@ import httpx
 from dsec.config import DEFAULT_PORT, Paths
 from dsec.types import FnCallBatch, FnCallBatchItem, FnCallRequest, FnCallResult, FnCallStatus
 from dsec.types import PackDiffRequest
-from dsec.types import MicroVMArgs, SandboxArgs, SnapshotInfo, VMArgs
+from dsec.types import MicroVMArgs, SandboxArgs, SnapshotInfo, SnapshotList, VMArgs
 from dsec.types import (ERRORS_BY_CODE, ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult,
                         FileEntry, FileList, ImageInfo, ImageList, NetworkPolicy, NodeStatus, SandboxInfo, SandboxList,
                         Unavailable)
@@ -197,6 +197,20 @@ class Client:
     async def images(self) -> list[ImageInfo]:
         resp = await self._request("GET", "/v1/images")
         return ImageList.model_validate_json(resp.content).images
+
+    # -- VM snapshots (taken with Sandbox.snapshot()) ------------------------------------
+    async def snapshots(self) -> list[SnapshotInfo]:
+        """Snapshots of this key's project and its sub-projects."""
+        resp = await self._request("GET", "/v1/snapshots")
+        return SnapshotList.model_validate_json(resp.content).snapshots
+
+    async def get_snapshot(self, snapshot_id: str) -> SnapshotInfo:
+        resp = await self._request("GET", f"/v1/snapshots/{snapshot_id}")
+        return SnapshotInfo.model_validate_json(resp.content)
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        """Free its disk; sandboxes restored from it keep working."""
+        await self._request("DELETE", f"/v1/snapshots/{snapshot_id}")
 
     # -- fncall: short stateless code in warm pool containers ----------------------------
     async def fncall(self, code: str | FnCallRequest, language: str = "python", *, stdin: str | None = None,

@@ -23,8 +23,9 @@ killed. The overlay gets a scratch upper dir, where the dsec additions are writt
 then `mkfs.ext4 -d MERGED` makes the filesystem (ownership, modes, xattrs, hard links kept) and
 `qemu-img convert -O qcow2` compacts it. Each sandbox boots a qcow2 overlay over NAME.qcow2.
 
-A rebuild or `rm` replaces/unlinks the files: running VMs keep their open base file (an unlinked
-inode lives on), but a suspended VM or a snapshot of one needs the base it was booted from.
+A rebuild or `rm` replaces/unlinks the files. Every VM booted from NAME.qcow2 holds its own hard
+link to it (backends/vm/chain.py), so running and suspended VMs and their snapshots keep the disk
+they were booted from. (The kernel is loaded at boot only: a resume reads RAM from its state.)
 """
 
 from __future__ import annotations

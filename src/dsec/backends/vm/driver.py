@@ -1,7 +1,8 @@
 """microVM and full-VM backends on QEMU: the same driver interface as containers.
 
 Per sandbox, under <home>/vm/sb/<id>/: `upper.img` (raw ext4, cold boots) or `upper.qcow2`
-(copy-on-write over a template's or snapshot's disk), `agent.sock` (QEMU's end of the
+(copy-on-write over a template's or snapshot's disk, whose bases are linked in beside it as
+`chain-*`: chain.py), `agent.sock` (QEMU's end of the
 virtio-serial agent port), `qmp.sock`, `console.log` (the guest's serial console), `qemu.pid`,
 `spec.json` (what it was built from: snapshots and restarts need it).
 
@@ -22,12 +23,13 @@ import os
 import secrets
 import shutil
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Literal
 
 from dsec.agent.client import AgentClient
-from dsec.backends.vm import guest
+from dsec.backends.vm import chain, guest
 from dsec.backends.vm.accel import AccelChooser
 from dsec.backends.vm.qemu import (Disk, Kind, Machine, Pmem, Qmp, kill, launch, pid_alive, pss_bytes, qemu_binary,
                                    qemu_log_tail, shell_safe)
@@ -101,6 +103,8 @@ class VMDriver:
         self.consoles = paths.vm / "consoles"     # console logs of ended VMs
         for p in (self.root, self.snapshots, paths.vm_templates):
             p.mkdir(parents=True, exist_ok=True)
+        for p in self.snapshots.glob(".*"):      # a save or a deletion the last edge did not finish
+            shutil.rmtree(p, ignore_errors=True)
         kernel = guest.installed_kernel(paths)   # never downloads here: that is install time
         if kernel is None:
             raise Unavailable("no guest kernel on this node", field="backend",
@@ -177,12 +181,15 @@ class VMDriver:
             (d / "spec.json").write_text(json.dumps(_spec_json(spec)))
             if spec.snapshot_dir is not None:
                 how = "snapshot"
-                await self._restore(spec, d, spec.snapshot_dir / "state", spec.snapshot_dir / _upper_name(spec.snapshot_dir),
+                s = spec.snapshot_dir
+                upper = s / _upper_name(s)
+                await self._restore(spec, d, s / "state", upper, f"{s.name}{upper.suffix}", chain.chain_files(s),
                                     ram_file=None, ignore_shared=False)
             elif spec.clone and spec.boot_disk is None:   # disk VMs always cold-boot (no templates)
                 how = "clone"
                 tpl = await self.templates.ensure(spec)
-                await self._restore(spec, d, tpl.state, tpl.upper, ram_file=tpl.ram, ignore_shared=True)
+                await self._restore(spec, d, tpl.state, tpl.upper, f"tpl-{tpl.key}.img", (),
+                                    ram_file=tpl.ram, ignore_shared=True)
             else:
                 how = "cold"
                 await self.cold_boot(spec, d)
@@ -197,8 +204,8 @@ class VMDriver:
                         ram_shared: bool = False, name: str | None = None) -> int:
         if spec.boot_disk is not None:   # a copy-on-write overlay: the built disk stays untouched
             upper_q = d / "upper.qcow2"
-            await _run("qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", spec.boot_disk.base,
-                       str(upper_q))
+            base = chain.adopt(d, Path(spec.boot_disk.base), f"disk-{spec.boot_disk.name}.qcow2")
+            await _run("qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", base, str(upper_q))
             m = await self.machine(spec, d, Disk(upper_q, "dsec-root", readonly=False, fmt="qcow2"), name=name)
             return await launch(m, d)
         upper = d / "upper.img"
@@ -207,13 +214,23 @@ class VMDriver:
                                ram_shared=ram_shared, name=name)
         return await launch(m, d)
 
-    async def _restore(self, spec: VMSpec, d: Path, state: Path, base_disk: Path, *,
-                       ram_file: Path | None, ignore_shared: bool) -> None:
+    async def _restore(self, spec: VMSpec, d: Path, state: Path, base_disk: Path, base_name: str,
+                       parents: Iterable[Path], *, ram_file: Path | None, ignore_shared: bool) -> None:
+        """Start a VM from saved device state over a copy-on-write overlay of `base_disk`, whose
+        chain (chain.py) is linked into `d` first, with the state: a deletion of the snapshot
+        (or a template rebuild) from now on does not touch this VM."""
         upper = d / "upper.qcow2"
         fmt = "qcow2" if base_disk.suffix == ".qcow2" else "raw"
+        incoming_state = d / "incoming.state"
+        try:
+            base = chain.adopt(d, base_disk, base_name, parents)
+            os.link(state, incoming_state)
+        except FileNotFoundError as e:
+            raise NotFound(f"{state.parent.name} was removed while VM {spec.sandbox_id} was being created from it",
+                           field="snapshot", fix="create it from another snapshot") from e
         if (state.parent / "console.log").is_file():   # the boot log of the guest it copies
             shutil.copyfile(state.parent / "console.log", d / "console.log")
-        await _run("qemu-img", "create", "-q", "-f", "qcow2", "-F", fmt, "-b", str(base_disk), str(upper))
+        await _run("qemu-img", "create", "-q", "-f", "qcow2", "-F", fmt, "-b", base, str(upper))
         m = await self.machine(spec, d, Disk(upper, "dsec-upper", readonly=False, fmt="qcow2"),
                                ram_file=ram_file, ram_shared=False, incoming=True)
         await launch(m, d)
@@ -222,10 +239,11 @@ class VMDriver:
                 if ignore_shared:   # RAM is not in the stream: it is the template's file, mapped privately
                     await q.run("migrate-set-capabilities",
                                 capabilities=[{"capability": "x-ignore-shared", "state": True}])
-                await q.run("migrate-incoming", uri=f"exec:cat {shell_safe(state)}")
+                await q.run("migrate-incoming", uri=f"exec:cat {shell_safe(incoming_state)}")
                 # connect to the agent only once the devices are loaded: a host connection made
                 # during the restore is overwritten by the saved port state (host disconnected)
                 await q.wait_running()
+            incoming_state.unlink()
         except SandboxFailed:
             raise
         except Exception as e:      # QMP lost: QEMU exited during the restore
@@ -334,18 +352,22 @@ class VMDriver:
                 await q.run("stop")
                 try:
                     await q.save_state(tmp / "state")
-                    upper = d / ("upper.qcow2" if (d / "upper.qcow2").exists() else "upper.img")
-                    # the disk as it was at the pause; a qcow2 keeps pointing at its (immutable) base
+                    upper = d / _upper_name(d)
+                    # the disk as it was at the pause; a qcow2 keeps naming its (immutable)
+                    # bases, linked in beside it
                     await _run("cp", "--sparse=always", str(upper), str(tmp / upper.name))
+                    chain.carry(d, tmp)
                     if (d / "console.log").is_file():
                         shutil.copyfile(d / "console.log", tmp / "console.log")
                 finally:
                     await q.run("cont")
+            for f in tmp.iterdir():
+                f.chmod(0o400)            # restored VMs read these, nothing writes them again
             os.replace(tmp, out)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        return sum(p.stat().st_blocks * 512 for p in out.iterdir())
+        return chain.own_bytes(out)
 
     # -- stop-to-disk and resume -----------------------------------------------------------
     async def save_to_disk(self, sandbox_id: str) -> int:
@@ -377,7 +399,7 @@ class VMDriver:
         """Resume a parked VM in place: same disk, RAM from `saved.state` (then deleted)."""
         d = self.sandbox_dir(sandbox_id)
         spec = _spec_from_json(json.loads((d / "spec.json").read_text()))
-        upper = d / "upper.qcow2" if (d / "upper.qcow2").exists() else d / "upper.img"
+        upper = d / _upper_name(d)
         fmt = "qcow2" if upper.suffix == ".qcow2" else "raw"
         m = await self.machine(spec, d, Disk(upper, "dsec-upper", readonly=False, fmt=fmt), incoming=True)
         await launch(m, d)
@@ -399,8 +421,29 @@ class VMDriver:
         d = self.snapshots / snapshot_id
         if not (d / "state").is_file():
             raise NotFound(f"no snapshot {snapshot_id!r} on this node", field="snapshot",
-                           fix="use an id returned by Sandbox.snapshot(); list them with `dsec vm snapshots`")
+                           fix="use an id returned by Sandbox.snapshot(); list them with `dsec vm snapshot ls`")
         return d
+
+    def snapshot_ids(self) -> list[str]:
+        return sorted(p.name for p in self.snapshots.glob("snap-*") if (p / "state").is_file())
+
+    def snapshot_record(self, snapshot_id: str) -> dict:
+        """What `SnapshotInfo` is made of: the edge's meta (image, project, source, created_at),
+        the VM kind and the bytes the snapshot holds of its own."""
+        d = self.snapshot_dir(snapshot_id)
+        j = json.loads((d / "spec.json").read_text())
+        return {"backend": j["kind"], "image": j.get("image", ""), "project": j.get("project", ""),
+                "sandbox_id": j.get("source", ""), "created_at": j.get("created_at") or (d / "state").stat().st_mtime,
+                "size_bytes": chain.own_bytes(d)}
+
+    def delete_snapshot(self, snapshot_id: str) -> Path:
+        """Take a snapshot out of use at once (a rename: a concurrent restore sees all of it or
+        none); returns the dir to remove. VMs restored from it hold links to its disk and are
+        not affected (chain.py)."""
+        d = self.snapshot_dir(snapshot_id)
+        gone = self.snapshots / f".{snapshot_id}.deleting"
+        os.rename(d, gone)
+        return gone
 
     def snapshot_spec(self, snapshot_id: str) -> tuple[VMSpec, dict]:
         """The VM a snapshot was taken of, and what the edge stored beside it (image, project)."""
@@ -442,8 +485,9 @@ def console_tail(d: Path, n: int = 800) -> str:
     return out + (f" (qemu: {qemu_err})" if qemu_err else "")
 
 
-def _upper_name(snapshot_dir: Path) -> str:
-    return "upper.qcow2" if (snapshot_dir / "upper.qcow2").exists() else "upper.img"
+def _upper_name(d: Path) -> str:
+    """The writable disk of a VM or snapshot dir: a qcow2 overlay, or a cold boot's raw disk."""
+    return "upper.qcow2" if (d / "upper.qcow2").exists() else "upper.img"
 
 
 def _spec_json(spec: VMSpec) -> dict:

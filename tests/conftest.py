@@ -74,3 +74,11 @@ async def client(server):
     c = server.client()
     async with c:
         yield c
+
+
+@pytest.fixture
+async def vm_client(client):
+    """The client, where the node offers VM backends (else the test is skipped, naming why)."""
+    if "microvm" not in (await client.nodes())[0].backends:
+        pytest.skip("the node offers no VM backends: guest kernel not fetched (dsec vm fetch-kernel)")
+    return client

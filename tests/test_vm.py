@@ -22,14 +22,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture
-async def vm_client(client):
-    nodes = await client.nodes()
-    if "microvm" not in nodes[0].backends:
-        pytest.skip("the node offers no VM backends: guest kernel not fetched (dsec vm fetch-kernel)")
-    return client
-
-
 def _qemu_pid(server, sandbox_id: str) -> int:
     return int((server.paths.vm_sandboxes / sandbox_id / "qemu.pid").read_text())
 

@@ -20,26 +20,24 @@ pytestmark = [
 ]
 
 
-@pytest.fixture
-async def vm_client(client):
-    if "microvm" not in (await client.nodes())[0].backends:
-        pytest.skip("the node offers no VM backends: guest kernel not fetched (dsec vm fetch-kernel)")
-    return client
-
-
 def _snapshots_dir(server):
     return server.paths.vm / "snapshots"
 
 
-async def test_snapshot_list_get_delete_and_restored_vms_outlive_it(vm_client, server):
-    src = await vm_client.create_microvm(image="busybox", memory_mb=256)
+async def _snapshot_with_file(client, path: str, content: str):
+    """A microVM that wrote `path`, snapshotted and stopped: (its info, the snapshot)."""
+    sb = await client.create_microvm(image="busybox", memory_mb=256)
     try:
-        await src.files.write("/work/s", "saved")
-        snap = await src.snapshot()
+        await sb.files.write(path, content)
+        return sb.info, await sb.snapshot()
     finally:
-        await src.stop()
+        await sb.stop()
+
+
+async def test_snapshot_list_get_delete_and_restored_vms_outlive_it(vm_client, server):
+    src, snap = await _snapshot_with_file(vm_client, "/work/s", "saved")
     assert (snap.backend, snap.image, snap.sandbox_id) == ("microvm", "busybox", src.id)
-    assert snap.project == src.info.project and snap.size_bytes > 0
+    assert snap.project == src.project and snap.size_bytes > 0
     assert {s.id: s for s in await vm_client.snapshots()}[snap.id] == snap
     assert await vm_client.get_snapshot(snap.id) == snap
 
@@ -123,12 +121,7 @@ async def test_other_projects_cannot_see_restore_or_delete_a_snapshot(vm_client,
         projects["parent"], projects["child"], projects["other"])
     async with Client(server.url, child_key) as child, Client(server.url, other_key) as other, \
             Client(server.url, parent_key) as parent:
-        sb = await child.create_microvm(image="busybox", memory_mb=256)
-        try:
-            await sb.files.write("/work/secret", "child-only")
-            snap = await sb.snapshot()
-        finally:
-            await sb.stop()
+        _, snap = await _snapshot_with_file(child, "/work/secret", "child-only")
         assert snap.project == child_id
         assert snap.id not in {s.id for s in await other.snapshots()}
         for attempt in (lambda: other.get_snapshot(snap.id), lambda: other.delete_snapshot(snap.id),

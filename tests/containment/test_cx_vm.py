@@ -17,11 +17,9 @@ pytestmark = [
 
 
 @pytest.fixture
-async def vm_pair(client):
-    if "microvm" not in (await client.nodes())[0].backends:
-        pytest.skip("the node offers no VM backends: guest kernel not fetched (dsec vm fetch-kernel)")
-    attacker = await client.create_microvm(image="busybox", memory_mb=256, user="root")
-    victim = await client.create_microvm(image="busybox", memory_mb=256)
+async def vm_pair(vm_client):
+    attacker = await vm_client.create_microvm(image="busybox", memory_mb=256, user="root")
+    victim = await vm_client.create_microvm(image="busybox", memory_mb=256)
     await victim.files.write("/work/secret", "victim-data")
     yield attacker, victim
     await attacker.stop()

@@ -158,3 +158,33 @@ def test_snapshot_cli(server):
     assert snap_id not in dsec(server, "vm", "snapshot", "ls").stdout
     p = dsec(server, "vm", "snapshot", "rm", snap_id, check=False)
     assert p.returncode == 2 and "field: snapshot_id" in p.stderr and "dsec vm snapshot ls" in p.stderr
+
+
+async def test_layers_of_parked_vms_and_snapshots_survive_removing_their_image(vm_client, server, images,
+                                                                               tmp_path):
+    """A VM attaches its layer files by path and re-opens them on resume; a snapshot on
+    restore. Removing (or rebuilding) the image runs layer GC: it must keep what they hold,
+    and free it once the last of them is gone."""
+    name = f"snapws-{os.urandom(3).hex()}@1"
+    (tmp_path / "ws" / "work").mkdir(parents=True)
+    (tmp_path / "ws" / "work" / "task.txt").write_text("task-data\n")
+    digest = images.build_layer(name, from_dir=tmp_path / "ws").layers[-1].digest
+    layer = images.layer_path(digest)
+    sb = await vm_client.create_microvm(image="busybox", workspace=name, memory_mb=256)
+    try:
+        snap = await sb.snapshot()
+        await sb.suspend()
+        images.remove(name)                       # runs GC
+        assert layer.is_file()
+        assert (await sb.run("cat /work/task.txt")).stdout == "task-data\n"    # resumed
+        twin = await vm_client.create_microvm(image="busybox", snapshot=snap.id)
+        try:
+            assert await twin.files.read_text("/work/task.txt") == "task-data\n"
+            assert twin.info.image_digest == sb.info.image_digest
+        finally:
+            await twin.stop()
+    finally:
+        await sb.stop()
+    assert images.gc() == [] and layer.is_file()      # the snapshot still holds it
+    await vm_client.delete_snapshot(snap.id)
+    assert images.gc() == [digest] and not layer.is_file()

@@ -247,14 +247,17 @@ class Edge:
             args = args.model_copy(update={"vcpus": was.vcpus, "memory_mb": was.memory_mb, "disk_mb": was.disk_mb,
                                            "workdir": was.workdir, "accel": was.accel, "image": meta["image"]})
             layers, uid, gid, boot_disk = was.layers, was.uid, was.gid, was.boot_disk
-            image = await self._resolve_image(args.image)
+            # the snapshot holds its layers: the image may have been rebuilt or removed since
+            image_digest = meta.get("image_digest") or (await self._resolve_image(args.image)).digest
         elif getattr(args, "disk", None):   # full VM: the image's own kernel + init from a built disk
             image = await self._resolve_image(args.image)
             boot_disk = self._boot_disk(args.disk, image)
+            image_digest = image.digest
             layers = ()
             uid, gid = resolve_user(args.user)
         else:
             image = await self._resolve_image(args.image)
+            image_digest = image.digest
             stack = [image]
             if args.workspace is not None:
                 stack.append(await self._resolve_image(args.workspace, "workspace"))
@@ -268,7 +271,7 @@ class Edge:
         now = time.time()
         rec = SandboxRecord(id=make_sandbox_id(self.node_id), project=project, backend=args.backend,
                             state=SandboxState.creating, args=args.model_dump(mode="json"),
-                            image=args.image, image_digest=image.digest, uid=uid, gid=gid,
+                            image=args.image, image_digest=image_digest, uid=uid, gid=gid,
                             created_at=now, last_active_at=now)
         self._live[rec.id] = rec
         self.records.insert(rec)
@@ -338,8 +341,8 @@ class Edge:
         snap_id = make_snapshot_id(self.node_id)
         rec.in_flight += 1
         try:
-            size = await self._drv(rec).snapshot(rec.id, snap_id, {"image": rec.image, "project": rec.project,
-                                                                  "created_at": time.time()})
+            size = await self._drv(rec).snapshot(rec.id, snap_id, {"image": rec.image, "image_digest": rec.image_digest,
+                                                                  "project": rec.project, "created_at": time.time()})
         finally:
             rec.in_flight -= 1
         log.info("vm snapshot", extra={"sandbox": rec.id, "snapshot": snap_id, "bytes": size})

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from dsec.config import Paths
-from dsec.types import Conflict, ImageInfo, InvalidArgument, LayerInfo, NAME_RE
+from dsec.types import Conflict, ImageInfo, InvalidArgument, LayerInfo, NAME_RE, NotFound
 
 log = logging.getLogger("dsec.images")
 
@@ -112,6 +112,14 @@ CREATE TABLE IF NOT EXISTS image_layers (
     PRIMARY KEY (name, position)
 );
 CREATE INDEX IF NOT EXISTS image_layers_layer ON image_layers(layer);
+-- layers attached by path by something that must find them again (a VM that resumes, a VM
+-- snapshot that restores) after its image was rebuilt or removed: GC keeps them
+CREATE TABLE IF NOT EXISTS layer_holds (
+    holder      TEXT NOT NULL,
+    layer       TEXT NOT NULL REFERENCES layers(digest),
+    PRIMARY KEY (holder, layer)
+);
+CREATE INDEX IF NOT EXISTS layer_holds_layer ON layer_holds(layer);
 CREATE INDEX IF NOT EXISTS images_digest ON images(digest);
 """
 
@@ -243,7 +251,28 @@ class Registry:
 
     def unreferenced_layers(self, db: sqlite3.Connection) -> list[str]:
         return [r[0] for r in db.execute(
-            "SELECT digest FROM layers WHERE digest NOT IN (SELECT layer FROM image_layers)")]
+            "SELECT digest FROM layers WHERE digest NOT IN (SELECT layer FROM image_layers) "
+            "AND digest NOT IN (SELECT layer FROM layer_holds)")]
+
+    # ---- holds: layers in use outside images (no store lock needed: holds and GC are write
+    # transactions, so they are serialised, and a hold on a layer GC deleted is refused) -----
+
+    def hold(self, holder: str, digests: Sequence[str]) -> None:
+        with self.transaction() as db:
+            for d in digests:
+                if db.execute("SELECT 1 FROM layers WHERE digest=?", (d,)).fetchone() is None:
+                    raise NotFound(f"layer {d} is no longer in the registry", field="layer",
+                                   fix="its image was removed or rebuilt meanwhile: create the sandbox again")
+                db.execute("INSERT OR IGNORE INTO layer_holds(holder, layer) VALUES (?,?)", (holder, d))
+
+    def release(self, holder: str) -> None:
+        with self.transaction() as db:
+            db.execute("DELETE FROM layer_holds WHERE holder=?", (holder,))
+
+    def holders(self, prefix: str = "") -> set[str]:
+        with self.connect() as db:
+            return {r[0] for r in db.execute("SELECT DISTINCT holder FROM layer_holds WHERE holder LIKE ? || '%'",
+                                             (prefix,))}
 
     def delete_layer(self, db: sqlite3.Connection, digest: str) -> None:
         db.execute("DELETE FROM layers WHERE digest=?", (digest,))

@@ -35,6 +35,7 @@ from dsec.backends.vm.qemu import (Disk, Kind, Machine, Pmem, Qmp, kill, launch,
                                    qemu_log_tail, shell_safe)
 from dsec.backends.vm.templates import Templates
 from dsec.config import Paths
+from dsec.images.store import Registry
 from dsec.security.netpolicy import Allow
 from dsec.types import InvalidArgument, NotFound, SandboxFailed, Unavailable
 
@@ -90,6 +91,9 @@ class VMSpec:
                 "pmem": self.pmem}
 
 
+HOLD_PREFIX = "vm:"      # layer holds (images/store.py) of VM sandboxes and snapshots
+
+
 class VMDriver:
     """Both QEMU backends ('microvm' and 'vm'); one instance serves both."""
 
@@ -105,6 +109,12 @@ class VMDriver:
             p.mkdir(parents=True, exist_ok=True)
         for p in self.snapshots.glob(".*"):      # a save or a deletion the last edge did not finish
             shutil.rmtree(p, ignore_errors=True)
+        # VMs and snapshots attach layer files by path and must find them again on resume or
+        # restore: they hold their layers against image GC while they exist
+        self.holds = Registry(paths.images_db)
+        alive = {p.name for p in self.root.iterdir()} | set(self.snapshot_ids())
+        for holder in self.holds.holders(HOLD_PREFIX) - {HOLD_PREFIX + i for i in alive}:
+            self.holds.release(holder)
         kernel = guest.installed_kernel(paths)   # never downloads here: that is install time
         if kernel is None:
             raise Unavailable("no guest kernel on this node", field="backend",
@@ -177,6 +187,7 @@ class VMDriver:
         d = self.sandbox_dir(sandbox_id)
         t0 = time.monotonic()
         try:
+            await asyncio.to_thread(self.holds.hold, HOLD_PREFIX + sandbox_id, [lay.digest for lay in spec.layers])
             d.mkdir(mode=0o700)
             (d / "spec.json").write_text(json.dumps(_spec_json(spec)))
             if spec.snapshot_dir is not None:
@@ -187,9 +198,9 @@ class VMDriver:
                                     ram_file=None, ignore_shared=False)
             elif spec.clone and spec.boot_disk is None:   # disk VMs always cold-boot (no templates)
                 how = "clone"
-                tpl = await self.templates.ensure(spec)
-                await self._restore(spec, d, tpl.state, tpl.upper, f"tpl-{tpl.key}.img", (),
-                                    ram_file=tpl.ram, ignore_shared=True)
+                async with self.templates.use(spec) as tpl:
+                    await self._restore(spec, d, tpl.state, tpl.upper, f"tpl-{tpl.key}.img", (),
+                                        ram_file=tpl.ram, ignore_shared=True)
             else:
                 how = "cold"
                 await self.cold_boot(spec, d)
@@ -301,6 +312,7 @@ class VMDriver:
         if d.exists():
             self._keep_console(d)
             await asyncio.to_thread(shutil.rmtree, d, True)
+        await asyncio.to_thread(self.holds.release, HOLD_PREFIX + sandbox_id)
 
     def _keep_console(self, d: Path) -> None:
         """The console log outlives the VM (for `console` on a failed sandbox), bounded in size
@@ -363,9 +375,12 @@ class VMDriver:
                     await q.run("cont")
             for f in tmp.iterdir():
                 f.chmod(0o400)            # restored VMs read these, nothing writes them again
+            await asyncio.to_thread(self.holds.hold, HOLD_PREFIX + snapshot_id,
+                                    [lay["digest"] for lay in spec["layers"]])
             os.replace(tmp, out)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
+            await asyncio.shield(asyncio.to_thread(self.holds.release, HOLD_PREFIX + snapshot_id))
             raise
         return chain.own_bytes(out)
 
@@ -443,6 +458,7 @@ class VMDriver:
         d = self.snapshot_dir(snapshot_id)
         gone = self.snapshots / f".{snapshot_id}.deleting"
         os.rename(d, gone)
+        self.holds.release(HOLD_PREFIX + snapshot_id)
         return gone
 
     def snapshot_spec(self, snapshot_id: str) -> tuple[VMSpec, dict]:

@@ -9,7 +9,12 @@ the template's disk. The clone's guest finds its agent port reconnected and carr
 
 Templates are a cache keyed by everything that shapes the booted guest (layers, vCPUs, RAM,
 disk size, user, workdir, kernel and initramfs); they are rebuilt when the RAM file is gone
-(tmpfs does not survive a reboot).
+(tmpfs does not survive a reboot). The cache is bounded: its RAM is tmpfs (unreclaimable
+without swap) and every new image version or size makes a new template, so after a build the
+least recently used beyond DSEC_VM_TEMPLATES_MAX (default 16) are removed. That never breaks a
+VM: running clones keep their private mapping of the removed RAM file, parked clones hold
+their RAM in their own saved state, and every clone links the template's disk (chain.py). A
+template a creation is restoring from right now is never removed (`use`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -63,6 +70,8 @@ class Templates:
         self.root = paths.vm_templates
         self.rams = ram_dir(paths)
         self._locks: dict[str, asyncio.Lock] = {}
+        self._users: dict[str, int] = {}      # template key -> creations restoring from it now
+        self.max_templates = max(1, int(os.environ.get("DSEC_VM_TEMPLATES_MAX", "16")))
 
     def key(self, spec: "VMSpec") -> str:
         ident = {**spec.boot_identity(), "kernel": str(self.driver.kernel.vmlinuz),
@@ -77,12 +86,42 @@ class Templates:
 
     async def ensure(self, spec: "VMSpec") -> Template:
         t = self._template(self.key(spec))
-        if self._usable(t):
-            return t
-        async with self._locks.setdefault(t.key, asyncio.Lock()):
-            if not self._usable(t):
-                await self._build(spec, t)
+        if not self._usable(t):
+            async with self._locks.setdefault(t.key, asyncio.Lock()):
+                if not self._usable(t):
+                    await self._build(spec, t)
+                    self._evict()
+        os.utime(t.dir)        # last use, for eviction
         return t
+
+    @asynccontextmanager
+    async def use(self, spec: "VMSpec") -> AsyncIterator[Template]:
+        """The template of `spec`, kept from eviction until the clone's QEMU has it mapped."""
+        t = await self.ensure(spec)
+        self._users[t.key] = self._users.get(t.key, 0) + 1    # no await since ensure: not evicted
+        try:
+            yield t
+        finally:
+            self._users[t.key] -= 1
+            if not self._users[t.key]:
+                del self._users[t.key]
+
+    def _evict(self) -> None:
+        """Remove the least recently used templates beyond max_templates (and RAM files left
+        without their template), except those being built or restored from."""
+        dirs = sorted((p for p in self.root.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime, reverse=True)
+        for d in dirs[self.max_templates:]:
+            lock = self._locks.get(d.name)
+            if d.name in self._users or (lock is not None and lock.locked()):
+                continue
+            shutil.rmtree(d, ignore_errors=True)
+            (self.rams / f"{d.name}.ram").unlink(missing_ok=True)
+            self._locks.pop(d.name, None)
+            log.info("vm template evicted", extra={"template": d.name, "max": self.max_templates})
+        kept = {p.name for p in self.root.iterdir()}
+        for ram in self.rams.glob("*.ram"):
+            if ram.stem not in kept:
+                ram.unlink(missing_ok=True)
 
     async def _build(self, spec: "VMSpec", t: Template) -> None:
         t0 = time.monotonic()

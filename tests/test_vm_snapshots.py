@@ -20,10 +20,6 @@ pytestmark = [
 ]
 
 
-def _snapshots_dir(server):
-    return server.paths.vm / "snapshots"
-
-
 async def _snapshot_with_file(client, path: str, content: str):
     """A microVM that wrote `path`, snapshotted and stopped: (its info, the snapshot)."""
     sb = await client.create_microvm(image="busybox", memory_mb=256)
@@ -44,7 +40,7 @@ async def test_snapshot_list_get_delete_and_restored_vms_outlive_it(vm_client, s
     twin = await vm_client.create_microvm(image="busybox", snapshot=snap.id)
     try:
         await vm_client.delete_snapshot(snap.id)
-        assert not (_snapshots_dir(server) / snap.id).exists()
+        assert not (server.paths.vm_snapshots / snap.id).exists()
         assert snap.id not in {s.id for s in await vm_client.snapshots()}
         for gone in (lambda: vm_client.get_snapshot(snap.id), lambda: vm_client.delete_snapshot(snap.id),
                      lambda: vm_client.create_microvm(image="busybox", snapshot=snap.id)):
@@ -66,7 +62,7 @@ async def test_snapshot_list_get_delete_and_restored_vms_outlive_it(vm_client, s
     finally:
         await third.stop()
         await vm_client.delete_snapshot(snap2.id)
-    assert not [p.name for p in _snapshots_dir(server).iterdir() if p.name.startswith(".")]   # no half-deleted dirs
+    assert not [p.name for p in server.paths.vm_snapshots.iterdir() if p.name.startswith(".")]   # no half-deleted dirs
 
 
 async def test_snapshots_and_parked_clones_outlive_a_template_rebuild(vm_client, server):
@@ -128,7 +124,7 @@ async def test_other_projects_cannot_see_restore_or_delete_a_snapshot(vm_client,
                         lambda: other.create_microvm(image="busybox", snapshot=snap.id)):
             with pytest.raises(NotFound):
                 await attempt()
-        assert (_snapshots_dir(server) / snap.id / "state").is_file()     # still there
+        assert (server.paths.vm_snapshots / snap.id / "state").is_file()     # still there
         # the parent project sees its child's snapshot and may restore it (into its own project)
         assert snap.id in {s.id for s in await parent.snapshots()}
         twin = await parent.create_microvm(image="busybox", snapshot=snap.id)

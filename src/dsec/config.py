@@ -65,6 +65,10 @@ class Paths:
     def vm_templates(self) -> Path:   # per-environment template snapshots (state, upper disk)
         return self.vm / "templates"
 
+    @property
+    def vm_snapshots(self) -> Path:   # sb.snapshot(): state, disk delta, linked bases (chain.py)
+        return self.vm / "snapshots"
+
     # apiserver / iam
     @property
     def iam_db(self) -> Path:

@@ -12,7 +12,6 @@ import codecs
 import functools
 import logging
 import os
-import shutil
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -351,29 +350,22 @@ class Edge:
     def _vm_driver(self) -> Any:
         return self._drv(VM_BACKENDS[0])      # one driver serves every VM backend
 
+    def _snapshot_info(self, r: dict) -> SnapshotInfo:
+        return SnapshotInfo(node=self.node_id, **{**r, "created_at": datetime.fromtimestamp(r["created_at"], timezone.utc)})
+
     async def get_snapshot(self, snapshot_id: str) -> SnapshotInfo:
-        r = await asyncio.to_thread(self._vm_driver().snapshot_record, snapshot_id)
-        return SnapshotInfo(id=snapshot_id, node=self.node_id, **{
-            **r, "created_at": datetime.fromtimestamp(r["created_at"], timezone.utc)})
+        return self._snapshot_info(await asyncio.to_thread(self._vm_driver().snapshot_record, snapshot_id))
 
     async def list_snapshots(self, project: str | None = None) -> list[SnapshotInfo]:
         if self.vm is None:
             return []
-        out = []
-        for snap_id in self.vm.snapshot_ids():
-            try:
-                info = await self.get_snapshot(snap_id)
-            except NotFound:          # deleted meanwhile
-                continue
-            if project is None or info.project == project:
-                out.append(info)
-        return out
+        return [self._snapshot_info(r) for r in await asyncio.to_thread(self.vm.snapshot_records)
+                if project is None or r["project"] == project]
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         """Remove a snapshot. Sandboxes restored from it and snapshots of those keep running and
         restoring: they hold their own links to its disk (backends/vm/chain.py)."""
-        gone = self._vm_driver().delete_snapshot(snapshot_id)
-        await asyncio.to_thread(shutil.rmtree, gone, True)
+        await self._vm_driver().delete_snapshot(snapshot_id)
         log.info("vm snapshot deleted", extra={"snapshot": snapshot_id})
 
     async def suspend(self, sandbox_id: str) -> SandboxInfo:

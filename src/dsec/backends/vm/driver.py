@@ -103,7 +103,7 @@ class VMDriver:
         self.paths = paths
         self.qemu = qemu_binary()               # Unavailable (names the fix) if QEMU is missing
         self.root = paths.vm_sandboxes
-        self.snapshots = paths.vm / "snapshots"
+        self.snapshots = paths.vm_snapshots
         self.consoles = paths.vm / "consoles"     # console logs of ended VMs
         for p in (self.root, self.snapshots, paths.vm_templates):
             p.mkdir(parents=True, exist_ok=True)
@@ -447,19 +447,28 @@ class VMDriver:
         the VM kind and the bytes the snapshot holds of its own."""
         d = self.snapshot_dir(snapshot_id)
         j = json.loads((d / "spec.json").read_text())
-        return {"backend": j["kind"], "image": j.get("image", ""), "project": j.get("project", ""),
-                "sandbox_id": j.get("source", ""), "created_at": j.get("created_at") or (d / "state").stat().st_mtime,
-                "size_bytes": chain.own_bytes(d)}
+        return {"id": snapshot_id, "backend": j["kind"], "image": j.get("image", ""),
+                "project": j.get("project", ""), "sandbox_id": j.get("source", ""),
+                "created_at": j.get("created_at") or (d / "state").stat().st_mtime, "size_bytes": chain.own_bytes(d)}
 
-    def delete_snapshot(self, snapshot_id: str) -> Path:
-        """Take a snapshot out of use at once (a rename: a concurrent restore sees all of it or
-        none); returns the dir to remove. VMs restored from it hold links to its disk and are
-        not affected (chain.py)."""
+    def snapshot_records(self) -> list[dict]:
+        out = []
+        for snapshot_id in self.snapshot_ids():
+            try:
+                out.append(self.snapshot_record(snapshot_id))
+            except (NotFound, FileNotFoundError):     # deleted meanwhile
+                continue
+        return out
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        """Take a snapshot out of use at once (a rename before any await: a concurrent restore
+        sees all of it or none), then free it. VMs restored from it hold links to its disk and
+        are not affected (chain.py)."""
         d = self.snapshot_dir(snapshot_id)
         gone = self.snapshots / f".{snapshot_id}.deleting"
         os.rename(d, gone)
-        self.holds.release(HOLD_PREFIX + snapshot_id)
-        return gone
+        await asyncio.to_thread(self.holds.release, HOLD_PREFIX + snapshot_id)
+        await asyncio.to_thread(shutil.rmtree, gone, True)
 
     def snapshot_spec(self, snapshot_id: str) -> tuple[VMSpec, dict]:
         """The VM a snapshot was taken of, and what the edge stored beside it (image, project)."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dsec.apiserver.isolated import ServerProcess, cleanup_home, link_node_downloads
+from dsec.testing.isolated import ServerProcess, cleanup_home, link_node_downloads
 from dsec.config import Paths
 
 # Reuse the install step's debootstrap cache (scripts/install.sh builds the same images there).

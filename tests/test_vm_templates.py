@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dsec.apiserver.isolated import ServerProcess, cleanup_home, link_node_downloads
+from dsec.testing.isolated import ServerProcess, cleanup_home, link_node_downloads
 from dsec.backends.vm.templates import ram_dir
 from dsec.config import Paths
 

@@ -1,3 +1,3 @@
-from dsec.sdk.cli import main
+from dsec.cli import main
 
 main()

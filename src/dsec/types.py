@@ -522,7 +522,7 @@ class PackDiffRequest(_Strict):
 
 
 # ---------------------------------------------------------------------------------------
-# FnCall: short stateless code run in a warm pool container (dsec.backends.fncall).
+# FnCall: short stateless code run in a warm pool container (dsec.fncall).
 # ---------------------------------------------------------------------------------------
 
 FNCALL_MAX_TIMEOUT_S = 300.0

@@ -9,10 +9,11 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from dsec.insandbox import source
 
 log = logging.getLogger("dsec.agent")
 
-SOURCE = Path(__file__).with_name("dsec-agent.c")
+SOURCE = source("dsec-agent.c")
 # Preferred first: musl gives a ~100 KiB binary with a tiny idle footprint.
 COMPILERS: tuple[tuple[str, str], ...] = (("musl-gcc", "musl-tools"), ("gcc", "gcc"))
 CFLAGS = ("-static", "-Os", "-s", "-Wall", "-Wextra")

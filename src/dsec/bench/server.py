@@ -12,7 +12,7 @@ import signal
 import tempfile
 from pathlib import Path
 
-from dsec.apiserver.isolated import ServerProcess, cleanup_home, link_node_downloads
+from dsec.testing.isolated import ServerProcess, cleanup_home, link_node_downloads
 from dsec.sdk.client import Client
 
 

@@ -24,7 +24,7 @@ from dsec.agent.client import AgentClient, AgentDisconnected, AgentError, DirEnt
 from dsec.backends.container.driver import ContainerDriver
 from dsec.backends.container.idmap import host_to_sandbox
 from dsec.backends.container.spec import ContainerSpec
-from dsec.backends.fncall.service import FnCallService
+from dsec.fncall.service import FnCallService
 from dsec.config import Paths
 from dsec.edge import output_budget
 from dsec.edge.admission import Admission
@@ -754,7 +754,7 @@ class Edge:
             except AgentError as e:
                 raise _map_agent_error(e, "path") from e
 
-    # -- FnCall backend: calls run in warm pool containers (dsec.backends.fncall) ------------
+    # -- FnCall backend: calls run in warm pool containers (dsec.fncall) ------------
     async def fncall_run(self, req: FnCallRequest) -> FnCallResult:
         return await self.fncall.run(req)
 

@@ -7,7 +7,7 @@ debian-python  debootstrap --variant=minbase bookworm + python3, plus the `sandb
                The debootstrap tree is cached under Paths.home/cache/, so rebuilding after
                `remove` takes seconds and gives the same digest.
 fncall-python  debian-python + gcc, g++ and numpy: the FnCall backend's pool image
-               (dsec.backends.fncall); cached the same way.
+               (dsec.fncall); cached the same way.
 debian-vm      debootstrap minbase bookworm + systemd-sysv, udev and linux-image-cloud-amd64:
                an image that brings its own kernel (/boot/vmlinuz-*, initrd) and init
                (systemd), for full-VM disks (`dsec vm disk build`, dsec.backends.vm.disks).

@@ -74,11 +74,12 @@ from pathlib import Path
 from typing import Iterable, Literal, Sequence
 
 from dsec.config import Paths
+from dsec.insandbox import source
 
 log = logging.getLogger("dsec.backends.vm")
 
 KERNEL_META_PACKAGE = "linux-image-cloud-amd64"
-INIT_SCRIPT = Path(__file__).with_name("init.sh")
+INIT_SCRIPT = source("vm-init.sh")
 BUSYBOX = Path("/bin/busybox")  # Debian busybox-static
 # applets init.sh uses, linked into /bin (busybox sh finds them through PATH)
 APPLETS = ("sh", "mount", "umount", "mkdir", "cat", "cp", "ln", "insmod", "usleep", "test", "[",

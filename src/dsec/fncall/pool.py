@@ -1,7 +1,7 @@
 """Warm pool containers for FnCall: one Worker per container, one Pool per (image, family).
 
 A Worker is a container created through the edge's normal create path (owned by the system
-project, so admission counts it) running the zygote (zygote.py) as one long-lived agent exec
+project, so admission counts it) running the zygote (insandbox/fncall_zygote.py) as one long-lived agent exec
 with stdin kept open: requests go in as JSON lines on its stdin, results come back as JSON
 lines on its stdout. One call at a time per worker.
 
@@ -25,24 +25,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dsec.insandbox import source
 from dsec.agent.client import Exit, Output
 from dsec.types import (FNCALL_DEFAULT_IMAGE, ContainerArgs, DsecError, InvalidArgument, SandboxFailed,
                         Unavailable)
 
 if TYPE_CHECKING:
-    from dsec.backends.fncall.service import FnCallService
+    from dsec.fncall.service import FnCallService
 
 log = logging.getLogger("dsec.fncall")
 
 ZYGOTE_PATH = "/fncall/zygote.py"
-ZYGOTE_SOURCE = Path(__file__).with_name("zygote.py").read_bytes()
+ZYGOTE_SOURCE = source("fncall_zygote.py").read_bytes()
 LABEL = "dsec.fncall"
 EXEC_CAP = 16 << 20           # the agent keeps at most this much of the zygote's stdout
 COMPILED_HINTS = 256          # the zygote's compile cache keeps as many entries
 FAIL_FAST_S = 5.0             # after a failed container start, callers get its error at once
 # Zygotes of the python family: modules imported once, call processes forked with them loaded.
 # A call forks from the first zygote that preloaded every module its code names (see
-# zygote.py), so `print(1)` forks from the small "base" and numpy code from "numpy". Fork and
+# insandbox/fncall_zygote.py), so `print(1)` forks from the small "base" and numpy code from "numpy". Fork and
 # exit cost grows with the process: measured here 2.2 ms of CPU per print(1) call from "base"
 # vs 2.8-3.0 ms from one zygote with all of these.
 _BASE = ["math", "collections", "itertools", "functools", "heapq", "bisect", "re", "string",

@@ -20,8 +20,8 @@ import time
 from typing import TYPE_CHECKING
 
 from dsec.agent.client import AgentDisconnected, AgentError
-from dsec.backends.fncall import languages as langs
-from dsec.backends.fncall.pool import LABEL, FnCallSettings, Pool, Worker
+from dsec.fncall import languages as langs
+from dsec.fncall.pool import LABEL, FnCallSettings, Pool, Worker
 from dsec.types import (DsecError, FnCallRequest, FnCallResult, FnCallStatus, FnCallStep,
                         InvalidArgument, SandboxFailed, SandboxState)
 

@@ -65,7 +65,7 @@ def up(host: str = "127.0.0.1", port: int = DEFAULT_PORT, node_id: str = "local"
         _run(wait())
         console.print(f"dsec is serving at http://{host}:{port} (log: {Paths.from_env().server_log})")
         return
-    from dsec.apiserver.server import ServerOptions, serve
+    from dsec.embedded.server import ServerOptions, serve
     serve(Paths.from_env(), ServerOptions(host=host, port=port, node_id=node_id, log_level=log_level))
 
 

@@ -1,0 +1,22 @@
+"""Everything that runs inside a sandbox or a guest, and nothing else.
+
+Files here are copied or compiled into sandboxes; none of them is imported by the host:
+- dsec-agent.c      the in-sandbox agent (container PID 1, VM guest service): exec, sessions,
+                    files, streaming (docs/agent-protocol.md); built static by dsec.agent.build
+- fncall_zygote.py  the FnCall pool manager/zygote (stdlib only), copied into pool containers
+- vm-init.sh        a microVM's initramfs /init (busybox sh): overlay of the layers, then the agent
+
+Paths to them come from `source(name)`, the one place the host finds these files.
+"""
+
+from pathlib import Path
+
+HERE = Path(__file__).parent
+
+
+def source(name: str) -> Path:
+    """Path of an in-sandbox file shipped with dsec (e.g. 'dsec-agent.c')."""
+    p = HERE / name
+    if not p.is_file():
+        raise FileNotFoundError(f"dsec.insandbox has no {name!r}")
+    return p

@@ -7,25 +7,22 @@ forwarded straight to that node's edge; creation asks placement for a node.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
-from typing import Annotated, Any, Protocol
+from collections.abc import AsyncIterator
+from typing import Annotated
 
 from fastapi import Body, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from dsec.iam import IAM, Principal
+from dsec.apiserver.context import ApiContext, EdgeHandle
+from dsec.iam import Principal
 from dsec.iam.policy import EffectivePolicy, SandboxPolicy, check_create, check_network, is_root
-from dsec.images.service import ImageService
-from dsec.placement import Placer
 from dsec.types import (CapacityExceeded, ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult,
                         FileList, ImageList, InvalidArgument, NetworkPolicy, NodeStatus, NotFound,
-                        SandboxInfo, SandboxList, Unavailable, node_of)
-from dsec.types import FnCallRequest, FnCallResult
+                        SandboxInfo, SandboxList, Unavailable)
+from dsec.types import FnCallRequest
 from dsec.types import ImageInfo, PackDiffRequest
 from dsec.types import MicroVMArgs, SandboxArgs, SnapshotInfo, SnapshotList, VMArgs, node_of_snapshot
-from dsec.watcher import Watcher
 
 log = logging.getLogger("dsec.apiserver")
 
@@ -42,53 +39,6 @@ def _fields_for(path: str, loc: tuple) -> list[str]:
 
 
 PLACEMENT_TRIES = 3
-
-
-class EdgeHandle(Protocol):
-    """What the apiserver needs of an edge (in-process object, Ray actor proxy or HTTP client)."""
-
-    async def status(self) -> NodeStatus: ...
-    async def create(self, project: str, args: SandboxArgs) -> SandboxInfo: ...
-    async def snapshot(self, sandbox_id: str) -> SnapshotInfo: ...
-    async def get_snapshot(self, snapshot_id: str) -> SnapshotInfo: ...
-    async def list_snapshots(self, project: str | None = None) -> list[SnapshotInfo]: ...
-    async def delete_snapshot(self, snapshot_id: str) -> None: ...
-    async def suspend(self, sandbox_id: str) -> SandboxInfo: ...
-    async def console(self, sandbox_id: str, tail: int = ...) -> bytes: ...
-    async def resume(self, sandbox_id: str) -> SandboxInfo: ...
-    async def get(self, sandbox_id: str, usage: bool = False) -> SandboxInfo: ...
-    async def list(self, project: str | None = None, include_ended: bool = False) -> list[SandboxInfo]: ...
-    async def stop(self, sandbox_id: str, reason: str | None = None) -> SandboxInfo: ...
-    async def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo: ...
-    def exec_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]: ...
-    async def run(self, sandbox_id: str, req: ExecRequest) -> ExecResult: ...
-    async def attach(self, sandbox_id: str, exec_id: str) -> ExecResult: ...
-    async def close_session(self, sandbox_id: str, name: str) -> None: ...
-    async def read_file(self, sandbox_id: str, path: str, maxlen: int = ...) -> bytes: ...
-    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = ..., mkdirs: bool = ...) -> None: ...
-    async def list_dir(self, sandbox_id: str, path: str) -> list: ...
-    async def remove_file(self, sandbox_id: str, path: str) -> None: ...
-    async def fncall_run(self, req: FnCallRequest) -> FnCallResult: ...
-    async def fncall_pools(self) -> list[dict]: ...
-    async def pack_diff(self, sandbox_id: str, req: PackDiffRequest) -> ImageInfo: ...
-
-
-@dataclass
-class ApiContext:
-    iam: IAM
-    edges: Mapping[str, EdgeHandle]
-    watcher: Watcher
-    placer: Placer
-    images: ImageService | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def edge_for(self, sandbox_id: str) -> EdgeHandle:
-        node = node_of(sandbox_id)
-        edge = self.edges.get(node)
-        if edge is None:
-            raise NotFound(f"no sandbox {sandbox_id!r}: node {node!r} is unknown", field="sandbox_id",
-                           fix="the node may have left the cluster; list sandboxes with `dsec sandbox ls`")
-        return edge
 
 
 def _principal(request: Request) -> Principal:

@@ -34,7 +34,7 @@ from dsec.types import (DsecError, FnCallBatch, FnCallBatchItem, FnCallRequest, 
                         FnCallStatus, InvalidArgument, Unauthorized, Unavailable)
 
 if TYPE_CHECKING:
-    from dsec.apiserver.app import ApiContext, EdgeHandle
+    from dsec.apiserver.context import ApiContext, FnCallHandle
 
 log = logging.getLogger("dsec.apiserver.fncall")
 
@@ -154,18 +154,18 @@ def add_fncall_routes(app: FastAPI, ctx: "ApiContext") -> None:
     def principal(request: Request) -> Principal:
         return ctx.iam.authenticate(_key(request))
 
-    def nodes_for(req: FnCallRequest) -> list["EdgeHandle"]:
+    def nodes_for(req: FnCallRequest) -> list["FnCallHandle"]:
         healthy = [n.node_id for n in ctx.watcher.nodes()
-                   if n.healthy and "fncall" in n.backends and n.node_id in ctx.edges]
+                   if n.healthy and "fncall" in n.backends and n.node_id in ctx.fncall]
         if not healthy:
             raise Unavailable("no healthy node offers the fncall backend", fix="retry later; see `dsec nodes`")
-        return [ctx.edges[n] for n in _rendezvous(healthy, f"{req.image}\0{req.language.lower()}")]
+        return [ctx.fncall[n] for n in _rendezvous(healthy, f"{req.image}\0{req.language.lower()}")]
 
     async def run_one(req: FnCallRequest) -> FnCallResult:
         last: DsecError | None = None
-        for edge in nodes_for(req)[:2]:       # the preferred node, then one fallback
+        for service in nodes_for(req)[:2]:    # the preferred node, then one fallback
             try:
-                return await edge.fncall_run(req)
+                return await service.run(req)
             except Unavailable as e:          # that node is shutting down
                 last = e
         assert last is not None
@@ -214,8 +214,8 @@ def add_fncall_routes(app: FastAPI, ctx: "ApiContext") -> None:
         """Warm pools per node: workers, idle, starting, waiting callers, calls served."""
         principal(request)
         out = []
-        for node, edge in ctx.edges.items():
-            out += [{"node": node, **p} for p in await edge.fncall_pools()]
+        for node, service in ctx.fncall.items():
+            out += [{"node": node, **p} for p in await service.pool_stats()]
         return out
 
     @app.post("/run_code", response_model=RunCodeResponse, tags=["fncall"])

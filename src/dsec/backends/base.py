@@ -1,32 +1,199 @@
-"""The one small interface every backend driver implements.
+"""The backend interface: what the edge needs of a runtime, and nothing more.
 
-The edge owns admission, records, TTL and the agent channel; a driver only turns a spec into
-a running sandbox whose agent listens on `agent_socket(id)`, and frees everything again.
+The edge owns admission, records, TTL, the agent channel and every error the caller sees; a
+backend turns validated arguments into a running sandbox whose agent answers on
+`agent_socket(id)`, and frees everything again. Every backend implements `Backend` (the core).
+Verbs only some backends have are small capability interfaces; the edge checks them in one
+place (`Edge._capability`), so a sandbox whose backend lacks one gets "backend X cannot Y"
+with the backend's own advice, never a per-verb branch on backend names.
+
+    SDK -> apiserver -> Edge -> Backend.prepare/create/wait_agent -> agent (in the sandbox)
+                             \-> capabilities: Snapshots, Parking, LayerDiff, Egress,
+                                 Console, MemoryUsage, LivenessWatched
+
+The composition root (`dsec.embedded`) is the only place that names concrete backends.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from dsec.types import ImageInfo, NetworkPolicy, SandboxArgs
+
+if TYPE_CHECKING:
+    from dsec.agent.client import AgentClient
+    from dsec.security.netpolicy import Allow
+
+# What `list_ids` reports per sandbox the runtime knows (other values: dead, left over).
+RUNNING = "running"
+PARKED = "parked"
 
 
-class Driver(Protocol):
-    backend: str
+class ImageStacks(Protocol):
+    """What a backend may ask of the node's images while it prepares or creates a sandbox
+    (implemented by dsec.images.stacks.Stacks: cached name lookups, shared layer mounts)."""
 
-    async def create(self, sandbox_id: str, spec: Any) -> None:
+    async def resolve(self, name: str, field: str = "image") -> ImageInfo: ...
+    async def stack(self, args: Any) -> list[ImageInfo]: ...
+    async def mounted_lowers(self, stack: list[ImageInfo]) -> list[Path]: ...
+    def layer_files(self, stack: list[ImageInfo]) -> list[tuple[str, Path]]: ...
+
+
+@dataclass
+class Prepared:
+    """A sandbox the backend has checked and resolved, with nothing created on the host yet.
+
+    `args` may differ from what the caller sent (a chosen accelerator, a snapshot's sizes):
+    it is what the record keeps. `plan` is the backend's own, opaque to the edge."""
+
+    args: SandboxArgs
+    image_digest: str | None
+    uid: int
+    gid: int
+    plan: Any = None
+    allows: list["Allow"] = field(default_factory=list)
+
+
+class Backend(ABC):
+    """The core every backend has."""
+
+    kinds: ClassVar[tuple[str, ...]]          # the `backend` values it serves
+    # advice when a verb this backend lacks is asked for: verb -> what to do instead
+    instead: ClassVar[Mapping[str, str]] = {}
+    disk_enforced: bool = True                # False: the edge polls disk_usage against disk_mb
+
+    @abstractmethod
+    async def prepare(self, args: SandboxArgs, images: ImageStacks) -> Prepared:
+        """Check and resolve everything the sandbox needs; raise a DsecError naming the field.
+        Creates nothing on the host (the edge writes its record after this)."""
+
+    @abstractmethod
+    async def create(self, sandbox_id: str, prepared: Prepared, images: ImageStacks) -> None:
         """Start the sandbox; on failure raise and leave nothing behind."""
 
+    async def wait_agent(self, sandbox_id: str) -> "AgentClient":
+        """The first connection to a just-started (or resumed) sandbox's agent."""
+        from dsec.agent.client import AgentClient
+        return await AgentClient.connect(self.agent_socket(sandbox_id))
+
+    async def ready(self, sandbox_id: str, agent: "AgentClient") -> None:
+        """Called once the agent answers after a start or resume (VM clones reseed here)."""
+
+    @abstractmethod
     async def destroy(self, sandbox_id: str) -> None:
         """Kill and free everything of the sandbox. Idempotent: absent parts are fine."""
 
-    async def pause(self, sandbox_id: str) -> None:
-        """Freeze every process of the sandbox."""
-
-    async def resume(self, sandbox_id: str) -> None: ...
-
+    @abstractmethod
     async def is_running(self, sandbox_id: str) -> bool: ...
 
+    @abstractmethod
     async def list_ids(self) -> dict[str, str]:
-        """Sandboxes the runtime itself knows about, with their status (finds orphans after a crash)."""
+        """Sandboxes the runtime or its disk holds, with RUNNING, PARKED or another word
+        (finds orphans after a crash: anything here without a live record is destroyed)."""
 
+    @abstractmethod
     def agent_socket(self, sandbox_id: str) -> Path: ...
+
+    def log_tail(self, sandbox_id: str) -> str:
+        """The end of what the sandbox's init or console wrote, for error messages ("" if none)."""
+        return ""
+
+    def end_reason(self, sandbox_id: str, cause: BaseException | None) -> str:
+        """Why a sandbox that stopped answering is gone, from what it left behind."""
+        return f"sandbox process exited ({cause.__class__.__name__ if cause else 'no longer running'})"
+
+    def disk_usage(self, sandbox_id: str) -> int:
+        """Bytes in the writable layer (polled only where disk_enforced is False)."""
+        return 0
+
+    async def recover(self, live_ids: set[str]) -> None:
+        """After an edge restart, once orphans are gone: re-attach what the live ones need."""
+
+    def purge(self, older_than: float) -> None:
+        """Forget what ended sandboxes left behind (kept for inspection) older than this."""
+
+    async def release_node(self) -> None:
+        """The edge closes with no live sandbox: free node-wide caches (mounts, templates)."""
+
+
+class Snapshots(ABC):
+    """Save a running sandbox so new ones can be restored from it."""
+
+    @abstractmethod
+    async def snapshot(self, sandbox_id: str, snapshot_id: str, meta: dict[str, Any]) -> int:
+        """Take it; returns the bytes the snapshot holds."""
+
+    @abstractmethod
+    def snapshot_record(self, snapshot_id: str) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def snapshot_records(self) -> list[dict[str, Any]]: ...
+
+    @abstractmethod
+    async def delete_snapshot(self, snapshot_id: str) -> None: ...
+
+
+class Parking(ABC):
+    """Park a sandbox off the CPU and out of memory, keeping its state; unpark it in place."""
+
+    @abstractmethod
+    async def park(self, sandbox_id: str) -> int:
+        """Returns the bytes the parked state takes."""
+
+    @abstractmethod
+    async def unpark(self, sandbox_id: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class UpperView:
+    """A frozen sandbox's writable layer, as the host sees it."""
+
+    path: Path
+    map_id: Callable[[int], int] | None     # host id -> id inside the sandbox (user namespaces)
+
+
+class LayerDiff(ABC):
+    """Read a sandbox's writable layer (pack_diff)."""
+
+    @abstractmethod
+    def frozen_upper(self, sandbox_id: str) -> AbstractAsyncContextManager[UpperView]:
+        """The writable layer with the sandbox frozen: it cannot change it mid-read."""
+
+
+class Egress(ABC):
+    """A per-sandbox network egress policy that can change while it runs."""
+
+    @abstractmethod
+    async def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> None:
+        """Replace the policy (InvalidArgument for unknown rule sets; FileNotFoundError if the
+        sandbox is gone)."""
+
+
+class Console(ABC):
+    """A console log kept with the record (failed sandboxes too)."""
+
+    @abstractmethod
+    def console(self, sandbox_id: str, tail: int) -> bytes: ...
+
+
+class MemoryUsage(ABC):
+    """What a running sandbox costs the host now."""
+
+    @abstractmethod
+    def pss(self, sandbox_id: str) -> int | None: ...
+
+
+class LivenessWatched(ABC):
+    """Sandboxes whose death the edge must notice between requests (a VM's QEMU exits, a
+    guest hangs): each reap tick checks is_running, and every `ping_interval_s` the agent
+    is pinged; `ping_misses` unanswered pings in a row fail the sandbox."""
+
+    ping_interval_s: float = 15.0
+    ping_timeout_s: float = 5.0
+    ping_misses: int = 3
+

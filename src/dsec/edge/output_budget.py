@@ -11,7 +11,7 @@ commands whose exit status is all that matters) but deliver no output, and their
 `output_budget_exhausted`. Delivered bytes are what the agent forwarded (<= the cap), not what
 the command wrote and the agent dropped: dropping costs the sandbox's own CPU only.
 
-The used count lives in the record's args (`output_used_bytes`), written with the activity
+The used count is the record's own `output_used_bytes` column, written with the activity
 flush (every reap interval), so an edge restart keeps it (losing at most one interval).
 """
 
@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from dsec.edge.records import SandboxRecord
 
 DEFAULT_TOTAL = 1 << 30          # 1 GiB over a sandbox's life (ContainerArgs.output_total_bytes)
-USED_KEY = "output_used_bytes"
 
 
 @dataclass
@@ -34,19 +33,15 @@ class Grant:
     exhausted: bool           # the budget could not cover the requested cap: report it
 
 
-def _used(rec: SandboxRecord) -> int:
-    return int(rec.args.get(USED_KEY, 0))
-
-
 def reserve(rec: SandboxRecord, cap: int) -> Grant:
     """Reserve up to 2*cap (two streams) from the sandbox's remaining budget."""
-    total = int(rec.args.get("output_total_bytes", DEFAULT_TOTAL))
-    left = max(0, total - _used(rec))
+    total = getattr(rec.args, "output_total_bytes", DEFAULT_TOTAL)   # VMs have no field: the default
+    left = max(0, total - rec.output_used_bytes)
     per_stream = min(cap, left // 2)
-    rec.args[USED_KEY] = _used(rec) + 2 * per_stream
+    rec.output_used_bytes += 2 * per_stream
     return Grant(per_stream=per_stream, reserved=2 * per_stream, exhausted=per_stream < cap)
 
 
 def settle(rec: SandboxRecord, grant: Grant, delivered: int) -> None:
     """Give back what the command did not use of its reservation."""
-    rec.args[USED_KEY] = max(0, _used(rec) - grant.reserved + min(delivered, grant.reserved))
+    rec.output_used_bytes = max(0, rec.output_used_bytes - grant.reserved + min(delivered, grant.reserved))

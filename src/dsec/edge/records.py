@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from dsec.types import VM_BACKENDS, SandboxInfo, SandboxState
+from pydantic import TypeAdapter
+
+from dsec.types import ContainerArgs, SandboxArgs, SandboxInfo, SandboxState
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
@@ -30,10 +32,24 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     created_at REAL NOT NULL,
     last_active_at REAL NOT NULL,
     ended_at REAL,
-    error TEXT
+    error TEXT,
+    output_used_bytes INTEGER NOT NULL DEFAULT 0   -- lifetime output budget spent (output_budget.py)
 );
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
 """
+# Columns added after the first schema, with how to add them to an older edge.db.
+MIGRATIONS = {"output_used_bytes": "ALTER TABLE sandboxes ADD COLUMN output_used_bytes INTEGER NOT NULL DEFAULT 0"}
+COLUMNS = ("id, project, backend, state, args, image, image_digest, uid, gid, created_at, last_active_at, "
+           "ended_at, error, output_used_bytes")
+ARGS = TypeAdapter(SandboxArgs)
+LEGACY_USED_KEY = "output_used_bytes"    # older edges kept the counter inside the args JSON
+
+
+def parse_args(raw: str) -> tuple[SandboxArgs, int]:
+    """The stored argument model, and a counter an older edge kept inside it (0 if none)."""
+    d = json.loads(raw)
+    used = int(d.pop(LEGACY_USED_KEY, 0) or 0)
+    return ARGS.validate_python(d), used
 
 
 @dataclass
@@ -42,7 +58,7 @@ class SandboxRecord:
     project: str
     backend: str
     state: SandboxState
-    args: dict
+    args: SandboxArgs          # the backend's argument model, as created (network as last set)
     image: str
     image_digest: str | None
     uid: int
@@ -51,20 +67,21 @@ class SandboxRecord:
     last_active_at: float
     ended_at: float | None = None
     error: str | None = None
+    output_used_bytes: int = 0
     # not persisted: commands in flight (a busy sandbox is never idle-reaped)
     in_flight: int = field(default=0, compare=False)
 
     @property
     def cpu_cores(self) -> float:
-        return float(self.args.get("vcpus", self.args.get("cpu_cores", 1.0)))
+        return float(self.args.cpu_cores)
 
     @property
     def memory_mb(self) -> int:
-        return int(self.args.get("memory_mb", 512))
+        return self.args.memory_mb
 
     @property
     def ttl_idle_s(self) -> int:
-        return int(self.args.get("ttl_idle_s", 600))
+        return self.args.ttl_idle_s
 
     def info(self, node: str) -> SandboxInfo:
         ts = lambda t: datetime.fromtimestamp(t, timezone.utc)  # noqa: E731
@@ -73,9 +90,9 @@ class SandboxRecord:
                            cpu_cores=self.cpu_cores, memory_mb=self.memory_mb,
                            ttl_idle_s=self.ttl_idle_s, created_at=ts(self.created_at),
                            last_active_at=ts(self.last_active_at), error=self.error,
-                           labels=self.args.get("labels", {}),
-                           network=self.args.get("network") if self.backend == "container" else None,
-                           accel=self.args.get("accel") if self.backend in VM_BACKENDS else None)
+                           labels=self.args.labels,
+                           network=self.args.network if isinstance(self.args, ContainerArgs) else None,
+                           accel=getattr(self.args, "accel", None))
 
 
 class EdgeRecords:
@@ -84,6 +101,10 @@ class EdgeRecords:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")  # WAL+NORMAL survives process crashes
         self._db.executescript(SCHEMA)
+        have = {r[1] for r in self._db.execute("PRAGMA table_info(sandboxes)")}
+        for column, ddl in MIGRATIONS.items():
+            if column not in have:
+                self._db.execute(ddl)
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -92,9 +113,10 @@ class EdgeRecords:
     def insert(self, r: SandboxRecord) -> None:
         with self._lock:
             self._db.execute(
-                "INSERT INTO sandboxes VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                (r.id, r.project, r.backend, r.state.value, json.dumps(r.args), r.image,
-                 r.image_digest, r.uid, r.gid, r.created_at, r.last_active_at, r.ended_at, r.error))
+                f"INSERT INTO sandboxes ({COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (r.id, r.project, r.backend, r.state.value, r.args.model_dump_json(), r.image,
+                 r.image_digest, r.uid, r.gid, r.created_at, r.last_active_at, r.ended_at, r.error,
+                 r.output_used_bytes))
 
     def set_state(self, sandbox_id: str, state: SandboxState, error: str | None = None) -> None:
         ended = time.time() if state in (SandboxState.stopped, SandboxState.failed) else None
@@ -102,13 +124,14 @@ class EdgeRecords:
             self._db.execute("UPDATE sandboxes SET state=?, error=COALESCE(?, error), ended_at=COALESCE(?, ended_at) "
                              "WHERE id=?", (state.value, error, ended, sandbox_id))
 
-    def set_args(self, sandbox_id: str, args: dict) -> None:
+    def set_args(self, sandbox_id: str, args: SandboxArgs) -> None:
         with self._lock:
-            self._db.execute("UPDATE sandboxes SET args=? WHERE id=?", (json.dumps(args), sandbox_id))
+            self._db.execute("UPDATE sandboxes SET args=? WHERE id=?", (args.model_dump_json(), sandbox_id))
 
-    def touch_many(self, items: list[tuple[float, str]]) -> None:
+    def flush_activity(self, items: list[tuple[float, int, str]]) -> None:
+        """(last_active_at, output_used_bytes, id) of sandboxes used since the last flush."""
         with self._lock:
-            self._db.executemany("UPDATE sandboxes SET last_active_at=? WHERE id=?", items)
+            self._db.executemany("UPDATE sandboxes SET last_active_at=?, output_used_bytes=? WHERE id=?", items)
 
     def load(self, states: tuple[SandboxState, ...] | None = None) -> list[SandboxRecord]:
         if not states:
@@ -116,14 +139,16 @@ class EdgeRecords:
         return self._select(f"WHERE state IN ({','.join('?' * len(states))})", tuple(s.value for s in states))
 
     def _select(self, where: str, params: tuple) -> list[SandboxRecord]:
-        q = "SELECT id, project, backend, state, args, image, image_digest, uid, gid, created_at, " \
-            "last_active_at, ended_at, error FROM sandboxes " + where
         with self._lock:
-            rows = self._db.execute(q, params).fetchall()
-        return [SandboxRecord(id=r[0], project=r[1], backend=r[2], state=SandboxState(r[3]),
-                              args=json.loads(r[4]), image=r[5], image_digest=r[6], uid=r[7], gid=r[8],
-                              created_at=r[9], last_active_at=r[10], ended_at=r[11], error=r[12])
-                for r in rows]
+            rows = self._db.execute(f"SELECT {COLUMNS} FROM sandboxes " + where, params).fetchall()
+        out = []
+        for r in rows:
+            args, legacy_used = parse_args(r[4])
+            out.append(SandboxRecord(id=r[0], project=r[1], backend=r[2], state=SandboxState(r[3]), args=args,
+                                     image=r[5], image_digest=r[6], uid=r[7], gid=r[8], created_at=r[9],
+                                     last_active_at=r[10], ended_at=r[11], error=r[12],
+                                     output_used_bytes=max(r[13], legacy_used)))
+        return out
 
     def get(self, sandbox_id: str) -> SandboxRecord | None:
         found = self._select("WHERE id=?", (sandbox_id,))

@@ -1,7 +1,9 @@
 """The embedded single-machine deployment: apiserver + one in-process edge + SQLite.
 
-Multi-node keeps the same pieces and swaps the `edges` mapping for Ray actor handles (one edge
-per node) and the SQLite files for PostgreSQL; nothing above the EdgeHandle boundary changes.
+The composition root: the one place that names concrete backends (crun containers, QEMU VMs)
+and wires the FnCall service beside the edge. Multi-node keeps the same pieces and swaps the
+`edges` mapping for Ray actor handles (one edge per node) and the SQLite files for PostgreSQL;
+nothing above the EdgeHandle boundary changes.
 """
 
 from __future__ import annotations
@@ -18,13 +20,17 @@ import uvicorn
 
 from dsec import log as dlog
 from dsec.agent.build import agent_binary
-from dsec.apiserver.app import ApiContext, create_app
+from dsec.apiserver.app import create_app
+from dsec.apiserver.context import ApiContext
 from dsec.backends.container.driver import ContainerDriver
 from dsec.config import DEFAULT_PORT, Paths
+from dsec.backends.base import Backend
 from dsec.edge.edge import Edge, EdgeSettings
+from dsec.fncall.service import FnCallService
 from dsec.iam import IAM
 from dsec.images.service import ImageService
 from dsec.placement import Placer
+from dsec.security.netpolicy import RULESETS_FILE, Rulesets
 from dsec.types import Conflict, DsecError
 from dsec.watcher import Watcher
 
@@ -49,32 +55,45 @@ async def embedded(paths: Paths, node_id: str = "local"):
     iam = IAM(paths.iam_db)
     iam.bootstrap(paths.admin_key_file)
     images = ImageService(paths)
-    driver = ContainerDriver(paths, agent_binary(paths.bin))
+    rulesets = Rulesets(paths.home / RULESETS_FILE)   # operator's named network rule sets
+    backends: list[Backend] = [ContainerDriver(paths, agent_binary(paths.bin), rulesets)]
     vm, vm_problem = await asyncio.to_thread(vm_driver, paths)
-    edge = Edge(paths, images, driver, EdgeSettings(node_id=node_id, fncall_project=system_project(iam)),
-                vm_driver=vm, vm_problem=vm_problem)
+    if vm is not None:
+        backends.append(vm)
+    unavailable = {} if vm is not None else {kind: vm_problem for kind in VM_KINDS}
+    edge = Edge(paths, images, backends, EdgeSettings(node_id=node_id, services=("fncall",)),
+                unavailable=unavailable)
     await edge.start()
+    # FnCall beside the edge: its warm pool containers are the system project's sandboxes
+    fncall = FnCallService(edge, system_project(iam))
+    await fncall.start()
     watcher = Watcher({node_id: edge}, interval_s=1.0)
     await watcher.poll_once()
     await watcher.start()
     try:
-        yield ApiContext(iam=iam, edges={node_id: edge}, watcher=watcher, placer=Placer(k=2), images=images)
+        yield ApiContext(iam=iam, edges={node_id: edge}, watcher=watcher, placer=Placer(k=2), images=images,
+                         fncall={node_id: fncall})
     finally:
         await watcher.stop()
+        await fncall.close()    # its pool containers are a cache: stopped, not kept
         await edge.close()
 
 
-def vm_driver(paths: Paths) -> "tuple[VMDriver | None, str | None]":
-    """The QEMU backends when this node has QEMU and a fetched guest kernel; else why not
-    (the node then offers containers and fncall only, and says so to placement)."""
+VM_KINDS = ("microvm", "vm")
+
+
+def vm_driver(paths: Paths) -> "tuple[VMDriver | None, tuple[str, str | None]]":
+    """The QEMU backends when this node has QEMU and a fetched guest kernel; else why not and
+    the fix (the node then offers containers and fncall only, and says so to placement)."""
     if os.environ.get("DSEC_VM", "1") == "0":
-        return None, "disabled by DSEC_VM=0"
+        return None, ("disabled by DSEC_VM=0", "start dsec without DSEC_VM=0")
     try:
         from dsec.backends.vm.driver import VMDriver
-        return VMDriver(paths), None
+        return VMDriver(paths), ("", None)
     except DsecError as e:
         log.warning("VM backends unavailable", extra={"reason": e.message})
-        return None, e.message
+        return None, (e.message, e.fix or "run `dsec vm fetch-kernel` and install qemu-system-x86 "
+                                          "(scripts/install.sh does both), then restart dsec")
 
 
 def system_project(iam: IAM) -> str:

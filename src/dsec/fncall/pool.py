@@ -1,6 +1,6 @@
 """Warm pool containers for FnCall: one Worker per container, one Pool per (image, family).
 
-A Worker is a container created through the edge's normal create path (owned by the system
+A Worker is a container created through the host's (edge's) normal create path (owned by the system
 project, so admission counts it) running the zygote (insandbox/fncall_zygote.py) as one long-lived agent exec
 with stdin kept open: requests go in as JSON lines on its stdin, results come back as JSON
 lines on its stdout. One call at a time per worker.
@@ -22,16 +22,30 @@ import shlex
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from dsec.insandbox import source
 from dsec.agent.client import Exit, Output
+from dsec.insandbox import source
 from dsec.types import (FNCALL_DEFAULT_IMAGE, ContainerArgs, DsecError, InvalidArgument, SandboxFailed,
                         Unavailable)
 
 if TYPE_CHECKING:
-    from dsec.fncall.service import FnCallService
+    from dsec.fncall.host import SandboxHost
+
+
+class PoolOwner(Protocol):
+    """What pools need of the node's FnCall service (service.py), without importing it."""
+
+    host: "SandboxHost"
+    project: str
+    settings: "FnCallSettings"
+    probes: Any
+    closing: bool
+
+    def allocate_uid(self) -> int | None: ...
+    def free_uid(self, uid: int) -> None: ...
+    def allocate_cpu(self) -> int | None: ...
+    def learn_languages(self, image: str, names: set[str]) -> None: ...
 
 log = logging.getLogger("dsec.fncall")
 
@@ -130,16 +144,16 @@ class Worker:
     # -- lifecycle (one task per worker, owned by the pool) --------------------------------
     async def run(self) -> None:
         svc = self.pool.service
-        edge = svc.edge
+        host = svc.host
         reason = "worker ended"
         try:
             s = svc.settings
-            info = await edge.create(svc.project, ContainerArgs(
+            info = await host.create(svc.project, ContainerArgs(
                 image=self.pool.image, cpu_cores=s.container_cpu, memory_mb=s.container_memory_mb,
                 pids_limit=s.container_pids, ttl_idle_s=3600, user="root", workdir="/fncall",
                 labels={LABEL: f"{self.pool.image}/{self.pool.family}"}))
             self.sandbox_id = info.id
-            await edge.write_file(info.id, ZYGOTE_PATH, ZYGOTE_SOURCE, mode=0o644, mkdirs=True)
+            await host.write_file(info.id, ZYGOTE_PATH, ZYGOTE_SOURCE, mode=0o644, mkdirs=True)
             python = self.pool.family == "python"
             cfg = {"uid": self.uid, "gid": self.uid, "probes": svc.probes,
                    "zygotes": PYTHON_ZYGOTES if python else {"base": []},
@@ -147,7 +161,7 @@ class Worker:
                    "cpu": self.cpu,
                    "zygote_env": {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}}
             cmd = f"exec python3 -I {ZYGOTE_PATH} {shlex.quote(json.dumps(cfg))}"
-            async with edge.agent_channel(info.id) as (agent, chan):
+            async with host.agent_channel(info.id) as (agent, chan):
                 self._agent, self._chan = agent, chan
                 events = agent.exec(chan, cmd=cmd, uid=0, gid=0, cwd="/fncall", cap=EXEC_CAP,
                                     keep_stdin=True)
@@ -197,7 +211,7 @@ class Worker:
 
     async def _stop(self, reason: str) -> None:
         try:
-            await self.pool.service.edge.stop(self.sandbox_id, reason=reason)
+            await self.pool.service.host.stop(self.sandbox_id, reason=reason)
         except Exception as e:
             log.warning("could not stop fncall container", extra={"sandbox": self.sandbox_id, "error": str(e)})
 
@@ -276,7 +290,7 @@ class Worker:
 
 
 class Pool:
-    def __init__(self, service: "FnCallService", image: str, family: str):
+    def __init__(self, service: PoolOwner, image: str, family: str):
         self.service = service
         self.image = image
         self.family = family

@@ -1,4 +1,4 @@
-"""FnCallService: the FnCall backend on one node (owned by the edge).
+"""FnCallService: the FnCall backend on one node, beside its edge (a SandboxHost, host.py).
 
 It resolves the language, picks the pool for (image, language family), runs the call in a warm
 worker and turns the zygote's raw answer into an FnCallResult with one status. Invalid input
@@ -26,7 +26,7 @@ from dsec.types import (DsecError, FnCallRequest, FnCallResult, FnCallStatus, Fn
                         InvalidArgument, SandboxFailed, SandboxState)
 
 if TYPE_CHECKING:
-    from dsec.edge.edge import Edge
+    from dsec.fncall.host import SandboxHost
 
 log = logging.getLogger("dsec.fncall")
 
@@ -40,8 +40,8 @@ MEMORY_HINTS = ("MemoryError", "std::bad_alloc", "Cannot allocate memory", "out 
 
 
 class FnCallService:
-    def __init__(self, edge: "Edge", project: str, settings: FnCallSettings | None = None):
-        self.edge = edge
+    def __init__(self, host: "SandboxHost", project: str, settings: FnCallSettings | None = None):
+        self.host = host
         self.project = project
         self.settings = settings or FnCallSettings.from_env()
         self.probes = langs.probes()
@@ -57,9 +57,9 @@ class FnCallService:
     # -- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
         """Stop pool containers a previous edge left behind (pools start again on demand)."""
-        for info in await self.edge.list(self.project):
+        for info in await self.host.list(self.project):
             if LABEL in info.labels and info.state == SandboxState.running:
-                await self.edge.stop(info.id, reason="fncall: left over from a previous edge")
+                await self.host.stop(info.id, reason="fncall: left over from a previous edge")
         self._maintainer = asyncio.create_task(self._maintain_loop(), name="fncall-maintainer")
 
     async def close(self) -> None:
@@ -78,7 +78,8 @@ class FnCallService:
                 except Exception:
                     log.exception("fncall pool maintenance failed", extra={"pool": pool.name})
 
-    def stats(self) -> list[dict]:
+    async def pool_stats(self) -> list[dict]:
+        """Per pool: workers, idle, starting, waiting callers, calls served."""
         return [p.stats() for p in self.pools.values()]
 
     # -- uids: one per worker, unique on the node (processes of a uid are killed by uid) ----
@@ -112,7 +113,7 @@ class FnCallService:
     # -- calls ---------------------------------------------------------------------------
     async def _pool(self, image: str, family: str) -> Pool:
         if image not in self._known_images:
-            await asyncio.to_thread(self.edge.images.get, image)   # NotFound names the field
+            await self.host.resolve_image(image)   # NotFound names the field
             self._known_images.add(image)
         pool = self.pools.get((image, family))
         if pool is None:
@@ -176,7 +177,7 @@ class FnCallService:
         paths += [b["path"] for b in raw.get("files", {}).values() if "path" in b]
         out = {}
         for p in paths:
-            out[p] = await self.edge.read_file(w.sandbox_id, p, maxlen=FETCH_MAX + INLINE_MAX)
+            out[p] = await self.host.read_file(w.sandbox_id, p, maxlen=FETCH_MAX + INLINE_MAX)
         return out
 
 

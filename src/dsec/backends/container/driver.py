@@ -11,34 +11,43 @@ the layer mounts, used only inside the private mount namespace (nsexec.c, idmap.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
 import shutil
 import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
 
+from dsec.backends.base import Backend, Egress, ImageStacks, LayerDiff, Prepared, UpperView
 from dsec.backends.container import cgroups
 from dsec.backends.container.disk import open_quotas
-from dsec.backends.container.idmap import IdRanges
+from dsec.backends.container.idmap import IdRanges, host_to_sandbox
 from dsec.backends.container.network import SandboxNetworks
 from dsec.backends.container.spec import ContainerSpec, build_config, cgroup_path
 from dsec.config import Paths
 from dsec.native import compile_static
-from dsec.security.netpolicy import Allow
-from dsec.types import SandboxFailed, Unavailable
+from dsec.security.users import resolve_user
+from dsec.security.netpolicy import Rulesets, resolve
+from dsec.types import ContainerArgs, NetworkPolicy, SandboxArgs, SandboxFailed, Unavailable
 
 log = logging.getLogger("dsec.backends.container")
 
 NSEXEC_SOURCE = Path(__file__).with_name("nsexec.c")
 
 
-class ContainerDriver:
-    backend = "container"
+class ContainerDriver(Backend, LayerDiff, Egress):
+    kinds = ("container",)
+    instead = {"snapshot": "use pack_diff to save a container's changes as a layer",
+               "suspend": "stop the container, or use a microvm/vm sandbox",
+               "console": "read a container's output from its commands"}
 
-    def __init__(self, paths: Paths, agent_binary: Path, crun: str = "crun"):
+    def __init__(self, paths: Paths, agent_binary: Path, rulesets: Rulesets, crun: str = "crun"):
         self.paths = paths
+        self.rulesets = rulesets      # the operator's named network rule sets
         self.agent_binary = agent_binary
         self.crun = shutil.which(crun) or crun
         self.nsexec = compile_static(NSEXEC_SOURCE, paths.bin, "dsec-nsexec")
@@ -64,7 +73,24 @@ class ContainerDriver:
         return [self.crun, "--root", str(self.paths.crun_root), *args]
 
     # -- lifecycle -----------------------------------------------------------------------
-    async def create(self, sandbox_id: str, spec: ContainerSpec) -> None:
+    async def prepare(self, args: SandboxArgs, images: ImageStacks) -> Prepared:
+        assert isinstance(args, ContainerArgs)
+        stack = await images.stack(args)                 # NotFound names the field
+        uid, gid = resolve_user(args.user)
+        allows = resolve(args.network, self.rulesets)   # 422 for unknown rule sets, before anything exists
+        return Prepared(args=args, image_digest=stack[0].digest, uid=uid, gid=gid, plan=stack, allows=allows)
+
+    async def create(self, sandbox_id: str, prepared: Prepared, images: ImageStacks) -> None:
+        args = prepared.args
+        assert isinstance(args, ContainerArgs)
+        lower = await images.mounted_lowers(prepared.plan)
+        spec = ContainerSpec(sandbox_id=sandbox_id, lower_dirs=lower, cpu_cores=args.cpu_cores,
+                             memory_mb=args.memory_mb, pids_limit=args.pids_limit, uid=prepared.uid,
+                             gid=prepared.gid, workdir=args.workdir, network=tuple(prepared.allows),
+                             disk_mb=args.disk_mb, nofile=args.nofile, max_file_mb=args.max_file_mb)
+        await self._start(sandbox_id, spec)
+
+    async def _start(self, sandbox_id: str, spec: ContainerSpec) -> None:
         d = self.sandbox_dir(sandbox_id)
         try:
             spec = await asyncio.to_thread(self._prepare_bundle, d, spec)
@@ -181,9 +207,31 @@ class ContainerDriver:
             return None
 
     @property
-    def disk_enforced(self) -> bool:
+    def disk_enforced(self) -> bool:   # type: ignore[override]
         """True when the kernel enforces disk_mb; else the edge polls `disk_usage`."""
         return self.disk.enforced
+
+    def log_tail(self, sandbox_id: str) -> str:
+        p = self.sandbox_dir(sandbox_id) / "run" / "init.log"
+        try:
+            tail = p.read_bytes()[-500:].decode(errors="replace").strip()
+        except OSError:
+            return ""
+        return f" (init log: {tail})" if tail else ""
+
+    @asynccontextmanager
+    async def frozen_upper(self, sandbox_id: str) -> AsyncIterator[UpperView]:
+        # Frozen while its upper dir is read on the host: otherwise the sandbox could swap a
+        # directory for a symlink mid-walk and have host files copied into the layer.
+        # A user-namespaced sandbox's upper holds host ids of its range: readers get the ids
+        # as seen inside (root = 0), so a layer made of it works in any other sandbox.
+        base = self.id_base(sandbox_id)
+        map_id = functools.partial(host_to_sandbox, base=base) if base is not None else None
+        await self.pause(sandbox_id)
+        try:
+            yield UpperView(self.sandbox_dir(sandbox_id) / "upper", map_id)
+        finally:
+            await self.resume(sandbox_id)
 
     def disk_usage(self, sandbox_id: str) -> int:
         """Bytes in the sandbox's writable layer (a walk: for the polling fallback only)."""
@@ -193,12 +241,13 @@ class ContainerDriver:
         """Host pid of the sandbox's agent (crun's --pid-file): the way into its namespaces."""
         return int((self.sandbox_dir(sandbox_id) / "run" / "pid").read_text())
 
-    async def set_network(self, sandbox_id: str, allows: list[Allow]) -> None:
+    async def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> None:
         """Replace a running sandbox's egress policy (BPF map update; first allow adds a veth)."""
+        allows = resolve(policy, self.rulesets, field="")
         await self.net.apply(sandbox_id, self._pid(sandbox_id), allows)
 
-    async def recover_network(self, live_ids: set[str]) -> None:
-        """After an edge restart: free what dead sandboxes left, re-attach live ones."""
+    async def recover(self, live_ids: set[str]) -> None:
+        """After an edge restart: free what dead sandboxes left, re-attach live ones' networks."""
         live: dict[str, int] = {}
         for sid in live_ids:
             try:
@@ -235,12 +284,15 @@ class ContainerDriver:
             return False
 
     async def list_ids(self) -> dict[str, str]:
-        """Every container crun knows in this instance, with its status ('running', 'stopped' ...)."""
+        """Every container crun knows in this instance, with its status ('running', 'stopped' ...),
+        and sandbox dirs on disk that crun does not know ('leftover')."""
         proc = await asyncio.create_subprocess_exec(
             *self._crun("list", "--format", "json"), stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
         out, _ = await proc.communicate()
         try:
-            return {c["id"]: c.get("status", "") for c in json.loads(out or b"[]")}
+            known = {c["id"]: c.get("status", "") for c in json.loads(out or b"[]")}
         except (ValueError, KeyError, TypeError):
-            return {}
+            known = {}
+        on_disk = {p.name for p in self.paths.sandboxes.iterdir()} if self.paths.sandboxes.exists() else set()
+        return {**{d: "leftover" for d in on_disk}, **known}

@@ -29,20 +29,23 @@ from pathlib import Path
 from typing import Literal
 
 from dsec.agent.client import AgentClient
-from dsec.backends.vm import chain, guest
+from dsec.backends.base import (PARKED, RUNNING, Backend, Console, ImageStacks, LivenessWatched, MemoryUsage,
+                                Parking, Prepared, Snapshots)
+from dsec.backends.vm import chain, disks, guest
 from dsec.backends.vm.accel import AccelChooser
 from dsec.backends.vm.qemu import (Disk, Kind, Machine, Pmem, Qmp, kill, launch, pid_alive, pss_bytes, qemu_binary,
                                    qemu_log_tail, shell_safe)
 from dsec.backends.vm.templates import Templates
 from dsec.config import Paths
 from dsec.images.store import Registry
-from dsec.security.netpolicy import Allow
-from dsec.types import InvalidArgument, NotFound, SandboxFailed, Unavailable
+from dsec.security.users import resolve_user
+from dsec.types import ImageInfo, InvalidArgument, MicroVMArgs, NotFound, SandboxArgs, SandboxFailed, Unavailable, VMArgs
 
 log = logging.getLogger("dsec.backends.vm")
 
 CONSOLE_KEEP_BYTES = 256 << 10
 AGENT_BOOT_TIMEOUT_S = float(os.environ.get("DSEC_VM_BOOT_TIMEOUT_S", "90"))
+VM_PING_S = float(os.environ.get("DSEC_VM_PING_S", "15"))         # liveness check of idle VMs' guests
 
 
 @dataclass(frozen=True)
@@ -94,10 +97,23 @@ class VMSpec:
 HOLD_PREFIX = "vm:"      # layer holds (images/store.py) of VM sandboxes and snapshots
 
 
-class VMDriver:
+@dataclass(frozen=True)
+class VMPlan:
+    """What `prepare` resolved for `create`: the layers, or the snapshot or disk to start from."""
+
+    layers: tuple[LayerFile, ...]
+    snapshot_dir: Path | None = None
+    boot_disk: BootDisk | None = None
+
+
+class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, LivenessWatched):
     """Both QEMU backends ('microvm' and 'vm'); one instance serves both."""
 
-    backends = ("microvm", "vm")
+    kinds = ("microvm", "vm")
+    instead = {"pack_diff": "use snapshot() to save a VM",
+               "set_network": "VM sandboxes have no network device; use a container sandbox for tasks "
+                              "that need network"}
+    ping_interval_s = VM_PING_S
 
     def __init__(self, paths: Paths):
         self.paths = paths
@@ -183,7 +199,60 @@ class VMDriver:
         return Pmem(path, path.stat().st_size)
 
     # -- lifecycle -----------------------------------------------------------------------
-    async def create(self, sandbox_id: str, spec: VMSpec) -> None:
+    async def prepare(self, args: SandboxArgs, images: ImageStacks) -> Prepared:
+        """A clone of the environment's template by default; or a restore-as-new of a snapshot
+        (which decides what the VM is); or a full VM booting a built disk."""
+        assert isinstance(args, (MicroVMArgs, VMArgs))
+        plan: VMPlan
+        if (snapshot := args.snapshot) is not None:
+            was, meta = self.snapshot_spec(snapshot)
+            if was.kind != args.backend:
+                raise InvalidArgument(f"snapshot {args.snapshot} is of a {was.kind!r} sandbox, not {args.backend!r}",
+                                      field="backend", fix=f"create it with backend={was.kind!r}")
+            args = args.model_copy(update={"vcpus": was.vcpus, "memory_mb": was.memory_mb, "disk_mb": was.disk_mb,
+                                           "workdir": was.workdir, "accel": was.accel, "image": meta["image"]})
+            plan = VMPlan(was.layers, snapshot_dir=self.snapshot_dir(snapshot), boot_disk=was.boot_disk)
+            uid, gid = was.uid, was.gid
+            # the snapshot holds its layers: the image may have been rebuilt or removed since
+            image_digest = meta.get("image_digest") or (await images.resolve(args.image)).digest
+        elif isinstance(args, VMArgs) and args.disk:   # the image's own kernel + init from a built disk
+            image = await images.resolve(args.image)
+            plan = VMPlan((), boot_disk=self._boot_disk(args.disk, image))
+            image_digest = image.digest
+            uid, gid = resolve_user(args.user)
+        else:
+            stack = await images.stack(args)
+            image_digest = stack[0].digest
+            files = await asyncio.to_thread(images.layer_files, stack)
+            plan = VMPlan(tuple(LayerFile(dg, p) for dg, p in files))
+            uid, gid = resolve_user(args.user)
+        args = args.model_copy(update={"accel": await self.accel.choose(args.accel)})
+        return Prepared(args=args, image_digest=image_digest, uid=uid, gid=gid, plan=plan)
+
+    def _boot_disk(self, name: str, image: ImageInfo) -> BootDisk:
+        """The files of VM disk `name` (disks.py), which must be of `image` as it is now."""
+        info = disks.get(self.paths, name)         # NotFound names `disk` and the build command
+        if info.image_digest != image.digest:
+            raise InvalidArgument(f"VM disk {name!r} was built from {info.image} {info.image_digest[:19]}, "
+                                  f"not from {image.name} {image.digest[:19]}", field="image",
+                                  fix=f"pass image={info.image!r}, or rebuild the disk: "
+                                      f"`dsec vm disk build {name} --image {image.name}`")
+        f = info.files(self.paths)
+        return BootDisk(name=name, base=str(f.qcow2), kernel=str(f.kernel),
+                        initrd=str(f.initrd) if f.initrd else None, append=disks.kernel_append())
+
+    async def create(self, sandbox_id: str, prepared: Prepared, images: ImageStacks) -> None:
+        a, plan = prepared.args, prepared.plan
+        assert isinstance(a, (MicroVMArgs, VMArgs)) and isinstance(plan, VMPlan) and a.accel != "auto"
+        spec = VMSpec(sandbox_id=sandbox_id, kind=a.backend, accel=a.accel, layers=plan.layers,
+                      vcpus=a.vcpus, memory_mb=a.memory_mb, disk_mb=a.disk_mb, uid=prepared.uid,
+                      gid=prepared.gid, workdir=a.workdir, nofile=4096, pmem=bool(getattr(a, "pmem", False)),
+                      clone=a.clone and plan.boot_disk is None, snapshot_dir=plan.snapshot_dir,
+                      boot_disk=plan.boot_disk)
+        await self.start(sandbox_id, spec)
+
+    async def start(self, sandbox_id: str, spec: VMSpec) -> None:
+        """Boot, clone or restore the VM `spec` describes."""
         d = self.sandbox_dir(sandbox_id)
         t0 = time.monotonic()
         try:
@@ -325,7 +394,7 @@ class VMDriver:
             f.seek(max(0, src.stat().st_size - CONSOLE_KEEP_BYTES))
             (self.consoles / f"{d.name}.log").write_bytes(f.read())
 
-    def purge_consoles(self, older_than: float) -> None:
+    def purge(self, older_than: float) -> None:
         for p in self.consoles.glob("*.log") if self.consoles.is_dir() else ():
             if p.stat().st_mtime < older_than:
                 p.unlink(missing_ok=True)
@@ -337,8 +406,8 @@ class VMDriver:
     async def list_ids(self) -> dict[str, str]:
         out = {}
         for d in self.root.iterdir() if self.root.exists() else ():
-            out[d.name] = ("running" if await self.is_running(d.name)
-                           else "saved" if self.is_saved(d.name) else "stopped")
+            out[d.name] = (RUNNING if await self.is_running(d.name)
+                           else PARKED if self.is_saved(d.name) else "stopped")
         return out
 
     async def pause(self, sandbox_id: str) -> None:
@@ -385,7 +454,7 @@ class VMDriver:
         return chain.own_bytes(out)
 
     # -- stop-to-disk and resume -----------------------------------------------------------
-    async def save_to_disk(self, sandbox_id: str) -> int:
+    async def park(self, sandbox_id: str) -> int:
         """Park a VM: its RAM and device state go to `saved.state` in its dir, QEMU exits
         (the host memory is free), the writable disk stays where it is. Returns bytes saved."""
         d = self.sandbox_dir(sandbox_id)
@@ -410,7 +479,7 @@ class VMDriver:
     def is_saved(self, sandbox_id: str) -> bool:
         return (self.sandbox_dir(sandbox_id) / "saved.state").is_file()
 
-    async def restore_from_disk(self, sandbox_id: str) -> None:
+    async def unpark(self, sandbox_id: str) -> None:
         """Resume a parked VM in place: same disk, RAM from `saved.state` (then deleted)."""
         d = self.sandbox_dir(sandbox_id)
         spec = _spec_from_json(json.loads((d / "spec.json").read_text()))
@@ -477,15 +546,33 @@ class VMDriver:
         return (_spec_from_json({k: v for k, v in j.items() if k in own}),
                 {k: v for k, v in j.items() if k not in own})
 
-    # -- things containers have and VMs do not, or differently ----------------------------
-    async def set_network(self, sandbox_id: str, allows: list[Allow]) -> None:
-        raise InvalidArgument("VM sandboxes have no network device, so no egress policy to change",
-                              field="backend", fix="use a container sandbox for tasks that need network")
-
-    async def recover_network(self, live_ids: set[str]) -> None:
-        return None
-
+    # -- what the edge asks of every backend, the VM way -------------------------------------
     disk_enforced = True     # the writable disk has a fixed size: the guest sees ENOSPC
+
+    def console(self, sandbox_id: str, tail: int) -> bytes:
+        """The end of the serial console log (kept after the VM ends, until its record goes)."""
+        path = self.consoles / f"{sandbox_id}.log"
+        if not path.exists():
+            path = self.sandbox_dir(sandbox_id) / "console.log"
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - tail))
+                return f.read()
+        except FileNotFoundError:
+            return b""
+
+    def end_reason(self, sandbox_id: str, cause: BaseException | None) -> str:
+        """Why QEMU is gone, from the end of its console (QEMU runs with -no-reboot and the
+        guest with panic=-1, so a panic, a reboot and a poweroff all end the process)."""
+        console = self.log_tail(sandbox_id)
+        if "Kernel panic" in console:
+            return "the guest kernel panicked"
+        if "reboot: Restarting system" in console or "reboot: Power down" in console:
+            return "the guest shut itself down (reboot or poweroff inside the VM)"
+        return "the VM's QEMU process exited (killed, or crashed)"
+
+    async def release_node(self) -> None:
+        await asyncio.to_thread(self.templates.remove_all)   # template RAM lives on tmpfs: give it back
 
     def disk_usage(self, sandbox_id: str) -> int:
         d = self.sandbox_dir(sandbox_id)

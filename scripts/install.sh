@@ -15,7 +15,7 @@ bash scripts/host-setup.sh
 echo "== Python environment (.venv)"
 python3 -m venv .venv
 .venv/bin/pip install -q --upgrade pip >/dev/null 2>&1 || true
-.venv/bin/pip install -q -e '.[test]'
+.venv/bin/pip install -q -e '.[server,test]'    # client + server + test tools
 echo "== built-in images (busybox, debian-python, fncall-python via debootstrap; cached after the first run)"
 .venv/bin/dsec image build busybox --builtin
 .venv/bin/dsec image build debian-python --builtin

@@ -1,10 +1,15 @@
 """dsec: elastic sandboxes for training and evaluating AI agents."""
 
+from typing import TYPE_CHECKING, Any
+
 from dsec.sdk.client import Client, Created, ExecFailed, Files, Sandbox
 from dsec.types import FnCallRequest, FnCallResult, FnCallStatus
 from dsec.types import MicroVMArgs, SnapshotInfo, VMArgs
 from dsec.types import (ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult, FileEntry,
                         NetworkPolicy, NetworkRule, SandboxInfo, SandboxState)
+
+if TYPE_CHECKING:   # type checkers see the generated, typed blocking client
+    from dsec.sdk.sync import SyncClient
 
 __all__ = ["Client", "Created", "ExecFailed", "Files", "Sandbox", "ContainerArgs", "DsecError",
            "ExecEvent", "ExecRequest", "ExecResult", "FileEntry", "NetworkPolicy", "NetworkRule",
@@ -12,8 +17,10 @@ __all__ = ["Client", "Created", "ExecFailed", "Files", "Sandbox", "ContainerArgs
            "FnCallRequest", "FnCallResult", "FnCallStatus"]
 
 
-def __getattr__(name: str):
-    if name == "SyncClient":   # imported lazily: it starts a background event loop thread on use
+def __getattr__(name: str) -> Any:
+    # Imported on first use: `import dsec` must work even while sync.py is being regenerated
+    # (python -m dsec.sdk._gen_sync imports dsec.sdk.client, hence this package).
+    if name == "SyncClient":
         from dsec.sdk.sync import SyncClient
         return SyncClient
     raise AttributeError(name)

@@ -1,4 +1,4 @@
-"""Where dsec keeps its state on this node, and node-level settings.
+"""Where dsec keeps its state on this node, node-level settings, and what this install holds.
 
 Everything derives from DSEC_HOME (default /var/lib/dsec) so tests and benchmarks can run
 an isolated instance beside a user's one.
@@ -6,12 +6,38 @@ an isolated instance beside a user's one.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_HOME = "/var/lib/dsec"
 DEFAULT_PORT = 7620
+
+# -- the install: `pip install dsec` is the client (SDK, shared types, the CLI's client
+# commands); `pip install 'dsec[server]'` adds what serving needs (`dsec up`, backends, images,
+# VM disks, benchmarks). Here, not in a module of its own, because the SDK may import only
+# dsec.sdk, dsec.types and dsec.config (scripts/check_architecture.py).
+SERVER_INSTALL = "pip install 'dsec[server]'"
+# Top-level modules only the server side imports: the [server] extra's packages and what they
+# alone pull in (starlette comes with fastapi). tests/test_packaging.py keeps this and
+# pyproject.toml in step.
+SERVER_MODULES = frozenset({"fastapi", "starlette", "uvicorn", "qemu", "structlog"})
+_SERVER_ENTRY_MODULES = ("fastapi", "uvicorn", "structlog", "qemu.qmp")   # all present: extra installed
+
+
+def missing_server_module(exc: ImportError) -> str | None:
+    """The server-only module an ImportError is about, or None if it is about anything else."""
+    root = (exc.name or "").partition(".")[0]
+    return root if root in SERVER_MODULES else None
+
+
+def server_installed() -> bool:
+    """Whether this environment can serve (the [server] extra is installed)."""
+    try:
+        return all(importlib.util.find_spec(m) is not None for m in _SERVER_ENTRY_MODULES)
+    except ImportError:   # find_spec("qemu.qmp") imports the parent package "qemu"
+        return False
 
 
 @dataclass(frozen=True)

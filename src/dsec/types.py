@@ -12,9 +12,10 @@ import re
 import secrets
 from datetime import datetime
 from enum import Enum
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo,
+                      field_validator)
 
 # ---------------------------------------------------------------------------------------
 # Errors: every failure a user can cause names the field and the fix.
@@ -33,7 +34,7 @@ class DsecError(Exception):
         self.field = field
         self.fix = fix
 
-    def to_body(self) -> dict:
+    def to_body(self) -> dict[str, Any]:
         return {"error": {"code": self.code, "message": self.message, "field": self.field,
                           "fix": self.fix}}
 
@@ -300,7 +301,7 @@ class VMArgs(_VMArgs):
 
     @field_validator("disk")
     @classmethod
-    def _disk_alone(cls, v: str | None, info) -> str | None:   # noqa: ANN001 (pydantic ValidationInfo)
+    def _disk_alone(cls, v: str | None, info: ValidationInfo) -> str | None:
         # a disk is one finished filesystem: there is nothing to stack layers onto
         if v is not None:
             extra = [f for f in ("workspace", "toolkits", "snapshot") if info.data.get(f)]

@@ -1,4 +1,9 @@
-"""`dsec` command line: serve, images, sandboxes, one-shot runs, benchmarks."""
+"""`dsec` command line: serve, images, sandboxes, one-shot runs, benchmarks.
+
+Module level imports only what the client commands need (the core install); server-side
+modules (dsec.embedded, dsec.images, dsec.backends, dsec.bench) are imported inside the
+commands that use them, and main() turns a missing [server] extra into one clear error.
+"""
 
 from __future__ import annotations
 
@@ -15,9 +20,10 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from dsec.config import DEFAULT_PORT, Paths
+from dsec.config import DEFAULT_PORT, SERVER_INSTALL, Paths, missing_server_module
 from dsec.types import ContainerArgs, DsecError, MicroVMArgs, VMArgs
 
 app = typer.Typer(no_args_is_help=True, help="dsec: elastic sandboxes for agent training and evaluation")
@@ -34,8 +40,9 @@ err_console = Console(stderr=True, soft_wrap=not sys.stderr.isatty())   # logs a
 
 
 def _fail(e: DsecError) -> None:
-    err_console.print(f"[red]error[/red]: {e.message}" + (f"\n  field: {e.field}" if e.field else "")
-                      + (f"\n  fix: {e.fix}" if e.fix else ""))
+    # escape(): messages may hold brackets ("dsec[server]", "toolkits[0]") that are not markup
+    err_console.print(f"[red]error[/red]: {escape(e.message)}" + (f"\n  field: {escape(e.field)}" if e.field else "")
+                      + (f"\n  fix: {escape(e.fix)}" if e.fix else ""))
     raise typer.Exit(2)
 
 
@@ -566,7 +573,16 @@ def vm_disk_rm(name: Annotated[str, typer.Argument(help="disk name")]) -> None:
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except ModuleNotFoundError as e:
+        module = missing_server_module(e)
+        if module is None:
+            raise
+        # A server command (up, image, layer, bench, vm ...) on a client-only install.
+        err_console.print(f"[red]error[/red]: this command runs dsec's server side, which is not installed "
+                          f"(no module {escape(repr(module))})\n  fix: {escape(SERVER_INSTALL)}")
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -41,6 +41,10 @@ Mapping from async to blocking:
     passed as arguments are unwrapped to their async objects;
   * exceptions propagate unchanged (same object, same type).
 Names starting with "_" are not generated, but remain reachable through attribute fallback.
+
+The SDK's own blocking classes (dsec.sdk.sync) are not built with synchronize() at import time:
+they are typed source written by dsec.sdk._gen_sync, whose methods call register(), construct(),
+call() and get_attr() below, so both ways share this one runtime.
 """
 
 from __future__ import annotations
@@ -52,11 +56,12 @@ import logging
 import os
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 log = logging.getLogger("dsec.sdk.sync")
 
 T = TypeVar("T")
+S = TypeVar("S", bound="Synchronized")
 
 # ---------------------------------------------------------------------------------------
 # The shared background loop.
@@ -99,7 +104,7 @@ def run(aw: Awaitable[T]) -> T:
             aw.close()   # avoid a "never awaited" warning on top of the real error
         raise RuntimeError("a blocking dsec API was called from async code running on the "
                            "synchronizer's own loop; use the async API there (await it)")
-    coro = aw if inspect.iscoroutine(aw) else _await(aw)
+    coro: Coroutine[Any, Any, T] = aw if inspect.iscoroutine(aw) else _await(aw)
     fut = asyncio.run_coroutine_threadsafe(coro, _get_loop())
     try:
         return fut.result()
@@ -117,33 +122,37 @@ async def _await(aw: Awaitable[T]) -> T:
 # Wrapping values.
 # ---------------------------------------------------------------------------------------
 
-_SYNC_BY_ASYNC: dict[type, type] = {}
+_SYNC_BY_ASYNC: dict[type, type[Synchronized]] = {}
 
 
 class Synchronized:
     """Base of every generated blocking class; holds the async object in `_impl`."""
 
-    _async_cls: type = object
+    _async_cls: ClassVar[type] = object
     __slots__ = ("_impl",)
+    _impl: Any
 
     @classmethod
-    def _from_impl(cls, impl: Any) -> Any:
+    def _from_impl(cls: type[S], impl: Any) -> S:
         obj = object.__new__(cls)
         object.__setattr__(obj, "_impl", impl)
         return obj
 
-    def __getattr__(self, name: str) -> Any:
-        # Only reached for names not generated on the class: instance attributes of the async
-        # object (e.g. `sbx.id`, `sbx.files`) and private helpers.
-        if name == "_impl":
-            raise AttributeError(name)
-        return _attr_value(getattr(self._impl, name))
+    # Hidden from type checkers: with them, any attribute name would type-check as Any, and a
+    # typo on a generated class (whose attributes are all declared) would go unnoticed.
+    if not TYPE_CHECKING:
+        def __getattr__(self, name: str) -> Any:
+            # Only reached for names not generated on the class: instance attributes of the
+            # async object (e.g. `sbx.info`, `sbx.files`) and private helpers.
+            if name == "_impl":
+                raise AttributeError(name)
+            return _attr_value(getattr(self._impl, name))
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._impl, name, unwrap(value))
+        def __setattr__(self, name: str, value: Any) -> None:
+            setattr(self._impl, name, unwrap(value))
 
-    def __delattr__(self, name: str) -> None:
-        delattr(self._impl, name)
+        def __delattr__(self, name: str) -> None:
+            delattr(self._impl, name)
 
     def __repr__(self) -> str:
         return f"<blocking {self._impl!r}>"
@@ -179,7 +188,7 @@ def unwrap(value: Any) -> Any:
     return value
 
 
-def _map_container(value: list | tuple | dict, fn: Callable[[Any], Any]) -> Any:
+def _map_container(value: list[Any] | tuple[Any, ...] | dict[Any, Any], fn: Callable[[Any], Any]) -> Any:
     if isinstance(value, dict):
         mapped = {k: fn(v) for k, v in value.items()}
         changed = any(mapped[k] is not v for k, v in value.items())
@@ -201,7 +210,7 @@ def _attr_value(value: Any) -> Any:
     return wrap(value)
 
 
-def _sync_class_for(cls: type) -> type | None:
+def _sync_class_for(cls: type) -> type[Synchronized] | None:
     for base in cls.__mro__:   # a subclass falls back to its nearest synchronized base
         sync_cls = _SYNC_BY_ASYNC.get(base)
         if sync_cls is not None:
@@ -259,31 +268,68 @@ def _blocking_callable(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 # ---------------------------------------------------------------------------------------
-# Generating the blocking class.
+# What a blocking class's members do: used by the generated source (dsec.sdk.sync) and by
+# synchronize(). Their own parameters are positional-only so any keyword passes through.
+# ---------------------------------------------------------------------------------------
+
+
+def register(async_cls: type) -> Callable[[type[S]], type[S]]:
+    """Class decorator: the decorated blocking class wraps async_cls's objects (return values
+    of type async_cls, or a subclass, come back as it)."""
+    def deco(sync_cls: type[S]) -> type[S]:
+        sync_cls._async_cls = async_cls
+        _SYNC_BY_ASYNC[async_cls] = sync_cls
+        return sync_cls
+    return deco
+
+
+def construct(wrapper: Synchronized, /, *args: Any, **kwargs: Any) -> None:
+    """__init__ of a blocking class: build its async object (on the shared loop)."""
+    a, kw = _unwrap_args(args, kwargs)
+    object.__setattr__(wrapper, "_impl", run(_construct(type(wrapper)._async_cls, a, kw)))
+
+
+def call(wrapper: Synchronized, method: str, /, *args: Any, **kwargs: Any) -> Any:
+    """A blocking method: call the async object's `method`, run the coroutine to its end (or
+    iterate what it yields), and wrap the result."""
+    impl = object.__getattribute__(wrapper, "_impl")
+    a, kw = _unwrap_args(args, kwargs)
+    # getattr at call time honours subclasses and per-instance overrides of the method.
+    return _resolve(getattr(impl, method)(*a, **kw), impl=impl, wrapper=wrapper)
+
+
+def get_attr(wrapper: Synchronized, name: str, /) -> Any:
+    """A property read: the async object's attribute, wrapped."""
+    return wrap(getattr(object.__getattribute__(wrapper, "_impl"), name))
+
+
+def set_attr(wrapper: Synchronized, name: str, value: Any, /) -> None:
+    setattr(object.__getattribute__(wrapper, "_impl"), name, unwrap(value))
+
+
+# ---------------------------------------------------------------------------------------
+# Generating the blocking class at run time (for async classes outside the SDK).
 # ---------------------------------------------------------------------------------------
 
 
 def _method(name: str, fn: Callable[..., Any], qualname: str) -> Callable[..., Any]:
     @functools.wraps(fn)
     def method(self: Synchronized, *args: Any, **kwargs: Any) -> Any:
-        impl = object.__getattribute__(self, "_impl")
-        a, kw = _unwrap_args(args, kwargs)
-        # getattr at call time honours subclasses and per-instance overrides of the method.
-        return _resolve(getattr(impl, name)(*a, **kw), impl=impl, wrapper=self)
+        return call(self, name, *args, **kwargs)
     method.__qualname__ = qualname
     return method
 
 
-def _classmethod(name: str, fn: Callable[..., Any], qualname: str) -> classmethod:
+def _classmethod(name: str, fn: Callable[..., Any], qualname: str) -> classmethod[Any, Any, Any]:
     @functools.wraps(fn)
-    def method(cls: type, *args: Any, **kwargs: Any) -> Any:
+    def method(cls: type[Synchronized], *args: Any, **kwargs: Any) -> Any:
         a, kw = _unwrap_args(args, kwargs)
         return _resolve(getattr(cls._async_cls, name)(*a, **kw))
     method.__qualname__ = qualname
     return classmethod(method)
 
 
-def _staticmethod(fn: Callable[..., Any], qualname: str) -> staticmethod:
+def _staticmethod(fn: Callable[..., Any], qualname: str) -> staticmethod[Any, Any]:
     call = _blocking_callable(fn)
     call.__qualname__ = qualname
     return staticmethod(call)
@@ -291,10 +337,10 @@ def _staticmethod(fn: Callable[..., Any], qualname: str) -> staticmethod:
 
 def _property(name: str, prop: property) -> property:
     def fget(self: Synchronized) -> Any:
-        return wrap(getattr(self._impl, name))
+        return get_attr(self, name)
 
     def fset(self: Synchronized, value: Any) -> None:
-        setattr(self._impl, name, unwrap(value))
+        set_attr(self, name, value)
 
     def fdel(self: Synchronized) -> None:
         delattr(self._impl, name)
@@ -309,7 +355,7 @@ class _ClassAttr:
     def __init__(self, name: str):
         self.name = name
 
-    def __get__(self, obj: Synchronized | None, owner: type) -> Any:
+    def __get__(self, obj: Synchronized | None, owner: type[Synchronized]) -> Any:
         if obj is None:
             return wrap(getattr(owner._async_cls, self.name))
         return _attr_value(getattr(obj._impl, self.name))
@@ -326,7 +372,7 @@ def _construct(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Coro
     return build()
 
 
-def synchronize(async_cls: type, *, name: str | None = None, module: str | None = None) -> type:
+def synchronize(async_cls: type, *, name: str | None = None, module: str | None = None) -> type[Synchronized]:
     """Return (and register) the blocking twin of async_cls.
 
     name defaults to async_cls's name without a leading "Async" or "_" ("AsyncSandbox" ->
@@ -347,8 +393,7 @@ def synchronize(async_cls: type, *, name: str | None = None, module: str | None 
     }
 
     def __init__(self: Synchronized, *args: Any, **kwargs: Any) -> None:
-        a, kw = _unwrap_args(args, kwargs)
-        object.__setattr__(self, "_impl", run(_construct(type(self)._async_cls, a, kw)))
+        construct(self, *args, **kwargs)
 
     init_src = inspect.getattr_static(async_cls, "__init__", None)
     if callable(init_src) and init_src is not object.__init__:
@@ -374,11 +419,10 @@ def synchronize(async_cls: type, *, name: str | None = None, module: str | None 
 
     if hasattr(async_cls, "__aenter__"):
         def __enter__(self: Synchronized) -> Any:
-            impl = self._impl
-            return _resolve(impl.__aenter__(), impl=impl, wrapper=self)
+            return call(self, "__aenter__")
 
         def __exit__(self: Synchronized, exc_type: Any, exc: Any, tb: Any) -> Any:
-            return run(self._impl.__aexit__(exc_type, exc, tb))
+            return call(self, "__aexit__", exc_type, exc, tb)
 
         ns["__enter__"], ns["__exit__"] = __enter__, __exit__
 
@@ -388,13 +432,13 @@ def synchronize(async_cls: type, *, name: str | None = None, module: str | None 
 
         ns["__iter__"] = __iter__
 
-    sync_cls = type(name, bases, ns)
-    _SYNC_BY_ASYNC[async_cls] = sync_cls
+    sync_cls: type[Synchronized] = type(name, bases, ns)
+    register(async_cls)(sync_cls)
     log.debug("synchronized %s.%s as %s", async_cls.__module__, async_cls.__qualname__, name)
     return sync_cls
 
 
-def blocking_class_of(async_cls: type) -> type | None:
+def blocking_class_of(async_cls: type) -> type[Synchronized] | None:
     """The blocking class registered for async_cls (or its nearest base), if any."""
     return _sync_class_for(async_cls)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import builtins
 import json
 import os
 import subprocess
@@ -20,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from dsec.config import DEFAULT_PORT, Paths
+from dsec.config import DEFAULT_PORT, SERVER_INSTALL, Paths, server_installed
 from dsec.types import FnCallBatch, FnCallBatchItem, FnCallRequest, FnCallResult, FnCallStatus
 from dsec.types import PackDiffRequest
 from dsec.types import MicroVMArgs, SandboxArgs, SnapshotInfo, SnapshotList, VMArgs
@@ -55,6 +56,12 @@ class ExecFailed(DsecError):
 
 
 class Client:
+    # Public attributes are declared here: the generated blocking client (dsec.sdk.sync) types
+    # its own from these. `list` below shadows the builtin in this class body, hence
+    # `builtins.list` in the annotations after it.
+    url: str
+    autostart: bool
+
     def __init__(self, url: str | None = None, api_key: str | None = None, *, timeout_s: float = 3600.0,
                  autostart: bool | None = None, max_connections: int = 256):
         self.url = (url or os.environ.get("DSEC_URL") or DEFAULT_URL).rstrip("/")
@@ -130,15 +137,17 @@ class Client:
         return await self.create(args if args is not None else VMArgs(**kwargs))
 
     # -- project sandbox policy (dsec.iam.policy) -----------------------------------------
-    async def get_policy(self, project_id: str) -> dict:
+    async def get_policy(self, project_id: str) -> dict[str, Any]:
         """{"project_id", "own", "effective"}: what the project's sandboxes may loosen."""
         resp = await self._request("GET", f"/v1/projects/{project_id}/policy")
-        return resp.json()
+        body: dict[str, Any] = resp.json()
+        return body
 
-    async def set_policy(self, project_id: str, policy: dict) -> dict:
+    async def set_policy(self, project_id: str, policy: dict[str, Any]) -> dict[str, Any]:
         """Replace a project's own policy (key of a parent project; it may only narrow)."""
         resp = await self._request("PUT", f"/v1/projects/{project_id}/policy", json=policy)
-        return resp.json()
+        body: dict[str, Any] = resp.json()
+        return body
 
     async def create(self, args: SandboxArgs) -> "Sandbox":
         """Create a sandbox of the backend its argument type names."""
@@ -178,9 +187,9 @@ class Client:
             # cancelled request could still create a sandbox server-side) and stopped if the
             # caller never received them; queued ones are skipped.
             abandoned = True
-            for res in await asyncio.gather(*tasks, return_exceptions=True):
-                if isinstance(res, Created) and res.index not in handed_out and res.sandbox:
-                    await res.sandbox.stop()
+            for done in await asyncio.gather(*tasks, return_exceptions=True):
+                if isinstance(done, Created) and done.index not in handed_out and done.sandbox:
+                    await done.sandbox.stop()
 
     async def get(self, sandbox_id: str) -> "Sandbox":
         resp = await self._request("GET", f"/v1/sandboxes/{sandbox_id}")
@@ -190,16 +199,16 @@ class Client:
         resp = await self._request("GET", "/v1/sandboxes", params={"include_ended": include_ended})
         return SandboxList.model_validate_json(resp.content).sandboxes
 
-    async def nodes(self) -> list[NodeStatus]:
+    async def nodes(self) -> builtins.list[NodeStatus]:
         resp = await self._request("GET", "/v1/nodes")
         return [NodeStatus.model_validate(n) for n in resp.json()]
 
-    async def images(self) -> list[ImageInfo]:
+    async def images(self) -> builtins.list[ImageInfo]:
         resp = await self._request("GET", "/v1/images")
         return ImageList.model_validate_json(resp.content).images
 
     # -- VM snapshots (taken with Sandbox.snapshot()) ------------------------------------
-    async def snapshots(self) -> list[SnapshotInfo]:
+    async def snapshots(self) -> builtins.list[SnapshotInfo]:
         """Snapshots of this key's project and its sub-projects."""
         resp = await self._request("GET", "/v1/snapshots")
         return SnapshotList.model_validate_json(resp.content).snapshots
@@ -220,19 +229,20 @@ class Client:
         what the program does: see result.status). Other FnCallRequest fields as keywords:
         compile_timeout_s, args, env, fetch_files, output_cap_bytes, max_processes, image, ...
 
-            r = await c.fncall("print(input()[::-1])", stdin="abc")     # r.stdout == "cba\n"
+            r = await c.fncall("print(input()[::-1])", stdin="abc")     # r.stdout == "cba\\n"
         """
         req = code if isinstance(code, FnCallRequest) else fncall_request(
             code, language, stdin=stdin, files=files, timeout_s=timeout_s, memory_mb=memory_mb, **kwargs)
         resp = await self._request("POST", "/v1/fncall", content=req.model_dump_json(), headers=JSON)
         return FnCallResult.model_validate_json(resp.content)
 
-    async def fncall_pools(self) -> list[dict[str, Any]]:
+    async def fncall_pools(self) -> builtins.list[dict[str, Any]]:
         """The FnCall backend's warm pools on every node (workers, idle, starting, waiting, calls)."""
-        return (await self._request("GET", "/v1/fncall/pools")).json()
+        pools: builtins.list[dict[str, Any]] = (await self._request("GET", "/v1/fncall/pools")).json()
+        return pools
 
-    async def fncall_many(self, calls: "Iterable[FnCallRequest | dict[str, Any]]", *, concurrency: int = 64,
-                          batch_size: int | None = None) -> list[FnCallResult]:
+    async def fncall_many(self, calls: Iterable[FnCallRequest | dict[str, Any]], *, concurrency: int = 64,
+                          batch_size: int | None = None) -> builtins.list[FnCallResult]:
         """Run many calls with at most `concurrency` in flight; results[i] belongs to calls[i].
 
         Calls are sent in batches (NDJSON answers, each call's result as soon as it is ready).
@@ -290,6 +300,9 @@ class Created:
 
 
 class Sandbox:
+    info: SandboxInfo   # as of the last call that returned it (refresh() reads it again)
+    files: Files
+
     def __init__(self, client: Client, info: SandboxInfo):
         self._c = client
         self.info = info
@@ -354,7 +367,7 @@ class Sandbox:
         self.info = SandboxInfo.model_validate_json(resp.content)
         return self.info
 
-    async def set_network(self, policy: NetworkPolicy | dict | None = None, **kwargs: Any) -> SandboxInfo:
+    async def set_network(self, policy: NetworkPolicy | dict[str, Any] | None = None, **kwargs: Any) -> SandboxInfo:
         """Replace the sandbox's egress policy, e.g.
         `await sb.set_network(rules=[{"cidr": "10.1.2.3", "ports": [443], "protocol": "tcp"}])`,
         `await sb.set_network(rulesets={"pypi": True})`; `set_network()` denies everything again."""
@@ -452,6 +465,10 @@ def _fncall_failed(call: Any, error: str) -> FnCallResult:
 
 def start_local_server() -> None:
     """Start `dsec up` in the background (embedded default), logging to <home>/server.log."""
+    if not server_installed():
+        # Fail now rather than wait AUTOSTART_WAIT_S for a server that cannot start.
+        raise Unavailable("no dsec apiserver is running and the server side is not installed here",
+                          fix=f"set DSEC_URL to a running dsec, or `{SERVER_INSTALL}` and `dsec up`")
     paths = Paths.from_env()
     paths.home.mkdir(parents=True, exist_ok=True)
     with open(paths.server_log, "ab") as logf:

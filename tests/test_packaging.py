@@ -1,0 +1,126 @@
+"""`pip install dsec` (no extras) is a working client: SDK, blocking SDK and the CLI's client
+commands import and run without the server's packages; `dsec[server]` brings those. Proved
+without a network: a subprocess whose import system refuses the server-only packages."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+import subprocess
+import sys
+import textwrap
+import tomllib
+from pathlib import Path
+
+from dsec.config import SERVER_INSTALL, SERVER_MODULES
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+# The extras' own modules, plus what only they pull in (opentelemetry comes with fastapi).
+BLOCKED = sorted(SERVER_MODULES | {"opentelemetry"})
+
+PRELUDE = textwrap.dedent(f"""
+    import sys
+    BLOCKED = {BLOCKED!r}
+    attempts = []
+
+    class RefuseServerPackages:
+        # First on sys.meta_path: `import fastapi` fails as if it were not installed.
+        def find_spec(self, name, path=None, target=None):
+            if name.partition(".")[0] in BLOCKED:
+                attempts.append(name)
+                raise ModuleNotFoundError(f"No module named {{name!r}} (blocked by the test)", name=name)
+            return None
+
+    sys.meta_path.insert(0, RefuseServerPackages())
+""")
+
+
+def run_client_only(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin",
+                                                                            "COLUMNS": "200"})
+
+
+def names(requirements: list[str]) -> set[str]:
+    return {re.split(r"[\s<>=!~;\[]", r, maxsplit=1)[0].lower() for r in requirements}
+
+
+def test_client_modules_import_without_server_packages():
+    p = run_client_only("""
+        import dsec, dsec.sdk.client, dsec.sdk.sync, dsec.cli, dsec.types, dsec.config
+        from dsec import SyncClient, Client
+        assert SyncClient.__module__ == "dsec.sdk.sync"
+        assert not attempts, attempts   # not even tried (and an ImportError swallowed)
+        print("ok")
+    """)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stdout + p.stderr
+
+
+def test_cli_client_commands_run_without_server_packages():
+    for argv in (["--help"], ["sandbox", "--help"], ["sandbox", "create", "--help"], ["run", "--help"]):
+        p = run_client_only(f"""
+            import runpy
+            sys.argv = ["dsec", *{argv!r}]
+            try:
+                runpy.run_module("dsec", run_name="__main__")
+            finally:
+                assert not attempts, attempts
+        """)
+        assert p.returncode == 0 and "Usage" in p.stdout, (argv, p.stdout + p.stderr)
+
+
+def test_client_command_reaches_the_server_without_server_packages():
+    # No server at this URL: the client command fails the client way (exit 2, actionable).
+    p = run_client_only("""
+        import os, runpy
+        os.environ["DSEC_URL"] = "http://127.0.0.1:9"
+        sys.argv = ["dsec", "sandbox", "ls"]
+        runpy.run_module("dsec", run_name="__main__")
+    """)
+    assert p.returncode == 2 and "no dsec apiserver at http://127.0.0.1:9" in p.stderr, p.stdout + p.stderr
+
+
+def test_server_command_names_the_extra():
+    p = run_client_only("""
+        import runpy
+        sys.argv = ["dsec", "up"]
+        runpy.run_module("dsec", run_name="__main__")
+    """)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert SERVER_INSTALL in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_sdk_autostart_names_the_extra_instead_of_waiting():
+    p = run_client_only("""
+        from dsec.sdk.client import start_local_server
+        from dsec.types import Unavailable
+        try:
+            start_local_server()
+        except Unavailable as e:
+            print(e.fix)
+    """)
+    assert p.returncode == 0 and SERVER_INSTALL in p.stdout, p.stdout + p.stderr
+
+
+def test_core_dependencies_have_no_server_packages():
+    core = names(PYPROJECT["dependencies"])
+    server = names(PYPROJECT["optional-dependencies"]["server"])
+    assert {"pydantic", "httpx", "typer", "rich"} <= core
+    assert {"fastapi", "uvicorn", "structlog", "qemu.qmp"} <= server
+    assert not core & server
+    assert {"mypy", "pytest", "pytest-asyncio", "dsec"} <= names(PYPROJECT["optional-dependencies"]["test"])
+    # Every module the server extra installs is in dsec.config.SERVER_MODULES, and no
+    # core package provides one of them.
+    by_module = importlib.metadata.packages_distributions()
+    for module in SERVER_MODULES:
+        owners = {d.lower() for d in by_module.get(module, [])}
+        assert not owners & core, (module, owners)
+    for dist in server:
+        top = {f.parts[0].removesuffix(".py") for f in importlib.metadata.files(dist) or []
+               if f.parts[0] not in ("..", "bin") and not f.parts[0].endswith((".dist-info", ".pth"))}
+        assert top and top <= SERVER_MODULES | {"__pycache__"}, (dist, top)
+
+
+def test_install_script_installs_the_server_and_test_extras():
+    assert ".[server,test]" in (ROOT / "scripts" / "install.sh").read_text()

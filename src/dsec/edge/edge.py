@@ -118,7 +118,7 @@ class Edge:
         """The sandbox's backend as `cap`, or the one error for a verb its backend lacks."""
         b = self._backend(rec.backend)
         if not isinstance(b, cap):
-            raise InvalidArgument(f"sandbox {rec.id}: backend {rec.backend!r} cannot {verb}", field="sandbox_id",
+            raise InvalidArgument(f"sandbox {rec.id}: backend {rec.backend!r} cannot {verb}", field="backend",
                                   fix=b.instead.get(verb, f"use a sandbox of a backend that can {verb}"))
         return b
 

@@ -14,8 +14,8 @@ from datetime import datetime
 from enum import Enum
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo,
-                      field_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag,
+                      ValidationInfo, WithJsonSchema, field_validator)
 
 # ---------------------------------------------------------------------------------------
 # Errors: every failure a user can cause names the field and the fix.
@@ -75,10 +75,36 @@ class Unavailable(DsecError):
     status, code = 503, "unavailable"
 
 
+class PayloadTooLarge(DsecError):
+    """The request body is larger than its route accepts (the apiserver's body limits)."""
+
+    status, code = 413, "payload_too_large"
+
+
+class InternalError(DsecError):
+    """A bug in dsec, not in the request: the server log has the details."""
+
+    status, code = 500, "internal"
+
+
 ERRORS_BY_CODE: dict[str, type[DsecError]] = {
     cls.code: cls for cls in (DsecError, InvalidArgument, NotFound, Unauthorized, Forbidden,
-                              Conflict, CapacityExceeded, SandboxFailed, Unavailable)
+                              Conflict, CapacityExceeded, SandboxFailed, Unavailable, PayloadTooLarge,
+                              InternalError)
 }
+
+
+class ErrorDetail(BaseModel):
+    code: str = Field(description="stable code, e.g. 'invalid_argument', 'not_found', 'conflict'")
+    message: str
+    field: str | None = Field(description="the request field at fault (dotted path), if any")
+    fix: str | None = Field(description="what to change so that the request succeeds, if known")
+
+
+class ErrorBody(BaseModel):
+    """The body of every error response (DsecError.to_body)."""
+
+    error: ErrorDetail
 
 
 # ---------------------------------------------------------------------------------------
@@ -143,9 +169,62 @@ def _check_env(env: dict[str, str]) -> dict[str, str]:
 # Field types shared by argument models: one definition of what a field means wherever it is.
 Env = Annotated[dict[str, str], AfterValidator(_check_env)]
 USER_RE = r"^(root|sandbox|[0-9]{1,9}(:[0-9]{1,9})?)$"
+
+
+# Validation context for arguments read back from a node's records: bounds added after they
+# were stored are not applied to them (a record must always load), only to new requests.
+STORED: dict[str, Any] = {"dsec_stored": True}
+
+
+def _stored(info: ValidationInfo) -> bool:
+    return isinstance(info.context, dict) and bool(info.context.get("dsec_stored"))
+
+
+def _check_user(user: str | None, info: ValidationInfo) -> str | None:
+    """A non-root uid never runs with group root: gid 0 owns host-root-group files and is
+    what many in-image checks treat as privileged. 'root', '0' and '0:0' are root."""
+    if user is not None and not _stored(info):
+        uid, sep, gid = user.partition(":")
+        if sep and uid.isdigit() and gid.isdigit() and int(gid) == 0 and int(uid) != 0:
+            raise ValueError(f"user {user!r} would run uid {int(uid)} with group root (gid 0): use "
+                             f"'{int(uid)}' (gid = uid), '{int(uid)}:GID' with GID > 0, or 'root'")
+    return user
+
+
+MAX_LABELS = 64
+MAX_LABEL_VALUE = 256
+LABEL_KEY_RE = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$"
+
+
+def _check_labels(v: object, info: ValidationInfo) -> object:
+    """Runs before the typed checks so that errors are short and name the label (a huge key
+    would otherwise be echoed back in the error's field path)."""
+    if not isinstance(v, dict):
+        return v
+    if _stored(info):     # stored before labels were bounded: kept as they are
+        return {str(k): str(val) for k, val in v.items()}
+    if len(v) > MAX_LABELS:
+        raise ValueError(f"{len(v)} labels, at most {MAX_LABELS}: keep labels for selecting sandboxes "
+                         "and put bulk data in a file inside the sandbox")
+    for k, val in v.items():
+        if not isinstance(k, str) or not re.match(LABEL_KEY_RE, k):
+            raise ValueError(f"label key {str(k)[:70]!r} must be 1-63 characters of A-Z a-z 0-9 . _ / -, "
+                             "starting with a letter or digit")
+        if isinstance(val, str) and len(val) > MAX_LABEL_VALUE:
+            raise ValueError(f"label {k!r} has a value of {len(val)} characters, at most {MAX_LABEL_VALUE}: "
+                             "put bulk data in a file inside the sandbox")
+    return v
+
+
 ImageRef = Annotated[str, Field(pattern=NAME_RE, description="image name or sha256 digest")]
-SandboxUser = Annotated[str | None, Field(description="None: non-root 'sandbox' (uid 1000); 'root'; or 'UID[:GID]'",
-                                          pattern=USER_RE)]
+SandboxUser = Annotated[str | None, Field(description="None: non-root 'sandbox' (uid 1000); 'root' (= '0' = '0:0'); "
+                                                      "or 'UID[:GID]' (a non-root UID never with GID 0)",
+                                          pattern=USER_RE), AfterValidator(_check_user)]
+# Enforced by _check_labels alone (so that stored records load); the schema says the same.
+Labels = Annotated[dict[str, str], BeforeValidator(_check_labels), WithJsonSchema({
+    "type": "object", "maxProperties": MAX_LABELS, "propertyNames": {"pattern": LABEL_KEY_RE},
+    "additionalProperties": {"type": "string", "maxLength": MAX_LABEL_VALUE},
+    "description": f"at most {MAX_LABELS}; keys 1-63 chars [A-Za-z0-9._/-], values at most {MAX_LABEL_VALUE} chars"})]
 IdleTtl = Annotated[int, Field(gt=0, le=MAX_TTL_S, description="reap after this long without a request")]
 OutputCap = Annotated[int, Field(ge=1024, le=64 * 1024 * 1024,
                                  description="per stream per command; beyond it output is dropped and reported")]
@@ -240,7 +319,7 @@ class ContainerArgs(_Strict):
                                              description="stdout+stderr a sandbox may deliver over its life; beyond it "
                                                          "commands still run but deliver nothing "
                                                          "(ExecResult.output_budget_exhausted)")] = 1024 ** 3
-    labels: dict[str, str] = Field(default_factory=dict)
+    labels: Labels = Field(default_factory=dict)
     network: NetworkPolicy = Field(default_factory=NetworkPolicy,
                                    description="egress allow-list (cgroup-BPF); default: deny all but loopback")
 
@@ -267,7 +346,7 @@ class _VMArgs(_Strict):
     workdir: Annotated[str, Field(pattern=r"^/[^\x00 ]{0,255}$")] = "/work"
     env: Env = Field(default_factory=dict)
     output_cap_bytes: OutputCap = 1024 * 1024
-    labels: dict[str, str] = Field(default_factory=dict)
+    labels: Labels = Field(default_factory=dict)
     accel: Literal["auto", "kvm", "tcg"] = Field(
         "auto", description="auto: KVM when it boots a guest on this node, else TCG software emulation")
     clone: bool = Field(True, description="start as a copy-on-write clone of the environment's template "
@@ -392,7 +471,8 @@ class ExecRequest(_Strict):
     timeout_s: Annotated[float, Field(gt=0, le=MAX_EXEC_TIMEOUT_S)] = 300.0
     stdin: Annotated[str | None, Field(max_length=16 * 1024 * 1024, description="text fed to stdin, then closed")] = None
     output_cap_bytes: Annotated[int | None, Field(ge=1024, le=64 * 1024 * 1024)] = None
-    user: Annotated[str | None, Field(pattern=USER_RE)] = None
+    user: Annotated[str | None, Field(pattern=USER_RE, description="None: the sandbox's user"),
+                    AfterValidator(_check_user)] = None
 
     @field_validator("cmd")
     @classmethod
@@ -500,6 +580,8 @@ class ImageInfo(BaseModel):
     size_bytes: int
     created_at: datetime
     kind: str = Field("image", description="'image' (a base), or 'layer' (workspace/toolkit, NAME@VERSION)")
+    owner: str | None = Field(None, description="project that owns it (visible to it and its descendants; "
+                                                "only it may replace it); None: published to every project")
 
 
 class ImageList(BaseModel):

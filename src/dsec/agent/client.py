@@ -26,6 +26,9 @@ INTERNAL_CHAN_BASE = 0x80000000
 _CHAN_MAX = 0xFFFFFFFF
 _STDIN_CHUNK = 1 << 20
 _GONE = object()  # queue sentinel: the connection is gone
+# An exec whose EXIT has not come this long after its timeout (the agent kills at the timeout
+# and reports within ~2 s) is looked for in the agent's LIST_EXECS, again every as often.
+EXEC_LOST_CHECK_S = 10.0
 
 
 class AgentError(Exception):
@@ -43,6 +46,10 @@ class AgentError(Exception):
 
 class AgentDisconnected(ConnectionError):
     """The connection to the agent is closed (or could not be opened)."""
+
+
+class ExecLost(Exception):
+    """The agent no longer has an exec whose result was still awaited (it will never come)."""
 
 
 @dataclass
@@ -228,8 +235,12 @@ class AgentClient:
             self._shutdown(f"connection error: {e!r}")
             raise AgentDisconnected(self._reason) from e
 
-    async def _next(self, q: asyncio.Queue) -> tuple[int, bytes]:
-        item = await q.get()
+    async def _next(self, q: asyncio.Queue, timeout: float | None = None) -> tuple[int, bytes]:
+        """The next frame of a chan (asyncio.TimeoutError after `timeout` s without one)."""
+        if timeout is None or not q.empty():
+            item = await q.get()
+        else:
+            item = await asyncio.wait_for(q.get(), timeout)   # cancelling a get loses no item
         if item is _GONE:
             raise AgentDisconnected(self._reason)
         type_, payload = item
@@ -247,7 +258,8 @@ class AgentClient:
         finally:
             self._unregister(chan, q)
 
-    async def _open(self, type_: int, chan: int, *parts: bytes) -> AsyncIterator[Output | Exit]:
+    async def _open(self, type_: int, chan: int, *parts: bytes,
+                    check_at: float | None = None) -> AsyncIterator[Output | Exit]:
         """Register the chan and send the request now; return the iterator that follows it."""
         q = self._register(chan)
         try:
@@ -255,12 +267,23 @@ class AgentClient:
         except BaseException:
             self._unregister(chan, q)
             raise
-        return self._follow(chan, q)
+        return self._follow(chan, q, check_at)
 
-    async def _follow(self, chan: int, q: asyncio.Queue) -> AsyncIterator[Output | Exit]:
+    async def _follow(self, chan: int, q: asyncio.Queue,
+                      check_at: float | None = None) -> AsyncIterator[Output | Exit]:
+        """Output and Exit of `chan`. From loop time `check_at` on, a wait without frames asks
+        the agent whether it still has the exec (every EXEC_LOST_CHECK_S): ExecLost if not."""
+        loop = asyncio.get_running_loop()
         try:
             while True:
-                t, payload = await self._next(q)
+                try:
+                    t, payload = await self._next(q, None if check_at is None else max(0.0, check_at - loop.time()))
+                except asyncio.TimeoutError:
+                    assert check_at is not None
+                    if chan not in {c for c, _ in await self.list_execs()}:
+                        raise ExecLost(f"the agent no longer has exec {chan}: its result was dropped") from None
+                    check_at = loop.time() + EXEC_LOST_CHECK_S
+                    continue
                 if t == MsgType.STDOUT:
                     yield Output("stdout", payload)
                 elif t == MsgType.STDERR:
@@ -303,8 +326,12 @@ class AgentClient:
 
     async def start_exec(self, chan: int, **kw: Any) -> AsyncIterator[Output | Exit]:
         """Like exec(), but the EXEC frame is sent before this returns: once it has returned,
-        the command runs even if the caller dies (the edge relies on that across restarts)."""
-        return await self._open(MsgType.EXEC, chan, *self._exec_parts(chan, **kw))
+        the command runs even if the caller dies (the edge relies on that across restarts).
+        With a timeout, an EXIT still missing EXEC_LOST_CHECK_S after it raises ExecLost if the
+        agent no longer has the exec (a result never to come is not waited for forever)."""
+        timeout_ms = kw.get("timeout_ms", 0)
+        check_at = asyncio.get_running_loop().time() + timeout_ms / 1000 + EXEC_LOST_CHECK_S if timeout_ms else None
+        return await self._open(MsgType.EXEC, chan, *self._exec_parts(chan, **kw), check_at=check_at)
 
     def _exec_parts(
         self,

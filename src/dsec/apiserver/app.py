@@ -11,22 +11,28 @@ from collections.abc import AsyncIterator
 from typing import Annotated
 
 from fastapi import Body, Depends, FastAPI, Query, Request
+from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsec.apiserver.context import ApiContext, EdgeHandle
+from dsec.apiserver.tenancy import check_usable, visible
+from dsec.apiserver.guard import (MAX_FILE_BYTES, QUERY_KEY_PATHS, BodyTooLarge, RequestGuard, principal_of,
+                                  request_key)
 from dsec.iam import Principal
 from dsec.iam.policy import EffectivePolicy, SandboxPolicy, check_create, check_network, is_root
-from dsec.types import (CapacityExceeded, ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult,
+from dsec.types import (CapacityExceeded, ContainerArgs, DsecError, Forbidden, ExecEvent, ExecRequest, ExecResult,
                         FileList, ImageList, InvalidArgument, NetworkPolicy, NodeStatus, NotFound,
                         SandboxInfo, SandboxList, Unavailable)
+from dsec.types import ErrorBody, InternalError
 from dsec.types import FnCallRequest
 from dsec.types import ImageInfo, PackDiffRequest
 from dsec.types import MicroVMArgs, SandboxArgs, SnapshotInfo, SnapshotList, VMArgs, node_of_snapshot
 
 log = logging.getLogger("dsec.apiserver")
 
-MAX_FILE_BYTES = 64 * 1024 * 1024
 BACKEND_TAGS = {"container": ContainerArgs, "microvm": MicroVMArgs, "vm": VMArgs}
 
 
@@ -42,37 +48,133 @@ PLACEMENT_TRIES = 3
 
 
 def _principal(request: Request) -> Principal:
-    """Authenticate `Authorization: Bearer <key>`."""
-    auth = request.headers.get("authorization", "")
-    key = auth[7:].strip() if auth.lower().startswith("bearer ") else None
-    return request.app.state.ctx.iam.authenticate(key)
+    """Who the guard authenticated (`Authorization: Bearer <key>`), before the body was read."""
+    return principal_of(request) or request.app.state.ctx.iam.authenticate(request_key(request))
 
 
 # Module level: FastAPI resolves these (string) annotations in the module's globals.
 Who = Annotated[Principal, Depends(_principal)]
 Path_ = Annotated[str, Query(min_length=1, max_length=4096, description="path inside the sandbox")]
+ExecId = Annotated[str, PathParam(pattern=r"^[0-9]{1,10}$", description="the exec_id from run/stream")]
+
+# Documented on every route that needs a key: all answer errors as ErrorBody.
+ERROR_RESPONSES = {
+    400: "malformed request: the body is not UTF-8 JSON, is nested too deeply, or has a bad Content-Length",
+    401: "no API key, or an unknown or revoked one",
+    403: "the project's sandbox policy does not allow it",
+    404: "no such sandbox, exec, snapshot, project or path (those of other projects look missing too)",
+    409: "the target's state does not allow it: sandbox stopped, session busy, exec already attached",
+    413: "the request body is larger than the route accepts",
+    422: "an argument is invalid: `field` names it, `fix` says what to send",
+    429: "no capacity for it on any node, or the project's quota is spent",
+    500: "a sandbox failed, or a bug in dsec (the server log has the details)",
+    503: "the service is not available now (no healthy node, shutting down); retry later",
+}
+
+
+def _short(text: str, n: int = 200) -> str:
+    return text if len(text) <= n else text[:n] + f"... ({len(text)} chars)"
+
+
+def _http_error(request: Request, e: StarletteHTTPException) -> DsecError:
+    """Starlette's and FastAPI's own HTTP errors (no route, wrong method, unparsable body) as
+    dsec errors."""
+    if isinstance(e, BodyTooLarge):
+        return e.error
+    if e.status_code == 404:
+        return NotFound(f"no route {request.method} {_short(request.url.path)}", field="path",
+                        fix="see the routes at /openapi.json")
+    if e.status_code == 400:
+        cause = e.__cause__
+        msg = ("request body is not valid UTF-8" if isinstance(cause, UnicodeDecodeError) else
+               "request body JSON is nested too deeply" if isinstance(cause, RecursionError) else
+               f"request body could not be parsed: {e.detail}")
+        return DsecError(msg, field="body", fix="send UTF-8 JSON as described at /openapi.json "
+                                                "(nested at most a few levels deep)")
+    err = DsecError(str(e.detail), fix="see /openapi.json")
+    err.status = e.status_code
+    err.code = "method_not_allowed" if e.status_code == 405 else f"http_{e.status_code}"
+    return err
+
+
+def _add_openapi(app: FastAPI, public_paths: frozenset[str]) -> None:
+    """The schema says what the server does: a bearer key on every route but the public ones
+    (FnCall routes also take ?api_key=), and the real error body for every error status."""
+    def openapi() -> dict:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        components = schema.setdefault("components", {})
+        components["securitySchemes"] = {
+            "bearer": {"type": "http", "scheme": "bearer",
+                       "description": "an API key, dsk_... (the admin key is in $DSEC_HOME/admin.key)"},
+            "api_key_query": {"type": "apiKey", "in": "query", "name": "api_key",
+                              "description": "the API key in the URL: FnCall routes only (SandboxFusion clients)"},
+        }
+        models = components.setdefault("schemas", {})
+        error_schema = ErrorBody.model_json_schema(ref_template="#/components/schemas/{model}")
+        models.update(error_schema.pop("$defs", {}))
+        models["ErrorBody"] = error_schema
+        error_ref = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
+        for path, operations in schema.get("paths", {}).items():
+            for op in operations.values():
+                if path in public_paths:
+                    op["security"] = []
+                    continue
+                op["security"] = [{"bearer": []}] + ([{"api_key_query": []}] if QUERY_KEY_PATHS.match(path) else [])
+                responses = op.setdefault("responses", {})
+                for status, description in ERROR_RESPONSES.items():
+                    responses[str(status)] = {"description": description, "content": error_ref}
+                op["responses"] = dict(sorted(responses.items()))
+        for unused in ("HTTPValidationError", "ValidationError"):   # FastAPI's 422 body, never sent
+            models.pop(unused, None)
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def create_app(ctx: ApiContext) -> FastAPI:
     app = FastAPI(title="dsec", version="0.1.0",
                   description="Elastic sandboxes for agent training and evaluation")
     app.state.ctx = ctx
+    public = frozenset(p for p in ("/healthz", app.openapi_url, app.docs_url, app.redoc_url,
+                                   app.swagger_ui_oauth2_redirect_url) if p)
+    # authenticate from the headers, then bound the body per route (guard.py)
+    app.add_middleware(RequestGuard, authenticate=ctx.iam.authenticate, public_paths=public)
+    _add_openapi(app, public)
 
     # -- errors: always JSON {"error": {code, message, field, fix}} ------------------------
     @app.exception_handler(DsecError)
     async def _dsec_error(_: Request, e: DsecError) -> JSONResponse:
-        return JSONResponse(e.to_body(), status_code=e.status)
+        # a refusal that passes (a sandbox's exec slots, edge/live.py) says when to retry
+        retry = getattr(e, "retry_after_s", None)
+        headers = {"Retry-After": str(retry)} if isinstance(e, CapacityExceeded) and retry else None
+        return JSONResponse(e.to_body(), status_code=e.status, headers=headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _starlette_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        err = _http_error(request, e)
+        return JSONResponse(err.to_body(), status_code=err.status, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception) -> JSONResponse:
+        # the backstop behind RequestGuard's own: never a plain-text 500
+        log.error("unhandled error", exc_info=e, extra={"method": request.method, "path": request.url.path})
+        err = InternalError(f"internal error ({type(e).__name__})", fix="retry; if it persists, report it "
+                                                                       "with the server log")
+        return JSONResponse(err.to_body(), status_code=err.status)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
         errs = e.errors()
         first = errs[0] if errs else {}
         # drop the transport part and the backend tag of the args union from the field path
-        loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path", "header")]
+        loc = [_short(str(p), 64) for p in first.get("loc", ()) if p not in ("body", "query", "path", "header")]
         if request.url.path == "/v1/sandboxes" and loc and loc[0] in BACKEND_TAGS:
             loc = loc[1:]
         fieldname = ".".join(loc) or "body"
-        msg = first.get("msg", "invalid request")
+        msg = _short(first.get("msg", "invalid request"), 1000)
         if first.get("type") == "json_invalid":
             fieldname, msg = "body", "request body is not valid JSON"
         err = InvalidArgument(f"{fieldname}: {msg}", field=fieldname,
@@ -116,6 +218,8 @@ def create_app(ctx: ApiContext) -> FastAPI:
         """Create a sandbox; `backend` picks the argument type: container (default), microvm, vm."""
         # what a sandbox may loosen is bounded by its project's policy (iam/policy.py)
         check_create(ctx.iam.effective_policy(who.project_id), args, who.project_id)
+        if ctx.images is not None and not getattr(args, "snapshot", None):
+            check_usable(ctx.iam, ctx.images, who, args)   # other projects' layers look missing
         if getattr(args, "snapshot", None):
             # a snapshot lives on one node: the new sandbox is restored there
             edge = await owned_snapshot(args.snapshot, who, field="snapshot")
@@ -123,8 +227,13 @@ def create_app(ctx: ApiContext) -> FastAPI:
         excluded: set[str] = set()
         last: DsecError | None = None
         for _ in range(PLACEMENT_TRIES):
-            node = ctx.placer.choose(ctx.watcher.nodes(), args.backend, args.cpu_cores, args.memory_mb,
-                                     exclude=excluded)
+            try:
+                node = ctx.placer.choose(ctx.watcher.nodes(), args.backend, args.cpu_cores, args.memory_mb,
+                                         exclude=excluded)
+            except DsecError:
+                if last is not None:   # every node refused: the last edge's reason names what is short
+                    raise last from None
+                raise
             try:
                 info = await ctx.edges[node].create(who.project_id, args)
                 ctx.placer.landed(node, args.cpu_cores, args.memory_mb, ctx.watcher.interval_s)
@@ -261,14 +370,17 @@ def create_app(ctx: ApiContext) -> FastAPI:
             yield first.model_dump_json().encode() + b"\n"
             try:
                 async for ev in events:
-                    yield ev.model_dump_json(exclude_none=True).encode() + b"\n"
+                    # leave out the event's empty fields, never the result's (exit_code is null
+                    # when a signal killed the command)
+                    empty = {f for f in ("exec_id", "result") if getattr(ev, f) is None}
+                    yield ev.model_dump_json(exclude=empty).encode() + b"\n"
             except DsecError as e:
                 yield ExecEvent(type="exit", data=e.message).model_dump_json().encode() + b"\n"
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
     @app.get("/v1/sandboxes/{sandbox_id}/execs/{exec_id}", response_model=ExecResult)
-    async def attach(sandbox_id: str, exec_id: str, who: Who) -> ExecResult:
+    async def attach(sandbox_id: str, exec_id: ExecId, who: Who) -> ExecResult:
         edge = await owned(sandbox_id, who)
         return await edge.attach(sandbox_id, exec_id)
 
@@ -316,9 +428,21 @@ def create_app(ctx: ApiContext) -> FastAPI:
         return ctx.watcher.nodes()
 
     @app.get("/v1/images", response_model=ImageList)
-    async def images(_: Who) -> ImageList:
+    async def images(who: Who) -> ImageList:
+        """Images and layers this project may use: its own, its relatives', and published ones."""
         if ctx.images is None:
             raise Unavailable("this apiserver has no image registry attached")
-        return ImageList(images=ctx.images.list())
+        return ImageList(images=[i for i in ctx.images.list() if visible(ctx.iam, who, i)])
+
+    @app.post("/v1/images/{name}/publish", response_model=ImageInfo)
+    async def publish_image(name: str, who: Who) -> ImageInfo:
+        """Admin only: make an image or layer usable by every project (it has no owner then)."""
+        if ctx.images is None:
+            raise Unavailable("this apiserver has no image registry attached")
+        if who.project_id != ctx.iam.root().id:
+            raise Forbidden("only an admin (a key of the root project) publishes images to all projects",
+                            field="name", fix="ask an admin to publish it")
+        ctx.images.get(name, "name")
+        return ctx.images.registry.set_owner(name, None)
 
     return app

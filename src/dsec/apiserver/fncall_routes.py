@@ -29,9 +29,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from dsec.apiserver.guard import RUN_CODE_AUTH_FIX, principal_of, request_key
+from dsec.apiserver.tenancy import visible
 from dsec.iam import Principal
 from dsec.types import (DsecError, FnCallBatch, FnCallBatchItem, FnCallRequest, FnCallResult,
-                        FnCallStatus, InvalidArgument, Unauthorized, Unavailable)
+                        FnCallStatus, InvalidArgument, NotFound, Unauthorized, Unavailable)
 
 if TYPE_CHECKING:
     from dsec.apiserver.context import ApiContext, FnCallHandle
@@ -139,20 +141,14 @@ def to_run_code_response(res: FnCallResult) -> RunCodeResponse:
 # routes
 # ---------------------------------------------------------------------------------------------
 
-def _key(request: Request) -> str | None:
-    auth = request.headers.get("authorization", "")
-    if auth.lower().startswith("bearer "):
-        return auth[7:].strip()
-    return request.query_params.get("api_key")
-
-
 def _rendezvous(nodes: list[str], key: str) -> list[str]:
     return sorted(nodes, key=lambda n: hashlib.sha256(f"{n}\0{key}".encode()).digest(), reverse=True)
 
 
 def add_fncall_routes(app: FastAPI, ctx: "ApiContext") -> None:
     def principal(request: Request) -> Principal:
-        return ctx.iam.authenticate(_key(request))
+        # the guard (guard.py) authenticated it before the body was read; the key may be ?api_key=
+        return principal_of(request) or ctx.iam.authenticate(request_key(request))
 
     def nodes_for(req: FnCallRequest) -> list["FnCallHandle"]:
         healthy = [n.node_id for n in ctx.watcher.nodes()
@@ -161,11 +157,14 @@ def add_fncall_routes(app: FastAPI, ctx: "ApiContext") -> None:
             raise Unavailable("no healthy node offers the fncall backend", fix="retry later; see `dsec nodes`")
         return [ctx.fncall[n] for n in _rendezvous(healthy, f"{req.image}\0{req.language.lower()}")]
 
-    async def run_one(req: FnCallRequest) -> FnCallResult:
+    async def run_one(req: FnCallRequest, who: Principal) -> FnCallResult:
+        if ctx.images is not None and not visible(ctx.iam, who, ctx.images.get(req.image, "image")):
+            raise NotFound(f"no image {req.image!r} for this project (image)", field="image",
+                           fix="use an image of your project or one published to all")
         last: DsecError | None = None
         for service in nodes_for(req)[:2]:    # the preferred node, then one fallback
             try:
-                return await service.run(req)
+                return await service.run(req, project=who.project_id)   # its own compile cache
             except Unavailable as e:          # that node is shutting down
                 last = e
         assert last is not None
@@ -174,8 +173,7 @@ def add_fncall_routes(app: FastAPI, ctx: "ApiContext") -> None:
     @app.post("/v1/fncall", response_model=FnCallResult, tags=["fncall"])
     async def fncall(req: FnCallRequest, request: Request) -> FnCallResult:
         """Run one short stateless program in a warm container."""
-        principal(request)
-        return await run_one(req)
+        return await run_one(req, principal(request))
 
     @app.post("/v1/fncall/batch", tags=["fncall"],
               responses={200: {"content": {"application/x-ndjson": {}},
@@ -183,11 +181,11 @@ def add_fncall_routes(app: FastAPI, ctx: "ApiContext") -> None:
     async def fncall_batch(batch: FnCallBatch, request: Request) -> StreamingResponse:
         """Run many calls; each result is one NDJSON line as soon as it is ready. A call that
         cannot run reports status sandbox-error; it never fails the batch."""
-        principal(request)
+        who = principal(request)
 
         async def one(i: int, req: FnCallRequest) -> FnCallBatchItem:
             try:
-                res = await run_one(req)
+                res = await run_one(req, who)
             except DsecError as e:
                 res = FnCallResult(status=FnCallStatus.sandbox_error, language=req.language,
                                    error=f"{e.code}: {e.message}" + (f" (field {e.field})" if e.field else ""))
@@ -222,14 +220,12 @@ def add_fncall_routes(app: FastAPI, ctx: "ApiContext") -> None:
     async def run_code(req: RunCodeRequest, request: Request) -> RunCodeResponse:
         """SandboxFusion-compatible: what verl's sandbox_fusion tool and reward code call."""
         try:
-            principal(request)
+            who = principal(request)
         except Unauthorized as e:
-            raise Unauthorized(e.message, field=e.field,
-                               fix="SandboxFusion clients send no Authorization header: put the key in the "
-                                   "URL, e.g. http://HOST:7620/run_code?api_key=dsk_...") from None
+            raise Unauthorized(e.message, field=e.field, fix=RUN_CODE_AUTH_FIX) from None
         try:
             fc = to_fncall_request(req)
-            res = await run_one(fc)
+            res = await run_one(fc, who)
         except InvalidArgument:
             raise
         except DsecError as e:

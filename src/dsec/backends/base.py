@@ -1,4 +1,4 @@
-"""The backend interface: what the edge needs of a runtime, and nothing more.
+r"""The backend interface: what the edge needs of a runtime, and nothing more.
 
 The edge owns admission, records, TTL, the agent channel and every error the caller sees; a
 backend turns validated arguments into a running sandbox whose agent answers on
@@ -106,6 +106,16 @@ class Backend(ABC):
     def end_reason(self, sandbox_id: str, cause: BaseException | None) -> str:
         """Why a sandbox that stopped answering is gone, from what it left behind."""
         return f"sandbox process exited ({cause.__class__.__name__ if cause else 'no longer running'})"
+
+    def watch_exit(self, sandbox_id: str, on_exit: Callable[[], None]) -> bool:
+        """Call `on_exit` (once, on the event loop) when the running sandbox's runtime exits on
+        its own, so the edge notices a death between requests and records end_reason() at once.
+        False: this backend cannot watch (the edge notices at the next request or, for
+        LivenessWatched backends, at its next check). Watching again replaces the watch."""
+        return False
+
+    def unwatch_exit(self, sandbox_id: str) -> None:
+        """Stop watching (the edge lets go of the sandbox; destroy() stops it too)."""
 
     def disk_usage(self, sandbox_id: str) -> int:
         """Bytes in the writable layer (polled only where disk_enforced is False)."""

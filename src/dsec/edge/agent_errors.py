@@ -13,6 +13,8 @@ ERRNO_TO_ERROR = {2: NotFound, 13: InvalidArgument, 21: InvalidArgument, 20: Inv
                   7: InvalidArgument}
 ERRNO_FIX = {2: "check the path (relative paths are relative to the sandbox workdir)",
              13: "the sandbox user may not access it; create the sandbox with user='root' if needed",
+             1: "the files API writes only where commands may: not in /proc, /sys, /dev (but /dev/shm, "
+                "/dev/mqueue), /.dsec, nor files directly in /; use a path under the workdir",
              21: "the path is a directory; use files.list", 20: "a parent of the path is not a directory",
              16: "wait for the running command in this session to finish, or use another session",
              39: "the directory is not empty", 17: "the path already exists",
@@ -31,7 +33,15 @@ def check_path(path: str) -> None:
                               fix="give an absolute path inside the sandbox, or one relative to its workdir")
 
 
+CWD_FIX = ("pass an existing directory as cwd (create it first, e.g. `mkdir -p DIR` in an earlier command), "
+           "or leave cwd unset to start in the sandbox's workdir")
+
+
 def map_agent_error(e: AgentError, field: str) -> DsecError:
+    """The API error for an agent's answer about `field` of the request. A command ("cmd") that
+    could not start because its directory is missing or no directory is about the exec's cwd."""
     cls = ERRNO_TO_ERROR.get(e.errno, InvalidArgument)
-    return cls(f"{e.message} ({os.strerror(e.errno) if e.errno else 'error'})", field=field,
-               fix=ERRNO_FIX.get(e.errno))
+    fix = ERRNO_FIX.get(e.errno)
+    if field == "cmd" and e.message.startswith("chdir "):   # the agent's start-up stage "chdir DIR: ..."
+        field, fix = "cwd", CWD_FIX
+    return cls(f"{e.message} ({os.strerror(e.errno) if e.errno else 'error'})", field=field, fix=fix)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import errno
 import logging
 import os
 import time
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, TypeVar
 
-from dsec.agent.client import AgentClient, AgentDisconnected, AgentError, DirEntry
+from dsec.agent.client import AgentClient, AgentDisconnected, AgentError, DirEntry, ExecLost
 from dsec.backends.base import (PARKED, RUNNING, Backend, Console, Egress, LayerDiff, LivenessWatched, MemoryUsage,
                                 Parking, Snapshots)
 from dsec.config import Paths
@@ -67,12 +68,13 @@ class Edge:
         self._unavailable = dict(unavailable or {})   # backend kind -> (why this node lacks it, fix)
         self.settings = settings
         self.node_id = settings.node_id
-        self.admission = admission or Admission.for_this_host()
+        self.admission = admission or Admission.for_this_host(paths.home)   # + its disks' reserves
         self.records = EdgeRecords(paths.edge_db)
         self._live: dict[str, LiveSandbox] = {}
         self._dirty: set[str] = set()          # activity and output counters to flush
         self._create_slots = asyncio.Semaphore(settings.max_parallel_creates)
         self._reaper: asyncio.Task[None] | None = None
+        self._exit_tasks: set[asyncio.Task[None]] = set()   # failing sandboxes whose runtime exited
         self._next_ping: dict[int, float] = {}   # per LivenessWatched backend (by id())
         self._disk_next = 0.0
 
@@ -87,6 +89,11 @@ class Edge:
         if self._reaper:
             self._reaper.cancel()
             await asyncio.gather(self._reaper, return_exceptions=True)
+        for live in self._live.values():
+            live.backend.unwatch_exit(live.id)
+        for task in list(self._exit_tasks):
+            task.cancel()
+        await asyncio.gather(*self._exit_tasks, return_exceptions=True)
         self._flush_activity()
         for live in list(self._live.values()):
             await live.drop_agent()
@@ -123,7 +130,18 @@ class Edge:
         return b
 
     async def _recover(self) -> None:
-        runtime = {id(b): await b.list_ids() for b in self._distinct_backends()}
+        """Adopt what still runs, fail what does not. A sandbox (or a backend) that cannot be
+        read or torn down, e.g. on a filesystem gone read-only after an I/O error, is marked
+        failed with that error and logged; recovery goes on with the others."""
+        runtime: dict[int, dict[str, str]] = {}
+        unlisted: dict[int, str] = {}
+        for each in self._distinct_backends():
+            try:
+                runtime[id(each)] = await each.list_ids()
+            except Exception as e:
+                runtime[id(each)] = {}
+                unlisted[id(each)] = f"could not list the {each.kinds[0]} backend's sandboxes: {e!r}"
+                log.exception("recovery could not list a backend's sandboxes", extra={"backend": each.kinds[0]})
         for rec in self.records.load(LIVE):
             b = self._backends.get(rec.backend)
             seen = runtime[id(b)].get(rec.id) if b is not None else None
@@ -134,17 +152,32 @@ class Edge:
             reason = {SandboxState.creating: "edge restarted while creating the sandbox",
                       SandboxState.running: "the sandbox died while the edge was down",
                       SandboxState.suspended: "the parked sandbox's saved state was lost"}.get(rec.state)
-            if b is not None:
-                await b.destroy(rec.id)
+            if b is not None and id(b) in unlisted:
+                reason = unlisted[id(b)]
             final = SandboxState.stopped if rec.state == SandboxState.stopping else SandboxState.failed
+            if b is not None:
+                try:
+                    await b.destroy(rec.id)
+                except Exception as e:
+                    final, reason = SandboxState.failed, f"{reason or 'recovery'}; could not tear it down: {e!r}"
+                    log.exception("recovery could not tear down a sandbox", extra={"sandbox": rec.id})
             self.records.set_state(rec.id, final, reason)
             log.warning("recovered sandbox", extra={"sandbox": rec.id, "was": rec.state.value, "now": final.value})
         # Anything a runtime or its disk holds that no live record owns is an orphan.
         for b in self._distinct_backends():
             for orphan in set(runtime[id(b)]) - set(self._live):
                 log.warning("removing orphan sandbox", extra={"sandbox": orphan, "backend": b.kinds[0]})
-                await b.destroy(orphan)
-            await b.recover({i for i, live in self._live.items() if live.backend is b})
+                try:
+                    await b.destroy(orphan)
+                except Exception:
+                    log.exception("could not remove an orphan sandbox", extra={"sandbox": orphan})
+            try:
+                await b.recover({i for i, live in self._live.items() if live.backend is b})
+            except Exception:
+                log.exception("backend recovery failed", extra={"backend": b.kinds[0]})
+        for live in list(self._live.values()):
+            if live.rec.state == SandboxState.running:
+                self._watch_exit(live)
 
     # -- status for the watcher ----------------------------------------------------------
     async def status(self) -> NodeStatus:
@@ -171,27 +204,46 @@ class Edge:
                             image_digest=prepared.image_digest, uid=prepared.uid, gid=prepared.gid,
                             created_at=now, last_active_at=now)
         live = LiveSandbox(rec, backend)
+        try:
+            self.records.insert(rec)   # durable before anything exists on the host
+        except Exception as e:     # e.g. "database or disk is full"
+            raise Unavailable(f"node {self.node_id} cannot record a new sandbox in {self.paths.edge_db}: {e}",
+                              fix="free space on the DSEC_HOME filesystem, then retry") from e
         self._live[rec.id] = live
-        self.records.insert(rec)   # durable before anything exists on the host
         try:
             async with self._create_slots:   # a burst starts a few at a time
                 await backend.create(rec.id, prepared, self.stacks)
             await self._adopt_agent(live)    # ready means the agent answers
         except BaseException as e:
             await asyncio.shield(self._abort_create(live, e))
-            if isinstance(e, DsecError):
-                raise
+            if isinstance(e, DsecError) or not isinstance(e, Exception):
+                raise          # cancellation and interrupts go on as they are
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS):
+                raise Unavailable(f"sandbox creation failed: node {self.node_id}'s storage: {e}",
+                                  fix="free space on the node's DSEC_HOME filesystem (a read-only scratch "
+                                      "filesystem needs dsec stopped, DSEC_HOME/sb unmounted and a restart)") from e
             raise SandboxFailed(f"sandbox creation failed: {e!r}") from e
         rec.state = SandboxState.running
         self.records.set_state(rec.id, SandboxState.running)
+        self._watch_exit(live)
         log.info("sandbox created", extra={"sandbox": rec.id, "backend": args.backend, "image": args.image,
                                            "project": project, "accel": getattr(args, "accel", None)})
         return rec.info(self.node_id)
 
     async def _abort_create(self, live: LiveSandbox, error: BaseException) -> None:
-        """A creation that failed leaves nothing: no agent channel, no runtime, a failed record."""
-        await self._teardown(live)
-        self.records.set_state(live.id, SandboxState.failed, f"creation failed: {error!s}")
+        """A creation that failed leaves nothing: no agent channel, no runtime, a failed record
+        (failed even when the teardown fails too, e.g. on a broken disk: it says so)."""
+        reason = f"creation failed: {error!s}"
+        try:
+            await self._teardown(live)
+        except Exception as e:
+            reason += f"; its teardown failed too: {e!r}"
+            log.exception("teardown after a failed create failed", extra={"sandbox": live.id})
+        live.rec.state = SandboxState.failed
+        try:
+            self.records.set_state(live.id, SandboxState.failed, reason)
+        except Exception:   # the record stays `creating`: the next start's recovery fails it
+            log.exception("could not record a failed create", extra={"sandbox": live.id})
         log.error("create failed", extra={"sandbox": live.id, "error": str(error) or repr(error)})
 
     async def _adopt_agent(self, live: LiveSandbox) -> None:
@@ -269,6 +321,25 @@ class Edge:
         await self._teardown(live)
         log.error("sandbox failed", extra={"sandbox": rec.id, "reason": rec.error})
 
+    def _watch_exit(self, live: LiveSandbox) -> None:
+        """Notice the sandbox's death between requests where its backend can watch its runtime:
+        it is failed with the backend's end_reason() at once (no longer admitted, no 'idle')."""
+        live.backend.watch_exit(live.id, lambda: self._exited(live))
+
+    def _exited(self, live: LiveSandbox) -> None:
+        if self._live.get(live.id) is not live or live.rec.state != SandboxState.running:
+            return                          # stopping, parked or gone: not news
+        task = asyncio.create_task(self._fail_exited(live), name=f"exited-{live.id}")
+        self._exit_tasks.add(task)
+        task.add_done_callback(self._exit_tasks.discard)
+
+    async def _fail_exited(self, live: LiveSandbox) -> None:
+        try:
+            if live.rec.state == SandboxState.running and not await live.backend.is_running(live.id):
+                await self._fail(live, live.backend.end_reason(live.id, None))
+        except Exception:
+            log.exception("could not fail an exited sandbox", extra={"sandbox": live.id})
+
     # -- verbs of some backends (capabilities) ---------------------------------------------
     async def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo:
         """Replace a running sandbox's egress policy; new connections see it immediately."""
@@ -299,10 +370,13 @@ class Edge:
         scrub = list(DEFAULT_SCRUB if req.scrub is None else req.scrub)
         rec.in_flight += 1      # not reaped while packing
         try:
-            async with diff.frozen_upper(rec.id) as upper:
-                info = await asyncio.to_thread(
+            # the node's heavy-work lane (bounded, own threads): creations never queue behind it
+            async with self.images.heavy.slot(), diff.frozen_upper(rec.id) as upper:
+                disk_mb = getattr(rec.args, "disk_mb", None)   # a layer is bounded by its sandbox's quota
+                info = await self.images.heavy.run(
                     self.images.pack_upper, req.name, upper.path, parents=parents, scrub=scrub,
-                    source=f"pack_diff:{rec.id}:base={rec.image_digest}", replace=req.replace, map_id=upper.map_id)
+                    source=f"pack_diff:{rec.id}:base={rec.image_digest}", replace=req.replace, map_id=upper.map_id,
+                    max_bytes=disk_mb << 20 if disk_mb else None, owner=rec.project)
         finally:
             rec.in_flight -= 1
             self._touch(rec)
@@ -367,6 +441,7 @@ class Edge:
         async with live.park_lock:
             if live.rec.state != SandboxState.running:
                 return live.rec.info(self.node_id)
+            live.backend.unwatch_exit(live.id)    # parking stops its runtime on purpose
             await live.drop_agent()
             size = await parking.park(live.id)
             live.rec.state = SandboxState.suspended
@@ -393,6 +468,7 @@ class Edge:
                     raise
                 rec.state = SandboxState.running
                 self.records.set_state(rec.id, SandboxState.running)
+                self._watch_exit(live)
                 log.info("sandbox resumed", extra={"sandbox": rec.id, "seconds": round(time.monotonic() - t0, 3)})
         self._touch(rec)
         return rec.info(self.node_id)
@@ -446,6 +522,10 @@ class Edge:
             yield live, agent
         except AgentDisconnected as e:
             await self._check_alive(live, e)
+            # a dying sandbox closes the channel a moment before its runtime is seen to exit (exit
+            # watch, crun state): look again shortly, so the caller gets the real reason
+            await asyncio.sleep(0.3)
+            await self._check_alive(live, e)
             raise SandboxFailed(f"lost the channel to sandbox {sandbox_id}'s agent; retry the request",
                                 fix="retry; if it persists the sandbox is marked failed") from e
         finally:
@@ -469,29 +549,39 @@ class Edge:
             cap = req.output_cap_bytes or rec.args.output_cap_bytes
             # the sandbox's lifetime output budget (output_budget.py) may shrink this cap
             grant = output_budget.reserve(rec, cap)
-            delivered = grant.reserved   # unless the exit result says less (abandoned: all)
+            delivered = 0                # once started: all, unless the exit result says less
             env = {**rec.args.env, **req.env}
             try:
-                try:   # sent before "start" is announced: a restarted edge can then attach to it
-                    events = await agent.start_exec(
-                        chan, cmd=req.cmd, uid=uid, gid=gid, cwd=req.cwd, env=env,
-                        timeout_ms=int(req.timeout_s * 1000), cap=grant.per_stream, session=req.session,
-                        stdin=req.stdin.encode() if req.stdin is not None else None)
-                except AgentError as e:
-                    delivered = 0
-                    raise map_agent_error(e, "cmd") from e
-                yield ExecEvent(type="start", exec_id=str(chan))
-                try:
-                    async for ev in exec_events(str(chan), events, time.monotonic()):
-                        if ev.type == "exit" and ev.result is not None:
-                            r = ev.result
-                            delivered = min(r.stdout_bytes, grant.per_stream) + min(r.stderr_bytes, grant.per_stream)
-                            r.output_budget_exhausted = grant.exhausted and (r.truncated or grant.per_stream == 0)
-                        yield ev
-                except AgentError as e:   # could not start (EAGAIN at pids_limit, EBUSY session ...)
-                    delivered = 0
-                    raise map_agent_error(e, "session" if e.errno == 16 else "cmd") from e
-                await agent.release(chan)
+                # bounded per sandbox (count and output reserved): 429 + Retry-After beyond
+                with live.exec_slot(grant.reserved):
+                    try:   # sent before "start" is announced: a restarted edge can then attach to it
+                        events = await agent.start_exec(
+                            chan, cmd=req.cmd, uid=uid, gid=gid, cwd=req.cwd, env=env,
+                            timeout_ms=int(req.timeout_s * 1000), cap=grant.per_stream, session=req.session,
+                            stdin=req.stdin.encode() if req.stdin is not None else None)
+                    except AgentError as e:
+                        raise map_agent_error(e, "cmd") from e
+                    delivered = grant.reserved
+                    yield ExecEvent(type="start", exec_id=str(chan))
+                    try:
+                        async for ev in exec_events(str(chan), events, time.monotonic()):
+                            if ev.type == "exit" and ev.result is not None:
+                                r = ev.result
+                                delivered = min(r.stdout_bytes, grant.per_stream) + min(r.stderr_bytes, grant.per_stream)
+                                r.output_budget_exhausted = grant.exhausted and (r.truncated or grant.per_stream == 0)
+                                # the result is in hand: the agent frees its copy now, before the
+                                # exit event (run() and other callers stop iterating there)
+                                try:
+                                    await agent.release(chan)
+                                except AgentDisconnected:
+                                    pass          # gone with the connection; the agent's -R bounds it
+                            yield ev
+                    except AgentError as e:   # could not start (EAGAIN at pids_limit, EBUSY session ...)
+                        delivered = 0
+                        raise map_agent_error(e, "session" if e.errno == 16 else "cmd") from e
+                    except ExecLost as e:
+                        raise SandboxFailed(f"exec {chan} in sandbox {rec.id} ended without a result: {e}",
+                                            field="exec_id", fix="run the command again") from e
             finally:
                 output_budget.settle(rec, grant, delivered)
                 self._dirty.add(rec.id)
@@ -505,10 +595,14 @@ class Edge:
 
     async def attach(self, sandbox_id: str, exec_id: str) -> ExecResult:
         """Result of an earlier exec (e.g. after the client or the edge restarted)."""
+        from dsec.agent.client import INTERNAL_CHAN_BASE
         try:
             chan = int(exec_id)
         except ValueError:
             raise InvalidArgument(f"bad exec id {exec_id!r}", field="exec_id", fix="use the exec_id from run/stream") from None
+        if not 0 < chan < INTERNAL_CHAN_BASE:    # never the chan of an exec (0, negative, internal)
+            raise NotFound(f"no exec {exec_id} in sandbox {sandbox_id}", field="exec_id",
+                           fix="use the exec_id from run/stream")
         async with self._use(sandbox_id) as (_, agent):
             try:
                 async for ev in exec_events(exec_id, agent.attach(chan), time.monotonic()):
@@ -518,6 +612,10 @@ class Edge:
                         return ev.result
             except AgentError as e:
                 raise map_agent_error(e, "exec_id") from e
+            except ValueError as e:   # the agent connection follows this chan already (AgentClient._register)
+                raise Conflict(f"exec {chan} is being followed already, by another attach or the stream that "
+                               "started it", field="exec_id",
+                               fix="wait for that request to return the result, then attach again") from e
         raise SandboxFailed("attach ended without an exit status")
 
     async def close_session(self, sandbox_id: str, name: str) -> None:

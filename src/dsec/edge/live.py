@@ -8,11 +8,35 @@ is `close()`, in one place: nothing is kept in parallel per-sandbox dicts to pop
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from dsec.agent.client import AgentClient
 from dsec.backends.base import Backend
 from dsec.edge.records import SandboxRecord
+from dsec.types import CapacityExceeded
+
+# Back-pressure per sandbox: at most EXECS_MAX commands at once, and at most exec_bytes_limit()
+# of output they may bring back together (each reserves 2 x its per-stream cap when it starts:
+# the agent keeps that much in the sandbox's memory, the edge collects it in its own). Beyond
+# either, an exec is refused at once with 429 and Retry-After, never queued without bound.
+EXECS_MAX = 64
+EXEC_BYTES_MAX = 64 << 20
+EXEC_RETRY_AFTER_S = 1
+MiB = 1 << 20
+
+
+class ExecsBusy(CapacityExceeded):
+    """The sandbox's exec slots are full: retry after `retry_after_s` (HTTP Retry-After)."""
+
+    retry_after_s = EXEC_RETRY_AFTER_S
+
+
+def exec_bytes_limit(memory_mb: int) -> int:
+    """Output bytes a sandbox's running execs may reserve together: half its memory (the agent
+    keeps their output there until delivered), 8..64 MiB."""
+    return max(8 << 20, min(EXEC_BYTES_MAX, (memory_mb << 20) // 2))
 
 
 @dataclass(eq=False)
@@ -20,8 +44,10 @@ class LiveSandbox:
     rec: SandboxRecord
     backend: Backend
     agent: AgentClient | None = None
-    next_chan: int = 0
+    next_chan: int = 1            # chan 0 is the agent's control channel
     ping_misses: int = 0          # unanswered liveness pings in a row (LivenessWatched backends)
+    execs: int = 0                # execs running now (exec_slot)
+    exec_bytes: int = 0           # output they reserved
     # one connect at a time; parking/resuming serialised; network policy changes serialised
     agent_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     park_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -31,6 +57,27 @@ class LiveSandbox:
     def id(self) -> str:
         return self.rec.id
 
+    @contextmanager
+    def exec_slot(self, reserve: int) -> Iterator[None]:
+        """Hold one of the sandbox's exec slots and `reserve` bytes of output for the duration
+        of one exec, or raise ExecsBusy (429, Retry-After). One exec alone is always admitted,
+        whatever it reserves (a single large output_cap_bytes must not be refused forever)."""
+        limit = exec_bytes_limit(self.rec.memory_mb)
+        if self.execs >= EXECS_MAX or (self.execs and self.exec_bytes + reserve > limit):
+            raise ExecsBusy(
+                f"sandbox {self.id} is busy: {self.execs} commands running with {self.exec_bytes / MiB:.1f} MiB "
+                f"of output reserved (at most {EXECS_MAX} commands and {limit / MiB:.0f} MiB; each reserves 2 x its "
+                f"output cap, this one {reserve / MiB:.1f} MiB)", field="sandbox_id",
+                fix=f"retry after {EXEC_RETRY_AFTER_S}s (Retry-After), when running commands have finished; "
+                    "or ask for a smaller output_cap_bytes")
+        self.execs += 1
+        self.exec_bytes += reserve
+        try:
+            yield
+        finally:
+            self.execs -= 1
+            self.exec_bytes -= reserve
+
     def take_chan(self) -> int:
         """A fresh exec channel number (never one the agent still retains)."""
         chan = self.next_chan
@@ -38,7 +85,9 @@ class LiveSandbox:
         return chan
 
     async def connect(self) -> AgentClient:
-        """The agent connection, reconnecting if it was lost (e.g. after an edge restart)."""
+        """The agent connection, reconnecting if it was lost (e.g. after an edge restart). A
+        plain connect to the backend's socket: the sandbox is up (the backend's wait_agent is
+        for the first connection, which may wait for a boot)."""
         agent = self.agent
         if agent is not None and not agent.closed:
             return agent

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pydantic import TypeAdapter
 
-from dsec.types import ContainerArgs, SandboxArgs, SandboxInfo, SandboxState
+from dsec.types import STORED, ContainerArgs, SandboxArgs, SandboxInfo, SandboxState
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
@@ -49,7 +49,7 @@ def parse_args(raw: str) -> tuple[SandboxArgs, int]:
     """The stored argument model, and a counter an older edge kept inside it (0 if none)."""
     d = json.loads(raw)
     used = int(d.pop(LEGACY_USED_KEY, 0) or 0)
-    return ARGS.validate_python(d), used
+    return ARGS.validate_python(d, context=STORED), used   # bounds added later must not drop records
 
 
 @dataclass

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import signal
+import stat
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -111,8 +112,33 @@ def system_project(iam: IAM) -> str:
     raise Conflict("could not create the system project", field="system")
 
 
+# What the server writes is for root alone: edge.db and a bundle's config.json hold sandboxes'
+# env values, iam.db key hashes, the logs sandbox output, a VM's saved state its memory.
+PRIVATE_UMASK = 0o077
+_PRIVATE_GLOBS = ("*", "sb/*/config.json", "sb/*/run/*.log", "vm/sb/*/*", "vm/snapshots/*/*", "vm/consoles/*",
+                  "vm/templates/*/*")
+
+
+def make_private(paths: Paths) -> None:
+    """From here on the server creates files 0600 and directories 0700 (those that others must
+    traverse, e.g. a user-namespaced sandbox's bundle, are given their modes explicitly); the
+    files an earlier version or another process left readable lose their group/other bits.
+    The shared directories are made first, with the modes they always had."""
+    paths.ensure()
+    os.umask(PRIVATE_UMASK)
+    for pattern in _PRIVATE_GLOBS:
+        for f in paths.home.glob(pattern):
+            try:
+                st = f.lstat()
+                if stat.S_ISREG(st.st_mode) and st.st_mode & 0o077:
+                    os.chmod(f, stat.S_IMODE(st.st_mode) & 0o700)
+            except OSError as e:        # gone meanwhile, or a filesystem that refuses
+                log.warning("could not make a state file private", extra={"path": str(f), "error": str(e)})
+
+
 def serve(paths: Paths, opts: ServerOptions) -> None:
     dlog.configure(opts.log_level)
+    make_private(paths)
 
     async def main() -> None:
         async with embedded(paths, opts.node_id) as ctx:

@@ -141,11 +141,12 @@ class FnCallService:
             self._check_language(lang, image, w.languages)
         return w
 
-    async def run(self, req: FnCallRequest) -> FnCallResult:
+    async def run(self, req: FnCallRequest, project: str | None = None) -> FnCallResult:
+        """Run one call for `project` (the caller's: compile-cache entries are its own)."""
         t0 = time.monotonic()
         lang = langs.resolve(req.language)
         rid = next(self._ids)
-        payload = build_payload(req, lang, rid)
+        payload = build_payload(req, lang, rid, project=project)
         w = await self._acquire(req.image, lang, prefer=payload["cache_key"])
         queued = time.monotonic() - t0
         timeout = req.timeout_s + (req.compile_timeout_s if lang.compile else 0) + self.settings.call_slack_s
@@ -181,7 +182,18 @@ class FnCallService:
         return out
 
 
-def build_payload(req: FnCallRequest, lang: langs.Language, rid: int) -> dict:
+def compile_cache_key(project: str | None, req: FnCallRequest, lang: langs.Language, argv: list[str],
+                      env: dict[str, str], files: dict[str, str]) -> str:
+    """The compile cache's key: everything the compile step's output can depend on (the
+    compiler argv, the whole environment: SOURCE_DATE_EPOCH, CPATH, JAVA_TOOL_OPTIONS, ... all
+    reach the compiler; the code and files; the image), and the caller's project, so no project
+    gets another's artifacts or learns from `compile.cached` what another compiled."""
+    blob = json.dumps({"v": 2, "project": project, "image": req.image, "language": lang.name, "argv": argv,
+                       "env": sorted(env.items()), "code": req.code, "files": sorted(files.items())})
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def build_payload(req: FnCallRequest, lang: langs.Language, rid: int, *, project: str | None = None) -> dict:
     steps = []
     if lang.compile:
         steps.append({"name": "compile", "argv": langs.expand(lang.compile, lang, req.memory_mb),
@@ -196,14 +208,14 @@ def build_payload(req: FnCallRequest, lang: langs.Language, rid: int) -> dict:
     if lang.source in files:
         raise InvalidArgument(f"files must not contain {lang.source!r}: the code goes there",
                               field="files", fix="pass the program as `code`")
+    env = {**BASE_ENV, **lang.env, **req.env}
     key = None
-    if lang.compile:   # same program, same files, same compiler: compiled once per container
-        h = hashlib.sha256(json.dumps([lang.name, steps[0]["argv"], req.code, sorted(files.items())]).encode())
-        key = h.hexdigest()
+    if lang.compile:   # same program, inputs and project: compiled once per container
+        key = compile_cache_key(project, req, lang, steps[0]["argv"], env, files)
     return {"id": rid, "source": lang.source, "code": req.code, "files": files,
             "cache_key": key, "artifacts": list(lang.artifacts),
             "stdin": base64.b64encode(req.stdin.encode()).decode() if req.stdin is not None else None,
-            "steps": steps, "env": {**BASE_ENV, **lang.env, **req.env}, "args": list(req.args),
+            "steps": steps, "env": env, "args": list(req.args),
             "max_processes": max(req.max_processes, lang.min_processes), "max_file_mb": req.max_file_mb,
             "output_cap": req.output_cap_bytes, "inline_max": INLINE_MAX,
             "fetch": list(req.fetch_files), "fetch_max": FETCH_MAX}

@@ -7,6 +7,7 @@ target, and would leave them behind if it failed half way).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -14,13 +15,15 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import subprocess
 import tempfile
 import time
 from collections import deque
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from dsec.config import Paths
 from dsec.types import InvalidArgument, Unavailable
@@ -365,3 +368,84 @@ def debootstrap_cached(paths: Paths, dest: Path, suite: str, include: Sequence[s
         log.info("cached debootstrap tree as %s (%d bytes, %.1fs)", out, out.stat().st_size,
                  time.monotonic() - t0)
     return False
+
+
+# ---------------------------------------------------------------------------------------
+# Sparse files (pack_diff): what a tree holds, holes kept when copying
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class TreeSize:
+    """Regular files of a tree, each inode once: `apparent` bytes (holes read as zeros, what
+    a reader or mkfs sees), `data` bytes really allocated, whether any file has holes, and
+    the biggest files (path, apparent bytes), for messages."""
+
+    apparent: int = 0
+    data: int = 0
+    sparse: bool = False
+    biggest: list[tuple[str, int]] = field(default_factory=list)
+
+
+def has_holes(path: str, size: int) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return os.lseek(fd, 0, os.SEEK_HOLE) < size
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def tree_size(root: Path, skip: Callable[[str], bool] = lambda rel: False) -> TreeSize:
+    """Walk `root` (no symlinks followed), leaving out relative paths `skip` says to."""
+    out = TreeSize()
+    seen: set[tuple[int, int]] = set()
+    stack = [""]
+    while stack:
+        rel = stack.pop()
+        with os.scandir(os.path.join(root, rel) if rel else root) as it:
+            for e in it:
+                r = f"{rel}/{e.name}" if rel else e.name
+                if skip(r):
+                    continue
+                st = e.stat(follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    stack.append(r)
+                    continue
+                if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) in seen:
+                    continue
+                seen.add((st.st_dev, st.st_ino))
+                out.apparent += st.st_size
+                out.data += min(st.st_blocks * 512, st.st_size)
+                if st.st_blocks * 512 < st.st_size and not out.sparse:
+                    out.sparse = has_holes(e.path, st.st_size)   # st_blocks alone: inline/compressed too
+                out.biggest = sorted([*out.biggest, ("/" + r, st.st_size)], key=lambda x: -x[1])[:3]
+    return out
+
+
+def copy_keep_holes(src_fd: int, dst_fd: int, size: int) -> int:
+    """Copy a regular file's data extents (SEEK_DATA/SEEK_HOLE) and leave its holes holes:
+    a 1 GiB `truncate` writes nothing. Returns the bytes copied."""
+    copied, pos = 0, 0
+    while pos < size:
+        try:
+            start = os.lseek(src_fd, pos, os.SEEK_DATA)
+        except OSError as e:
+            if e.errno == errno.ENXIO:     # only a hole is left
+                break
+            raise
+        end = min(os.lseek(src_fd, start, os.SEEK_HOLE), size)
+        os.lseek(dst_fd, start, os.SEEK_SET)
+        while start < end:
+            n = os.sendfile(dst_fd, src_fd, start, min(end - start, 1 << 30))
+            if n == 0:
+                break
+            start += n
+            copied += n
+        pos = end
+    os.ftruncate(dst_fd, size)
+    return copied

@@ -25,6 +25,8 @@ from typing import Callable, Iterable
 
 from dsec.types import InvalidArgument, Unavailable
 
+from .builder import copy_keep_holes
+
 LAYER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:+-]{0,100}@[A-Za-z0-9._+-]{1,26}$")
 KEEP_OVERLAY_XATTRS = {"trusted.overlay.opaque", "trusted.overlay.whiteout",
                        "trusted.overlay.whiteouts"}
@@ -89,10 +91,7 @@ def copy_upper(upper: Path, dest: Path, scrub: Iterable[str] = (),
             return
         elif stat.S_ISREG(mode):
             with open(src, "rb") as fi, open(dst, "xb") as fo:
-                while True:
-                    n = os.sendfile(fo.fileno(), fi.fileno(), None, 1 << 30)
-                    if n == 0:
-                        break
+                copy_keep_holes(fi.fileno(), fo.fileno(), st.st_size)   # a sparse file stays sparse
         elif stat.S_ISLNK(mode):
             os.symlink(os.readlink(src), dst)
         elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):

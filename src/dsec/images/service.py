@@ -7,34 +7,75 @@ SQLite at Paths.images_db; mounts are per node under Paths.layer_mounts.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import os
 import re
 import secrets
+import threading
 import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 from dsec.config import Paths
 from dsec.types import ImageInfo, InvalidArgument, LayerInfo, NotFound
 
 from .builder import (check_debootstrap_args, debootstrap_cached, default_mirror,
-                      extract_tarball, safe_rmtree, scratch_dir)
+                      extract_tarball, safe_rmtree, scratch_dir, tree_size)
 from .erofs import check_compression, mkfs, sha256_file
 from .oci import (DEFAULT_MERGE_BYTES, apply_layer, docker_archive_layers, group_layers,
                   oci_layout_layers)
 from .lazy import LazyView, lazy_enabled, manifest_file, meta_file, write_manifest
-from .layers import check_layer_name, chown_tree, copy_upper, git_archive, parse_owner
+from .layers import _scrubbed, check_layer_name, chown_tree, copy_upper, git_archive, parse_owner
 from .mounts import LayerMounts, mounts_under
 from .progress import Progress, report
 from .pull import check_ref, pull_to_layout
-from .store import (DIGEST_RE, TMP_PREFIX, FileLock, Registry, check_digest, check_name,
+from .store import (DIGEST_RE, TMP_PREFIX, FileLock, Registry, check_digest, check_may_replace, check_name,
                     layer_file, now_utc)
 
 log = logging.getLogger("dsec.images")
 
 _LAYER_FILE_RE = re.compile(r"^[0-9a-f]{64}\.erofs$")
+SPARSE_CHUNK = 4096     # chunk size of layers holding sparse files (erofs.mkfs)
 STALE_TEMP_S = 24 * 3600
+T = TypeVar("T")
+
+
+def _lower_priority() -> None:
+    """Heavy workers (and the mkfs.erofs they start) yield the CPU to creations and execs."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except OSError:
+        pass
+
+
+class HeavyWork:
+    """The node's bounded lane for heavy image work started through the API (pack_diff: a
+    walk and copy of the upper dir, mkfs.erofs, hashing; seconds to minutes). It has its own
+    threads (DSEC_HEAVY_PARALLEL, default half the cores, at least 2; niced), so it never
+    takes the default thread pool that sandbox creation and the request paths run on; work
+    beyond the limit waits for a `slot()` before it starts (a waiting pack_diff leaves its
+    sandbox running: it freezes the sandbox only once it has the slot)."""
+
+    def __init__(self, workers: int | None = None):
+        self.workers = workers or int(os.environ.get("DSEC_HEAVY_PARALLEL", "0")) or max(2, (os.cpu_count() or 2) // 2)
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="dsec-heavy", initializer=_lower_priority)
+        self._slots: asyncio.Semaphore | None = None
+
+    @asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.workers)
+        async with self._slots:
+            yield
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """fn(*args, **kwargs) on a heavy worker (queued there when all are busy)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
 
 class ImageService:
@@ -47,6 +88,7 @@ class ImageService:
         self.lazy = LazyView(self.paths) if lazy_enabled() else None
         self.mounts = LayerMounts(self.paths, source=self.lazy.source if self.lazy else None)
         self._store_lock = FileLock(self.paths.store / ".lock")
+        self.heavy = HeavyWork()
         self._sweep_stale_temps()
 
     # ---- building --------------------------------------------------------------------
@@ -156,22 +198,42 @@ class ImageService:
     def pack_upper(self, name: str, upper: Path, *, parents: Sequence[ImageInfo] = (),
                    scrub: Sequence[str] = (), source: str, replace: bool = False,
                    progress: Progress | None = None,
-                   map_id: Callable[[int], int] | None = None) -> ImageInfo:
+                   map_id: Callable[[int], int] | None = None,
+                   max_bytes: int | None = None, owner: str | None = None) -> ImageInfo:
         """pack_diff: turn an overlay upper dir (whiteouts and opaque dirs included) into a
         new layer NAME@VERSION stacked on the layers of `parents` (e.g. the workspace the
         sandbox started from). Paths matching `scrub` are left out. `map_id`: host id ->
-        layer id (a user-namespaced sandbox's upper holds shifted host ids)."""
+        layer id (a user-namespaced sandbox's upper holds shifted host ids).
+        Sparse files stay sparse (in the copy and, as chunks, in the layer); `max_bytes` (the
+        sandbox's disk quota) bounds the files' apparent size, holes included: what the layer
+        hands a reader and what building it reads. Beyond it nothing is written. `owner`: the
+        sandbox's project, which owns the layer (and must own the name if it exists)."""
         check_layer_name(name)
+        existing = self.registry.get_image(name) if replace else None
+        if existing is not None:
+            check_may_replace(existing, owner)   # before any work; put_image checks again atomically
         if not Path(upper).is_dir():
             raise NotFound(f"no writable layer at {upper}", field="sandbox_id",
                            fix="pack_diff needs a running sandbox")
+        scrub = list(scrub)
+        size = tree_size(Path(upper), lambda rel: _scrubbed(rel, scrub))
+        if max_bytes is not None and size.apparent > max_bytes:
+            big = ", ".join(f"{p} {b >> 20} MiB" for p, b in size.biggest)
+            raise InvalidArgument(
+                f"pack_diff {name}: the changes hold {size.apparent >> 20} MiB of files (holes of sparse "
+                f"files included; {size.data >> 20} MiB allocated), more than the sandbox's "
+                f"disk_mb={max_bytes >> 20} that bounds a layer; largest: {big}", field="disk_mb",
+                fix="delete or truncate the big files (or leave them out with scrub=[...]), or pack a "
+                    "sandbox created with a larger disk_mb")
         with scratch_dir(self.paths, "diff") as work:
             root = work / "rootfs"
             n = copy_upper(Path(upper), root, scrub, map_id)
-            log.info("pack_diff %s: %d entries from %s", name, n, upper)
+            log.info("pack_diff %s: %d entries from %s (%d MiB, %d MiB allocated)", name, n, upper,
+                     size.apparent >> 20, size.data >> 20)
             inherited = [lay for p in parents for lay in p.layers]
             return self._build(name, root, source, replace=replace, compression=None,
-                               progress=progress, kind="layer", parents=inherited)
+                               progress=progress, kind="layer", parents=inherited,
+                               chunk_size=SPARSE_CHUNK if size.sparse else None, owner=owner)
 
     def import_oci(self, name: str, *, oci: str | os.PathLike | None = None,
                    docker_archive: str | os.PathLike | None = None, ref: str | None = None,
@@ -245,18 +307,19 @@ class ImageService:
 
     def _build(self, name: str, root: Path, source: str, *, replace: bool,
                compression: str | None, progress: Progress | None, kind: str = "image",
-               parents: Sequence[LayerInfo] = ()) -> ImageInfo:
+               parents: Sequence[LayerInfo] = (), chunk_size: int | None = None,
+               owner: str | None = None) -> ImageInfo:
         t0 = time.monotonic()
         tmp = self.paths.store / f"{TMP_PREFIX}{secrets.token_hex(8)}.erofs"
         try:
-            mkfs(root, tmp, compression=compression, progress=progress)
+            mkfs(root, tmp, compression=compression, progress=progress, chunk_size=chunk_size)
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
             digest = sha256_file(tmp, progress=progress)
             layer = LayerInfo(digest=digest, size_bytes=tmp.stat().st_size, created_at=now_utc(),
                               source=source)
             image = self._commit(name, [*((p, None) for p in parents), (layer, tmp)],
-                                 replace=replace, kind=kind)
+                                 replace=replace, kind=kind, owner=owner)
         finally:
             for f in (tmp, manifest_file(tmp), meta_file(tmp)):
                 f.unlink(missing_ok=True)
@@ -265,7 +328,7 @@ class ImageService:
         return image
 
     def _commit(self, name: str, layers: Sequence[tuple[LayerInfo, Path | None]], *,
-                replace: bool, kind: str = "image") -> ImageInfo:
+                replace: bool, kind: str = "image", owner: str | None = None) -> ImageInfo:
         """Move new layer files into place and register the image, atomically: on any
         failure the registry is unchanged and no new layer file is left in the store."""
         added: list[Path] = []
@@ -273,7 +336,7 @@ class ImageService:
             try:
                 with self.registry.transaction() as db:
                     image, changed = self.registry.put_image(db, name, [lay for lay, _ in layers],
-                                                             replace=replace, kind=kind)
+                                                             replace=replace, kind=kind, owner=owner)
                     if changed:
                         for lay, tmp in layers:
                             final = layer_file(self.paths, lay.digest)

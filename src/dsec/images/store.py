@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from dsec.config import Paths
-from dsec.types import Conflict, ImageInfo, InvalidArgument, LayerInfo, NAME_RE, NotFound
+from dsec.types import Conflict, Forbidden, ImageInfo, InvalidArgument, LayerInfo, NAME_RE, NotFound
 
 log = logging.getLogger("dsec.images")
 
@@ -124,6 +124,14 @@ CREATE INDEX IF NOT EXISTS images_digest ON images(digest);
 """
 
 
+def check_may_replace(existing: ImageInfo, owner: str | None) -> None:
+    """A project may write only names it owns (or new ones); the operator (None) any name."""
+    if owner is not None and existing.owner != owner:
+        raise Forbidden(f"image {existing.name!r} belongs to another project" if existing.owner
+                        else f"image {existing.name!r} is published to all projects by the operator",
+                        field="name", fix="pick another name (names are shared by all projects)")
+
+
 class Registry:
     """Images and layers in SQLite (WAL). One short-lived connection per operation, so an
     instance can be shared by threads; writers use BEGIN IMMEDIATE."""
@@ -135,13 +143,17 @@ class Registry:
             db.execute("PRAGMA journal_mode=WAL")
             db.executescript(_SCHEMA)
             cols = {r[1] for r in db.execute("PRAGMA table_info(images)")}
-            if "kind" not in cols:   # v1 -> v2: images and named layers share one namespace
-                try:
-                    db.execute("ALTER TABLE images ADD COLUMN kind TEXT NOT NULL DEFAULT 'image'")
-                except sqlite3.OperationalError as e:   # another process migrated first
-                    if "duplicate column" not in str(e):
-                        raise
-            db.execute("PRAGMA user_version=2")
+            # v1 -> v2: images and named layers share one namespace; v3: images have an owner
+            # (a project; NULL = published to all: what the operator builds)
+            for col, ddl in (("kind", "ALTER TABLE images ADD COLUMN kind TEXT NOT NULL DEFAULT 'image'"),
+                             ("owner", "ALTER TABLE images ADD COLUMN owner TEXT")):
+                if col not in cols:
+                    try:
+                        db.execute(ddl)
+                    except sqlite3.OperationalError as e:   # another process migrated first
+                        if "duplicate column" not in str(e):
+                            raise
+            db.execute("PRAGMA user_version=3")
 
     @contextmanager
     def connect(self) -> Iterator[sqlite3.Connection]:
@@ -180,30 +192,30 @@ class Registry:
         return self._layer(row) if row else None
 
     def _image(self, db: sqlite3.Connection, row) -> ImageInfo:
-        name, digest, created, kind = row
+        name, digest, created, kind, owner = row
         layers = [self._layer(r) for r in db.execute(
             "SELECT l.digest, l.size_bytes, l.created_at, l.source FROM image_layers il "
             "JOIN layers l ON l.digest = il.layer WHERE il.name=? ORDER BY il.position", (name,))]
         return ImageInfo(name=name, digest=digest, layers=layers,
                          size_bytes=sum(lay.size_bytes for lay in layers),
-                         created_at=datetime.fromisoformat(created), kind=kind)
+                         created_at=datetime.fromisoformat(created), kind=kind, owner=owner)
 
     def get_image(self, name: str, db: sqlite3.Connection | None = None) -> ImageInfo | None:
         if db is None:
             with self.connect() as db:
                 return self.get_image(name, db)
-        row = db.execute("SELECT name, digest, created_at, kind FROM images WHERE name=?", (name,)).fetchone()
+        row = db.execute("SELECT name, digest, created_at, kind, owner FROM images WHERE name=?", (name,)).fetchone()
         return self._image(db, row) if row else None
 
     def get_image_by_digest(self, digest: str) -> ImageInfo | None:
         with self.connect() as db:
-            row = db.execute("SELECT name, digest, created_at, kind FROM images WHERE digest=? "
+            row = db.execute("SELECT name, digest, created_at, kind, owner FROM images WHERE digest=? "
                              "ORDER BY created_at, name LIMIT 1", (digest,)).fetchone()
             return self._image(db, row) if row else None
 
     def list_images(self) -> list[ImageInfo]:
         with self.connect() as db:
-            rows = db.execute("SELECT name, digest, created_at, kind FROM images ORDER BY name").fetchall()
+            rows = db.execute("SELECT name, digest, created_at, kind, owner FROM images ORDER BY name").fetchall()
             return [self._image(db, r) for r in rows]
 
     def image_names(self, limit: int = 1000) -> list[str]:
@@ -217,11 +229,13 @@ class Registry:
     # ---- writes (callers hold the store lock) ------------------------------------------
 
     def put_image(self, db: sqlite3.Connection, name: str, layers: Sequence[LayerInfo], *,
-                  replace: bool, kind: str = "image") -> tuple[ImageInfo, bool]:
-        """Register `name` -> layers inside the caller's transaction.
+                  replace: bool, kind: str = "image", owner: str | None = None) -> tuple[ImageInfo, bool]:
+        """Register `name` -> layers inside the caller's transaction, owned by project `owner`
+        (None: the operator, publishing to all projects).
 
         Returns (image, changed). Same name and same digest: the existing image, unchanged.
-        Different digest: Conflict unless replace."""
+        Different digest: Conflict unless replace. A project never replaces (or takes over)
+        a name that is not its own; the operator may replace anything."""
         digests = [lay.digest for lay in layers]
         digest = image_digest(digests)
         existing = self.get_image(name, db)
@@ -233,18 +247,28 @@ class Registry:
                     f"image {name!r} already exists with digest {existing.digest}; the new build "
                     f"has digest {digest}", field="name",
                     fix="pass replace=True to point the name at the new build, or pick another name")
+            check_may_replace(existing, owner)
             db.execute("DELETE FROM images WHERE name=?", (name,))
         for lay in layers:
             db.execute("INSERT OR IGNORE INTO layers(digest, size_bytes, created_at, source) "
                        "VALUES (?,?,?,?)",
                        (lay.digest, lay.size_bytes, lay.created_at.isoformat(), lay.source))
-        db.execute("INSERT INTO images(name, digest, created_at, kind) VALUES (?,?,?,?)",
-                   (name, digest, now_utc().isoformat(), kind))
+        db.execute("INSERT INTO images(name, digest, created_at, kind, owner) VALUES (?,?,?,?,?)",
+                   (name, digest, now_utc().isoformat(), kind, owner))
         db.executemany("INSERT INTO image_layers(name, position, layer) VALUES (?,?,?)",
                        [(name, i, d) for i, d in enumerate(digests)])
         image = self.get_image(name, db)
         assert image is not None
         return image, True
+
+    def set_owner(self, name: str, owner: str | None) -> ImageInfo:
+        """Give image `name` to project `owner`, or publish it to all (None)."""
+        with self.transaction() as db:
+            if db.execute("UPDATE images SET owner=? WHERE name=?", (owner, name)).rowcount == 0:
+                raise NotFound(f"no image {name!r}", field="name", fix="list images with `dsec image ls`")
+            image = self.get_image(name, db)
+        assert image is not None
+        return image
 
     def delete_image(self, db: sqlite3.Connection, name: str) -> bool:
         return db.execute("DELETE FROM images WHERE name=?", (name,)).rowcount > 0

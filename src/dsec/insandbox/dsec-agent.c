@@ -64,7 +64,7 @@ extern char **environ;
 #define MAX_CAP (64u << 20)
 #define DEFAULT_MAXLEN (64u << 20)
 #define MAX_FINISHED 64           /* finished, unreleased execs retained */
-#define MAX_FINISHED_BYTES (64u << 20)
+#define MAX_FINISHED_BYTES (64u << 20) /* default of -R */
 #define MAX_RUNNING 128           /* <= 4 fds each; with sessions and readers */
 #define MAX_SESSIONS 32           /* everything fits a 1024 fd limit */
 #define MAX_READERS 64
@@ -497,6 +497,8 @@ static struct {
 	unsigned long long fsize; /* RLIMIT_FSIZE of commands in bytes; 0: unlimited */
 	int lfd, conn, sfd, dispatching;
 	uint64_t gen, seq;
+	size_t retain_max;        /* -R: output bytes of finished, unreleased execs kept at most */
+	int evict_due;            /* an EXIT went out: its exec may be evicted (exec_evict) */
 	struct bq in, out;
 	struct proc *procs;
 	struct exec *execs;
@@ -511,7 +513,7 @@ static struct {
 	struct slot *slot;
 	size_t pcap;
 } G = { .workdir = "/", .lfd = 3, .conn = -1, .sfd = -1, .gen = 1, .ll_abi = -1, .nofile = 4096,
-	.dfd = -1, .dev_backoff = 1 };
+	.dfd = -1, .dev_backoff = 1, .retain_max = MAX_FINISHED_BYTES };
 
 static char scratch[READ_CHUNK];
 static char combine[READ_CHUNK + 128];
@@ -653,22 +655,35 @@ static void exec_output(struct exec *e, int st, const char *d, size_t n)
 		e->truncated = 1;
 }
 
-/* Drop the oldest finished execs beyond the count and byte budgets (never `keep`). */
+/*
+ * Drop finished execs beyond the count and byte budgets (MAX_FINISHED, -R), oldest first:
+ * first those whose EXIT went out (the edge has the result and should have sent RELEASE),
+ * then those no connection follows (an edge that restarts may still ATTACH). Never `keep`,
+ * and never one whose EXIT the current connection has not been sent yet: its client is
+ * waiting for that result, which would otherwise be lost (it would wait forever).
+ */
 static void exec_evict(struct exec *keep)
 {
 	for (;;) {
 		int n = 0;
 		size_t bytes = 0;
-		struct exec *old = NULL;
+		struct exec *sent = NULL, *detached = NULL;
 		for (struct exec *e = G.execs; e; e = e->next) {
 			if (e->phase != PH_DONE)
 				continue;
 			n++;
 			bytes += e->out[0].alloc + e->out[1].alloc;
-			if (e != keep && (!old || e->seq < old->seq))
-				old = e;
+			if (e == keep)
+				continue;
+			if (!attached(e)) {
+				if (!detached || e->seq < detached->seq)
+					detached = e;
+			} else if (e->exit_sent && (!sent || e->seq < sent->seq)) {
+				sent = e;
+			}
 		}
-		if (!old || (n <= MAX_FINISHED && bytes <= MAX_FINISHED_BYTES))
+		struct exec *old = sent ? sent : detached;
+		if (!old || (n <= MAX_FINISHED && bytes <= G.retain_max))
 			return;
 		exec_free(old);
 	}
@@ -762,6 +777,7 @@ static int exec_pump(struct exec *e)
 			exec_free(e);
 			return 1;
 		}
+		G.evict_due = 1; /* it may be evicted now: pump_all checks the budgets */
 	}
 	return 0;
 }
@@ -1736,6 +1752,165 @@ static int open_nomagic(const char *path, int flags, mode_t mode)
 	return fd;
 }
 
+/* openat(2) of one component below `dfd`, without magic links (see open_nomagic). */
+static int openat_nomagic(int dfd, const char *name, int flags)
+{
+	struct open_how_ how = { (uint64_t)flags, 0, RESOLVE_NO_MAGICLINKS_ };
+	int fd = (int)syscall(SYS_openat2, dfd, name, &how, sizeof how);
+	if (fd < 0 && errno == ENOSYS)
+		fd = openat(dfd, name, flags);
+	return fd;
+}
+
+/*
+ * Where the file API writes. It is the agent's own work (unconfined), but it creates, replaces
+ * and removes entries only where commands may (Landlock: LL_DENY_TOP and LL_RULES): nothing in
+ * /proc, /sys, /dev (except below /dev/shm and /dev/mqueue) or /.dsec, and no file, symlink
+ * replacement or removal directly in / -- with one exception: a new top-level *directory*
+ * (MKDIR, MKDIRS), the way new writable trees appear for later commands (FnCall's /fncall).
+ * Checked on the directory fd the operation then uses (*at calls: nothing is resolved twice),
+ * by walking up its `..` chain to the root, with the agent's own ids (only stat and O_PATH).
+ */
+static const char *const FS_OK_BELOW[] = { "/dev/shm", "/dev/mqueue" };
+
+static int same_inode(const struct stat *a, const struct stat *b)
+{
+	return a->st_dev == b->st_dev && a->st_ino == b->st_ino;
+}
+
+/* 0 if the file API may add or remove entries in directory `dfd` (`top_ok`: also when it is
+ * /, for a new directory); else EPERM with the reason in `why`. */
+static int fs_check(int dfd, int top_ok, char *why, size_t wn)
+{
+	enum { ND = sizeof LL_DENY_TOP / sizeof *LL_DENY_TOP, NO = sizeof FS_OK_BELOW / sizeof *FS_OK_BELOW };
+	struct stat root, st, deny[ND], okb[NO];
+	int has_deny[ND], has_ok[NO], err = 0;
+	uid_t fu = (uid_t)setfsuid((uid_t)-1);
+	gid_t fg = (gid_t)setfsgid((gid_t)-1);
+	fs_restore();
+	if (stat("/", &root) < 0) {
+		err = errno;
+		goto out;
+	}
+	for (size_t i = 0; i < ND; i++) {
+		char p[32];
+		snprintf(p, sizeof p, "/%s", LL_DENY_TOP[i]);
+		has_deny[i] = lstat(p, &deny[i]) == 0 && S_ISDIR(deny[i].st_mode);
+	}
+	for (size_t i = 0; i < NO; i++)
+		has_ok[i] = lstat(FS_OK_BELOW[i], &okb[i]) == 0 && S_ISDIR(okb[i].st_mode);
+	int cur = openat(dfd, ".", O_PATH | O_DIRECTORY | O_CLOEXEC);
+	if (cur < 0) {
+		err = errno;
+		goto out;
+	}
+	for (int depth = 0; !err; depth++) {
+		if (depth >= PATH_MAX || fstat(cur, &st) < 0) {
+			err = depth >= PATH_MAX ? ELOOP : errno;
+			break;
+		}
+		if (same_inode(&st, &root)) {
+			if (!depth && !top_ok) {
+				err = EPERM;
+				snprintf(why, wn, "nothing but directories is created or removed directly in / "
+					 "(commands may not either); use a directory such as the workdir");
+			}
+			break;
+		}
+		int ok = 0;
+		for (size_t i = 0; i < NO; i++)
+			ok |= has_ok[i] && same_inode(&st, &okb[i]);
+		if (ok)
+			break;
+		for (size_t i = 0; i < ND && !err; i++)
+			if (has_deny[i] && same_inode(&st, &deny[i])) {
+				err = EPERM;
+				snprintf(why, wn, "/%s is off limits to the file API, as to commands%s", LL_DENY_TOP[i],
+					 strcmp(LL_DENY_TOP[i], "dev") ? "" : " (only /dev/shm and /dev/mqueue are writable)");
+			}
+		int up = err ? cur : openat(cur, "..", O_PATH | O_DIRECTORY | O_CLOEXEC);
+		if (up < 0) {
+			err = errno;
+			break;
+		}
+		if (up != cur) {
+			close(cur);
+			cur = up;
+		}
+	}
+	close(cur);
+out:
+	fs_as(fu, fg);
+	return err;
+}
+
+/*
+ * The directory `dir` (absolute) as an O_PATH fd for the file API's writes, as the current fs
+ * ids. With `create`, missing components are made (0755, the last one `last_mode` exactly),
+ * each only where fs_check allows. Returns the fd, or -1 with the errno in *err (EPERM: the
+ * reason is in `why`); *created_last (if given) tells whether the last component was made.
+ */
+static int fs_dir(const char *dir, int create, mode_t last_mode, int *created_last, int *err, char *why, size_t wn)
+{
+	char comp[NAME_MAX + 1];
+	*err = 0;
+	if (created_last)
+		*created_last = 0;
+	int dfd = open("/", O_PATH | O_DIRECTORY | O_CLOEXEC);
+	const char *p = dir;
+	while (dfd >= 0 && *p) {
+		while (*p == '/')
+			p++;
+		size_t n = strcspn(p, "/");
+		if (!n)
+			break;
+		if (n > NAME_MAX) {
+			close(dfd);
+			*err = ENAMETOOLONG;
+			return -1;
+		}
+		memcpy(comp, p, n);
+		comp[n] = 0;
+		p += n;
+		int last = !p[strspn(p, "/")];
+		int next = openat_nomagic(dfd, comp, O_PATH | O_DIRECTORY | O_CLOEXEC);
+		if (next < 0 && errno == ENOENT && create) {
+			int e = fs_check(dfd, 1, why, wn);
+			if (e) {
+				close(dfd);
+				*err = e;
+				return -1;
+			}
+			int made = mkdirat(dfd, comp, last ? 0700 : 0755) == 0;
+			if (!made && errno != EEXIST) {
+				*err = errno;
+				close(dfd);
+				return -1;
+			}
+			if (made && last) { /* exact mode, whatever the umask; through an fd, not the name */
+				next = openat(dfd, comp, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+				if (next >= 0 && fchmod(next, last_mode & 07777) < 0) {
+					*err = errno;
+					close(next);
+					close(dfd);
+					return -1;
+				}
+				if (next >= 0 && created_last)
+					*created_last = 1;
+			} else {
+				next = openat_nomagic(dfd, comp, O_PATH | O_DIRECTORY | O_CLOEXEC);
+			}
+		}
+		if (next < 0)
+			*err = errno;
+		close(dfd);
+		dfd = next;
+	}
+	if (dfd < 0 && !*err)
+		*err = errno;
+	return dfd;
+}
+
 /* PATH field -> absolute path (relative to WORKDIR). Returns 0 or an errno. */
 static int get_path(const struct fields *f, char *out)
 {
@@ -1900,21 +2075,25 @@ static void h_file_write(uint32_t chan, const struct fields *f)
 		return;
 	}
 	size_t dlen = (size_t)(slash - path);
-	char suffix[17];
-	const char *what = "open";
+	char suffix[17], why[200] = "";
+	const char *what = mk ? "mkdir" : "open";
 	int fd = -1;
 	fs_as(uid, gid);
-	if (mk && dlen && (err = mkdirs(path, dlen, 0755, NULL))) {
-		what = "mkdir";
+	snprintf(tmp, sizeof tmp, "%.*s", (int)dlen, path);
+	int dfd = fs_dir(tmp, (int)mk, 0755, NULL, &err, why, sizeof why);
+	if (dfd < 0)
 		goto done;
-	}
+	what = "write";
+	if ((err = fs_check(dfd, 0, why, sizeof why)))
+		goto done;
+	what = "open";
 	for (int tries = 0; tries < 5; tries++) {
 		random_hex(suffix, 8);
-		if (snprintf(tmp, sizeof tmp, "%.*s/.%s.dsec-%s", (int)dlen, path, base, suffix) >= (int)sizeof tmp) {
+		if (snprintf(tmp, sizeof tmp, ".%s.dsec-%s", base, suffix) > NAME_MAX) {
 			err = ENAMETOOLONG;
 			goto done;
 		}
-		fd = open_nomagic(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+		fd = openat(dfd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
 		if (fd >= 0 || errno != EEXIST)
 			break;
 	}
@@ -1944,16 +2123,18 @@ static void h_file_write(uint32_t chan, const struct fields *f)
 		err = errno;
 		what = "close";
 	}
-	if (!err && rename(tmp, path) < 0) {
+	if (!err && renameat(dfd, tmp, dfd, base) < 0) {
 		err = errno;
 		what = "rename";
 	}
 	if (err)
-		unlink(tmp);
+		unlinkat(dfd, tmp, 0);
 done:
+	if (dfd >= 0)
+		close(dfd);
 	fs_restore();
 	if (err)
-		send_err(chan, err, "%s %s: %s", what, path, strerror(err));
+		send_err(chan, err, "%s %s: %s", what, path, err == EPERM && *why ? why : strerror(err));
 	else
 		send_ok(chan);
 }
@@ -2028,19 +2209,35 @@ static void h_remove(uint32_t chan, const struct fields *f)
 		send_err(chan, EINVAL, "integer fields must be 4 bytes");
 		return;
 	}
-	fs_as(uid, gid);
-	int r = unlink(path);
-	if (r < 0 && (errno == EISDIR || errno == EPERM)) {
-		struct stat st;
-		if (lstat(path, &st) == 0 && S_ISDIR(st.st_mode))
-			r = rmdir(path);
-		else
-			errno = EPERM;
+	size_t n = strlen(path);
+	while (n > 1 && path[n - 1] == '/')
+		path[--n] = 0;
+	char *slash = strrchr(path, '/'), why[200] = "";
+	const char *base = slash + 1;
+	if (!*base || !strcmp(base, ".") || !strcmp(base, "..")) {
+		send_err(chan, *base ? EINVAL : EBUSY, "%s: cannot remove", path);
+		return;
 	}
-	err = r < 0 ? errno : 0;
+	*slash = 0; /* the parent, as an fd: the checked directory is the one written */
+	fs_as(uid, gid);
+	int dfd = fs_dir(path, 0, 0, NULL, &err, why, sizeof why), r = -1;
+	*slash = '/';
+	if (dfd >= 0 && !(err = fs_check(dfd, 0, why, sizeof why))) {
+		r = unlinkat(dfd, base, 0);
+		if (r < 0 && (errno == EISDIR || errno == EPERM)) {
+			struct stat st;
+			if (fstatat(dfd, base, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISDIR(st.st_mode))
+				r = unlinkat(dfd, base, AT_REMOVEDIR);
+			else
+				errno = EPERM;
+		}
+		err = r < 0 ? errno : 0;
+	}
+	if (dfd >= 0)
+		close(dfd);
 	fs_restore();
 	if (err)
-		send_err(chan, err, "%s: %s", path, strerror(err));
+		send_err(chan, err, "%s: %s", path, err == EPERM && *why ? why : strerror(err));
 	else
 		send_ok(chan);
 }
@@ -2061,13 +2258,14 @@ static void h_mkdir(uint32_t chan, const struct fields *f)
 	size_t n = strlen(path);
 	while (n > 1 && path[n - 1] == '/')
 		path[--n] = 0;
+	char why[200] = "";
 	fs_as(uid, gid);
-	err = mkdirs(path, n, 0700, &created);
-	if (!err && created && chmod(path, mode & 07777) < 0) /* exact mode, whatever the umask */
-		err = errno;
+	int dfd = fs_dir(path, 1, mode, &created, &err, why, sizeof why); /* exact mode, whatever the umask */
+	if (dfd >= 0)
+		close(dfd);
 	fs_restore();
 	if (err)
-		send_err(chan, err, "%s: %s", path, strerror(err));
+		send_err(chan, err, "%s: %s", path, err == EPERM && *why ? why : strerror(err));
 	else
 		send_ok(chan);
 }
@@ -2265,6 +2463,10 @@ static void pump_all(void)
 	for (struct exec *e = G.execs, *nx; e; e = nx) {
 		nx = e->next;
 		exec_pump(e);
+	}
+	if (G.evict_due) { /* not inside the loop above: eviction may free any exec */
+		G.evict_due = 0;
+		exec_evict(NULL);
 	}
 	for (struct freader **pp = &G.readers; *pp;) {
 		struct freader *r = *pp;
@@ -2695,7 +2897,7 @@ static int supervise_main(int argc, char **argv)
 static void usage(void)
 {
 	fputs("usage: dsec-agent [-w WORKDIR] [-u UID] [-g GID] [-f LISTEN_FD | -D DEVICE] [-s SHELL]\n"
-	      "                  [-L 0|1] [-n NOFILE] [-F FSIZE_BYTES]\n", stderr);
+	      "                  [-L 0|1] [-n NOFILE] [-F FSIZE_BYTES] [-R RETAIN_BYTES]\n", stderr);
 	exit(2);
 }
 
@@ -2704,7 +2906,7 @@ int main(int argc, char **argv)
 	if (argc > 1 && !strcmp(argv[1], "--supervise"))
 		return supervise_main(argc, argv);
 	int opt;
-	while ((opt = getopt(argc, argv, "w:u:g:f:s:L:n:F:D:")) != -1) {
+	while ((opt = getopt(argc, argv, "w:u:g:f:s:L:n:F:D:R:")) != -1) {
 		switch (opt) {
 		case 'w': G.workdir = optarg; break;
 		case 'u': G.uid = (uid_t)strtoul(optarg, NULL, 10); break;
@@ -2715,6 +2917,7 @@ int main(int argc, char **argv)
 		case 'n': G.nofile = strtoul(optarg, NULL, 10); break;
 		case 'F': G.fsize = strtoull(optarg, NULL, 10); break;
 		case 'D': G.dev = optarg; break;
+		case 'R': G.retain_max = (size_t)strtoull(optarg, NULL, 10); break;
 		default: usage();
 		}
 	}
@@ -2725,6 +2928,14 @@ int main(int argc, char **argv)
 	 * is the host's init log, fd 3 the edge's socket): without CAP_SYS_PTRACE, which no
 	 * sandbox process has, a non-dumpable process is off limits even to root. */
 	prctl(PR_SET_DUMPABLE, 0);
+	/* Device mode (a VM guest, where root has every capability): no command may do port
+	 * I/O (iopl/ioperm, /dev/port: CAP_SYS_RAWIO 17; its writes to the serial port bypass
+	 * Landlock) nor load a module that would (CAP_SYS_MODULE 16). Out of the bounding set,
+	 * no exec regains them. A container's runtime never grants them in the first place. */
+	if (G.dev && (prctl(PR_CAPBSET_DROP, 17, 0, 0, 0) < 0 || prctl(PR_CAPBSET_DROP, 16, 0, 0, 0) < 0)) {
+		perror("dsec-agent: PR_CAPBSET_DROP");
+		return 1;
+	}
 	if (G.ll_abi) {
 		int abi = ll_probe();
 		G.ll_abi = abi >= LL_MIN_ABI ? abi : 0;

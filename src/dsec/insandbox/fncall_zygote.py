@@ -699,8 +699,10 @@ class Manager:
 
 
 class CompileCache:
-    """Compiled artifacts by key (a hash of language, compiler argv, code and files, made by the
-    edge), so the same program run on many inputs compiles once per container. Entries are
+    """Compiled artifacts by key (a hash of the caller's project, image, language, compiler argv,
+    environment, code and files, made by the edge: fncall/service.py compile_cache_key), so the
+    same program run on many inputs compiles once per container, and a project never gets
+    another's artifacts. Entries are
     root-owned (0755): a call gets hard links it can execute but not modify. Least recently
     used entries go first beyond `max_entries` or `max_bytes`."""
 

@@ -207,6 +207,11 @@ class Client:
         resp = await self._request("GET", "/v1/images")
         return ImageList.model_validate_json(resp.content).images
 
+    async def publish_image(self, name: str) -> ImageInfo:
+        """Admin only: make an image or layer usable by every project."""
+        resp = await self._request("POST", f"/v1/images/{name}/publish")
+        return ImageInfo.model_validate_json(resp.content)
+
     # -- VM snapshots (taken with Sandbox.snapshot()) ------------------------------------
     async def snapshots(self) -> builtins.list[SnapshotInfo]:
         """Snapshots of this key's project and its sub-projects."""
@@ -349,7 +354,10 @@ class Sandbox:
                 _raise_for(resp, await resp.aread())
             async for line in resp.aiter_lines():
                 if line:
-                    ev = ExecEvent.model_validate_json(line)
+                    data = json.loads(line)
+                    if isinstance(data.get("result"), dict):   # older servers left out a null
+                        data["result"].setdefault("exit_code", None)   # exit_code (killed by a signal)
+                    ev = ExecEvent.model_validate(data)
                     if ev.type == "exit" and ev.result is None:
                         raise DsecError(ev.data or "exec stream ended with an error")
                     yield ev

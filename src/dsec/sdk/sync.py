@@ -94,6 +94,10 @@ class SyncClient(_sync.Synchronized):
     def images(self) -> builtins.list[ImageInfo]:
         return cast("builtins.list[ImageInfo]", _sync.call(self, "images"))
 
+    def publish_image(self, name: str) -> ImageInfo:
+        """Admin only: make an image or layer usable by every project."""
+        return cast("ImageInfo", _sync.call(self, "publish_image", name))
+
     def snapshots(self) -> builtins.list[SnapshotInfo]:
         """Snapshots of this key's project and its sub-projects."""
         return cast("builtins.list[SnapshotInfo]", _sync.call(self, "snapshots"))

@@ -59,7 +59,10 @@ class ServerProcess:
         return self.paths.admin_key_file.read_text().strip()
 
     def start(self, timeout_s: float = 60) -> None:
-        with open(self.home / "server.log", "ab") as log:
+        # private like everything the server writes (embedded/server.py: make_private)
+        fd = os.open(self.home / "server.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.fchmod(fd, 0o600)
+        with open(fd, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "dsec", "up", "--port", str(self.port)],
                                          env=self.env, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s

@@ -40,3 +40,18 @@ def v2_root() -> Path:
 def v2_dir(rel: str) -> Path:
     """The cgroup v2 directory of a sandbox: cgroup-BPF programs attach here (both layouts)."""
     return v2_root() / rel.lstrip("/")
+
+
+def oom_kills(rel: str) -> int | None:
+    """How many processes the kernel's OOM killer has killed in a sandbox's memory cgroup
+    (v2 memory.events, v1 memory.oom_control; kernels >= 4.13), None if unknown."""
+    f = (v2_root() / rel.lstrip("/") / "memory.events") if is_unified() else \
+        (CGROUP_ROOT / "memory" / rel.lstrip("/") / "memory.oom_control")
+    try:
+        for line in f.read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return None

@@ -11,15 +11,19 @@ the layer mounts, used only inside the private mount namespace (nsexec.c, idmap.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import functools
 import json
 import logging
 import os
 import shutil
+import signal
 import socket
-from collections.abc import AsyncIterator
+import struct
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dsec.backends.base import Backend, Egress, ImageStacks, LayerDiff, Prepared, UpperView
@@ -27,7 +31,7 @@ from dsec.backends.container import cgroups
 from dsec.backends.container.disk import open_quotas
 from dsec.backends.container.idmap import IdRanges, host_to_sandbox
 from dsec.backends.container.network import SandboxNetworks
-from dsec.backends.container.spec import ContainerSpec, build_config, cgroup_path
+from dsec.backends.container.spec import ContainerSpec, build_config, cgroup_path, ensure_node_file_max
 from dsec.config import Paths
 from dsec.native import compile_static
 from dsec.security.users import resolve_user
@@ -37,6 +41,28 @@ from dsec.types import ContainerArgs, NetworkPolicy, SandboxArgs, SandboxFailed,
 log = logging.getLogger("dsec.backends.container")
 
 NSEXEC_SOURCE = Path(__file__).with_name("nsexec.c")
+
+# PIDFD_GET_INFO (Linux 6.15+): the exit status of a pidfd's process once it has been reaped
+# (_IOWR(0xFF, 11, struct pidfd_info), its first 64-byte version; exit_code at offset 60).
+PIDFD_INFO_EXIT = 1 << 3
+PIDFD_GET_INFO = (3 << 30) | (64 << 16) | (0xFF << 8) | 11
+
+
+def _proc_stat(pid: int) -> list[str]:
+    """/proc/PID/stat after the command name: [0] is field 3 (state), [N-3] field N."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+@dataclass
+class _ExitWatch:
+    """A pidfd on a sandbox's init (the agent), registered with the event loop."""
+
+    pid: int
+    pidfd: int
+    start: str                    # its start time (stat field 22): the same process, not a reused pid
+    on_exit: Callable[[], None]
+    fired: bool = False
+    status: int | None = None     # wait status once it exited (None: unknown)
 
 
 class ContainerDriver(Backend, LayerDiff, Egress):
@@ -55,12 +81,14 @@ class ContainerDriver(Backend, LayerDiff, Egress):
         problem = cgroups.check_host()
         if problem:
             raise Unavailable(problem, fix=problem)
+        ensure_node_file_max()   # node-wide: sandboxes' files are bounded by their memory instead
         # per-sandbox egress policy (cgroup-BPF) and, when a policy allows anything, a veth
         self.net = SandboxNetworks(paths, lambda sid: cgroups.v2_dir(cgroup_path(sid)))
         # writable-layer quota: sandbox dirs are btrfs subvolumes with a limit (or polled)
         self.disk = open_quotas(paths)
         # a user namespace per sandbox with its own host id range (idmap.py)
         self.ids = IdRanges() if os.environ.get("DSEC_USERNS", "1") != "0" else None
+        self._watches: dict[str, _ExitWatch] = {}     # exit detection (watch_exit)
 
     # -- paths ---------------------------------------------------------------------------
     def sandbox_dir(self, sandbox_id: str) -> Path:
@@ -156,8 +184,11 @@ class ContainerDriver(Backend, LayerDiff, Egress):
                 *self._crun("run", "-d", "--preserve-fds", "1", "--pid-file", str(d / "run" / "pid"),
                             "--bundle", str(d), sandbox_id)]
         with open(d / "run" / "init.log", "ab") as logf:
+            # umask 022, not the server's private 077: what crun creates inside the rootfs
+            # (mountpoints such as /.dsec, /proc, /dev) must be usable by the sandbox's own root
             proc = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=logf, stderr=logf, pass_fds=(fd,))
+                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=logf, stderr=logf, pass_fds=(fd,),
+                umask=0o022)
             rc = await proc.wait()
         if rc != 0:
             tail = (d / "run" / "init.log").read_bytes()[-2000:].decode(errors="replace").strip()
@@ -177,6 +208,10 @@ class ContainerDriver(Backend, LayerDiff, Egress):
             log.debug("could not protect agent from the OOM killer", extra={"dir": str(d), "error": str(e)})
 
     async def destroy(self, sandbox_id: str) -> None:
+        self.unwatch_exit(sandbox_id)     # its death below is ours, not news for the edge
+        d = self.sandbox_dir(sandbox_id)
+        if d.exists() and not (d / "run" / "pid").exists():
+            await asyncio.to_thread(_kill_inflight_create, d)
         proc = await asyncio.create_subprocess_exec(
             *self._crun("delete", "-f", sandbox_id), stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
@@ -189,12 +224,13 @@ class ContainerDriver(Backend, LayerDiff, Egress):
                 cg.rmdir()
             except OSError as e:
                 log.warning("cgroup left behind", extra={"sandbox": sandbox_id, "path": str(cg), "error": str(e)})
-        d = self.sandbox_dir(sandbox_id)
         base = self.id_base(sandbox_id)
         if d.exists():
             await asyncio.to_thread(self.disk.remove_dir, d)
         if base is not None and self.ids is not None:
             self.ids.release(base, d)   # after `crun delete`: no process of the range is left
+        elif self.ids is not None:      # torn down before config.json recorded its base (a failed
+            await asyncio.to_thread(self.ids.release_owner, d)   # or crashed create): by owner
         await self.net.release(sandbox_id)   # veth (if any), IP, BPF map entries
 
     def id_base(self, sandbox_id: str) -> int | None:
@@ -271,7 +307,106 @@ class ContainerDriver(Backend, LayerDiff, Egress):
         if proc.returncode != 0:
             raise SandboxFailed(f"crun {verb} {sandbox_id} failed: {err.decode(errors='replace').strip()}")
 
+    # -- exit detection ------------------------------------------------------------------
+    def watch_exit(self, sandbox_id: str, on_exit: Callable[[], None]) -> bool:
+        """A pidfd on the sandbox's init (the agent, crun's pid file), readable on the event
+        loop the moment it exits: kill -9 from the host, the OOM killer, a crash."""
+        self.unwatch_exit(sandbox_id)
+        loop = asyncio.get_running_loop()
+        try:
+            pid = self._pid(sandbox_id)
+            pidfd = os.pidfd_open(pid)
+        except (OSError, ValueError):
+            loop.call_soon(on_exit)        # gone already: let the edge look at it now
+            return True
+        try:
+            start = _proc_stat(pid)[19]
+            # a dead sandbox's pid file may name a pid reused since: it must be in the sandbox's cgroup
+            ours = any(line.endswith(":" + cgroup_path(sandbox_id))
+                       for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines())
+        except (OSError, IndexError):
+            ours = False
+        if not ours:
+            os.close(pidfd)
+            loop.call_soon(on_exit)
+            return True
+        w = _ExitWatch(pid, pidfd, start, on_exit)
+        self._watches[sandbox_id] = w
+        loop.add_reader(pidfd, self._exited, sandbox_id, w)
+        return True
+
+    def unwatch_exit(self, sandbox_id: str) -> None:
+        w = self._watches.pop(sandbox_id, None)
+        if w is None:
+            return
+        if not w.fired:
+            try:
+                asyncio.get_running_loop().remove_reader(w.pidfd)
+            except RuntimeError:           # no loop running (interpreter shutdown)
+                pass
+        os.close(w.pidfd)
+
+    def _exited(self, sandbox_id: str, w: _ExitWatch) -> None:
+        if self._watches.get(sandbox_id) is not w or w.fired:
+            return
+        asyncio.get_running_loop().remove_reader(w.pidfd)
+        w.fired = True
+        w.status = self._exit_status(w)
+        w.on_exit()
+
+    @staticmethod
+    def _exit_status(w: _ExitWatch) -> int | None:
+        """The init's wait status: from /proc while it is a zombie (stat field 52; the host's
+        init reaps it, maybe late), from the pidfd once reaped (Linux 6.15+); None if unknown
+        (or still running)."""
+        try:
+            f = _proc_stat(w.pid)
+            if f[19] == w.start:
+                return int(f[49]) if f[0] in ("Z", "X") else None
+        except (OSError, IndexError, ValueError):
+            pass
+        info = bytearray(64)
+        struct.pack_into("<Q", info, 0, PIDFD_INFO_EXIT)
+        try:
+            fcntl.ioctl(w.pidfd, PIDFD_GET_INFO, info)
+        except OSError:
+            return None
+        return struct.unpack_from("<i", info, 60)[0] if struct.unpack_from("<Q", info)[0] & PIDFD_INFO_EXIT else None
+
+    def end_reason(self, sandbox_id: str, cause: BaseException | None) -> str:
+        """How the sandbox's init (its agent) ended, and whether the OOM killer did it. Read
+        before destroy(): the cgroup's OOM kill count goes with `crun delete`."""
+        w = self._watches.get(sandbox_id)
+        status = w.status if w is not None and w.status is not None else (self._exit_status(w) if w else None)
+        kills = cgroups.oom_kills(cgroup_path(sandbox_id))
+        signalled = status is not None and os.WIFSIGNALED(status)
+        if kills and (status is None or (signalled and os.WTERMSIG(status) == signal.SIGKILL)):
+            # SIGKILL cannot reach a pid namespace's init from inside it: the host or the OOM killer
+            return (f"out of memory (memory_mb={self._memory_mb(sandbox_id)}): the kernel's OOM killer killed the "
+                    f"sandbox's agent, its init, which ends the sandbox ({kills} OOM kill(s) in the sandbox); "
+                    "create it with a larger memory_mb")
+        if signalled:
+            sig = os.WTERMSIG(status)   # type: ignore[arg-type]
+            try:
+                name = signal.Signals(sig).name
+            except ValueError:
+                name = f"signal {sig}"
+            return f"the sandbox's init (its agent) was killed by {name} (signal {sig}) from outside the sandbox"
+        if status is not None and os.WIFEXITED(status):
+            return f"the sandbox's init (its agent) exited with status {os.WEXITSTATUS(status)}"
+        return super().end_reason(sandbox_id, cause)
+
+    def _memory_mb(self, sandbox_id: str) -> int | str:
+        try:
+            cfg = json.loads((self.sandbox_dir(sandbox_id) / "config.json").read_text())
+            return int(cfg["linux"]["resources"]["memory"]["limit"]) >> 20
+        except (OSError, ValueError, KeyError, TypeError):
+            return "?"
+
     async def is_running(self, sandbox_id: str) -> bool:
+        w = self._watches.get(sandbox_id)
+        if w is not None and w.fired:      # its init exited (watch_exit): no need to ask crun
+            return False
         proc = await asyncio.create_subprocess_exec(
             *self._crun("state", sandbox_id), stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
@@ -296,3 +431,35 @@ class ContainerDriver(Backend, LayerDiff, Egress):
             known = {}
         on_disk = {p.name for p in self.paths.sandboxes.iterdir()} if self.paths.sandboxes.exists() else set()
         return {**{d: "leftover" for d in on_disk}, **known}
+
+
+def _kill_inflight_create(bundle: Path, wait_s: float = 5.0) -> None:
+    """A create that never finished (the edge died during `crun run`: no pid file) may still
+    have its nsexec/crun processes running, outliving the edge; tearing down under them leaves
+    cgroups and mounts behind. They are found by the bundle path in their argv and killed."""
+    needle = str(bundle).encode()
+    pids = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if needle in (p / "cmdline").read_bytes():
+                    pids.append(int(p.name))
+            except OSError:
+                continue
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + wait_s
+    while pids and time.monotonic() < deadline:
+        pids = [pid for pid in pids if _alive(pid)]
+        if pids:
+            time.sleep(0.02)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return _proc_stat(pid)[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False

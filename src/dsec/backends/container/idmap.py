@@ -10,7 +10,11 @@ edge's database: several dsec homes may live on one host (test sessions, a dev s
 CI), and two of them must never hand out the same range. /run is a tmpfs, so claims vanish on
 reboot, exactly when every sandbox is gone too; an edge restart keeps them. A claim names the
 sandbox directory that owns it: a claim whose directory no longer exists is stale (its owner
-crashed before releasing it) and may be taken again, which makes leaks self-healing.
+crashed before releasing it) and may be taken again, which makes leaks self-healing. Stale
+claims are swept when a registry is opened (an edge starts) and taken back when every slot is
+claimed; a claim is written whole (temporary file, rename), and one that is empty or unreadable
+anyway counts as stale. The claim is made before the sandbox's config.json exists (which is
+where `id_base` is read back from), so the driver also releases by owner (`release_owner`).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class IdRanges:
         self.first, self.slots = first, slots
         registry.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._hint = 0
+        self.sweep()
 
     @contextmanager
     def _locked(self):
@@ -65,15 +70,46 @@ class IdRanges:
                 raise CapacityExceeded(f"no free uid range for a new sandbox ({self.slots} in use on this host)",
                                        fix="stop sandboxes, or raise DSEC_IDMAP_SLOTS")
             slot = free[0]
-            self._claim_file(slot).write_text(owner_s)
+            tmp = self.registry / f".{slot}.tmp"   # whole or not at all: a crash leaves no empty claim
+            tmp.write_text(owner_s)
+            tmp.replace(self._claim_file(slot))
             self._hint = (slot + 1) % self.slots   # round robin: a just-freed range rests a while
             return self.base(slot)
 
     def _owner_alive(self, slot: int) -> bool:
+        """Whether a claim's owner directory exists (called with the lock held, so no claim is
+        half-written: an empty or garbled one is a crashed writer's, stale)."""
         try:
-            return Path(self._claim_file(slot).read_text()).exists()
+            owner = self._claim_file(slot).read_text()
         except OSError:
             return False
+        return owner.startswith("/") and Path(owner).is_dir()
+
+    def sweep(self) -> list[int]:
+        """Free every stale claim (its owner directory is gone); returns the slots freed."""
+        freed = []
+        with self._locked():
+            for name in os.listdir(self.registry):
+                if name.isdigit() and not self._owner_alive(int(name)):
+                    self._claim_file(int(name)).unlink(missing_ok=True)
+                    freed.append(int(name))
+                elif name.endswith(".tmp"):        # a claim being written when its writer died
+                    (self.registry / name).unlink(missing_ok=True)
+        return freed
+
+    def release_owner(self, owner: Path) -> None:
+        """Free whatever range `owner` claims (a sandbox torn down before its config.json,
+        which records its base, was written: a crash or error during create)."""
+        owner_s = str(owner.resolve())
+        with self._locked():
+            for name in os.listdir(self.registry):
+                if not name.isdigit():
+                    continue
+                try:
+                    if self._claim_file(int(name)).read_text() == owner_s:
+                        self._claim_file(int(name)).unlink()
+                except OSError:
+                    pass
 
     def release(self, base: int, owner: Path) -> None:
         """Free the range at `base` if `owner` holds it (only after its processes are gone)."""

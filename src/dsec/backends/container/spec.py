@@ -43,6 +43,52 @@ def cgroup_path(sandbox_id: str) -> str:
     return f"/dsec/{sandbox_id}"
 
 
+def retained_output_bytes(memory_mb: int) -> int:
+    """What the agent (charged to the sandbox's memory) may keep of finished, unreleased execs'
+    output (its -R): a quarter of the sandbox's memory, 1..64 MiB. The edge releases each result
+    once delivered; this bounds the ones nobody collected (a client gone mid-stream)."""
+    return max(1 << 20, min(64 << 20, (memory_mb << 20) // 4))
+
+
+# Kernel memory a sandbox makes the host hold outside its own pages (docs/security.md, "Kernel
+# memory"). Socket buffers: cgroup v2 charges them to memory.max; v1 only to the global tcp_mem
+# (one 128 MiB sandbox held 402 MB of loopback buffers), unless the cgroup has a kmem.tcp limit,
+# which also turns on the per-cgroup accounting (for TCP and UDP: every socket the sandbox
+# creates afterwards). Per socket, the sandbox's own netns gets the kernel's default buffer
+# ceilings instead of a copy of the host's (often raised) ones.
+SOCKET_SYSCTLS = {"net.ipv4.tcp_rmem": "4096 131072 6291456", "net.ipv4.tcp_wmem": "4096 16384 4194304"}
+
+
+def tcp_mem_bytes(memory_mb: int) -> int:
+    """cgroup v1: socket buffer memory a sandbox may hold (memory.kmem.tcp.limit_in_bytes): a
+    quarter of its memory limit, at least 16 MiB (a few busy connections), at most the limit."""
+    mem = memory_mb << 20
+    return min(mem, max(16 << 20, mem // 4))
+
+
+def node_file_max(mem_total_bytes: int) -> int:
+    """fs.file-max the node needs: every struct file is charged to the memory cgroup of whoever
+    opens it (filp slab, ~230 B), so a sandbox's files are bounded by its memory limit. The
+    kernel's default (one file per ~10 KiB of RAM) is a count that one sandbox of a quarter of
+    the node's memory could exhaust (ENFILE for every other unprivileged process). Sized so the
+    files of all the memory there is (at 128 B each, below the real cost) fit: memory, charged
+    per sandbox, runs out first. systemd hosts have LONG_MAX already."""
+    return mem_total_bytes // 128
+
+
+def ensure_node_file_max() -> None:
+    """Raise fs.file-max to node_file_max() (never lowers it); the driver does it at start."""
+    try:
+        mem_total = next(int(line.split()[1]) << 10 for line in Path("/proc/meminfo").read_text().splitlines()
+                         if line.startswith("MemTotal:"))
+        p = Path("/proc/sys/fs/file-max")
+        want = node_file_max(mem_total)
+        if int(p.read_text()) < want:
+            p.write_text(str(want))
+    except (OSError, ValueError, StopIteration):
+        pass     # not root, or a read-only /proc/sys: memory still bounds each sandbox's files
+
+
 def build_config(spec: ContainerSpec, agent_binary: Path, *, cgroup_v2: bool) -> dict:
     mem = spec.memory_mb * 1024 * 1024
     nofile = min(resource.getrlimit(resource.RLIMIT_NOFILE)[1], 65536)
@@ -68,7 +114,8 @@ def build_config(spec: ContainerSpec, agent_binary: Path, *, cgroup_v2: bool) ->
             # The agent confines every command with Landlock (its own domain per exec/session)
             # and sets the per-command limits below (dsec-agent.c, docs/agent-protocol.md).
             "args": [AGENT_PATH_IN_SANDBOX, "-w", spec.workdir, "-u", str(spec.uid), "-g", str(spec.gid),
-                     "-n", str(spec.nofile), "-F", str((spec.max_file_mb or 0) << 20)],
+                     "-n", str(spec.nofile), "-F", str((spec.max_file_mb or 0) << 20),
+                     "-R", str(retained_output_bytes(spec.memory_mb))],
             "env": [f"PATH={DEFAULT_PATH}", "LANG=C.UTF-8"],
             "cwd": "/",
             "capabilities": {k: list(CAPABILITIES) for k in ("bounding", "effective", "permitted")},
@@ -99,11 +146,14 @@ def build_config(spec: ContainerSpec, agent_binary: Path, *, cgroup_v2: bool) ->
             "cgroupsPath": cgroup_path(spec.sandbox_id),
             "resources": {
                 "devices": [{"allow": False, "access": "rwm"}],
-                "memory": {"limit": mem, "swap": mem},   # swap == limit: no swap while running
+                # swap == limit: no swap while running; v1: socket buffers bounded (above)
+                "memory": {"limit": mem, "swap": mem,
+                           **({} if cgroup_v2 else {"kernelTCP": tcp_mem_bytes(spec.memory_mb)})},
                 "cpu": {"quota": max(1000, int(spec.cpu_cores * CPU_PERIOD_US)), "period": CPU_PERIOD_US,
                         "shares": max(2, int(1024 * spec.cpu_cores))},
                 "pids": {"limit": spec.pids_limit},
             },
+            "sysctl": dict(SOCKET_SYSCTLS),    # written by crun in the sandbox's own netns
             "seccomp": seccomp_profile(),
             "maskedPaths": list(MASKED_PATHS),
             "readonlyPaths": list(READONLY_PATHS),

@@ -3,7 +3,8 @@
 Per sandbox, under <home>/vm/sb/<id>/: `upper.img` (raw ext4, cold boots) or `upper.qcow2`
 (copy-on-write over a template's or snapshot's disk, whose bases are linked in beside it as
 `chain-*`: chain.py), `agent.sock` (QEMU's end of the
-virtio-serial agent port), `qmp.sock`, `console.log` (the guest's serial console), `qemu.pid`,
+virtio-serial agent port), `qmp.sock`, `console.in`/`console.out` (FIFOs of the serial console)
+and `console.log` (what the edge read from it, size-capped: console.py), `qemu.pid`,
 `spec.json` (what it was built from: snapshots and restarts need it).
 
 Three ways to start a VM:
@@ -31,7 +32,7 @@ from typing import Literal
 from dsec.agent.client import AgentClient
 from dsec.backends.base import (PARKED, RUNNING, Backend, Console, ImageStacks, LivenessWatched, MemoryUsage,
                                 Parking, Prepared, Snapshots)
-from dsec.backends.vm import chain, disks, guest
+from dsec.backends.vm import chain, console as vmconsole, disks, guest
 from dsec.backends.vm.accel import AccelChooser
 from dsec.backends.vm.qemu import (Disk, Kind, Machine, Pmem, Qmp, kill, launch, pid_alive, pss_bytes, qemu_binary,
                                    qemu_log_tail, shell_safe)
@@ -174,7 +175,8 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, LivenessWatche
                            initrd=Path(b.initrd) if b.initrd else None, append=b.append,
                            disks=(Disk(upper.path, "dsec-root", readonly=False, fmt=upper.fmt),),
                            ram_file=ram_file, ram_shared=ram_shared, agent_socket=d / "agent.sock",
-                           qmp_socket=d / "qmp.sock", console_log=d / "console.log", pidfile=d / "qemu.pid",
+                           qmp_socket=d / "qmp.sock", console_log=d / "console.log",
+                           console_pipe=vmconsole.chardev_base(d), pidfile=d / "qemu.pid",
                            incoming=incoming)
         disks: list[Disk] = []
         pmems: list[Pmem] = []
@@ -188,7 +190,8 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, LivenessWatche
                        memory_mb=spec.memory_mb, kernel=self.kernel.vmlinuz, initrd=self.initrd,
                        append=self.append_line(spec), disks=tuple(disks), pmems=tuple(pmems),
                        ram_file=ram_file, ram_shared=ram_shared, agent_socket=d / "agent.sock",
-                       qmp_socket=d / "qmp.sock", console_log=d / "console.log", pidfile=d / "qemu.pid",
+                       qmp_socket=d / "qmp.sock", console_log=d / "console.log",
+                       console_pipe=vmconsole.chardev_base(d), pidfile=d / "qemu.pid",
                        incoming=incoming)
 
     async def _pmem_file(self, lay: LayerFile) -> Pmem:
@@ -287,11 +290,18 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, LivenessWatche
             base = chain.adopt(d, Path(spec.boot_disk.base), f"disk-{spec.boot_disk.name}.qcow2")
             await _run("qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", base, str(upper_q))
             m = await self.machine(spec, d, Disk(upper_q, "dsec-root", readonly=False, fmt="qcow2"), name=name)
-            return await launch(m, d)
+            return await self._launch(m, d)
         upper = d / "upper.img"
         await asyncio.to_thread(guest.make_upper_disk, upper, spec.disk_mb)
         m = await self.machine(spec, d, Disk(upper, "dsec-upper", readonly=False), ram_file=ram_file,
                                ram_shared=ram_shared, name=name)
+        return await self._launch(m, d)
+
+    async def _launch(self, m: Machine, d: Path) -> int:
+        """Start QEMU with its serial console read into console.log, size-capped (console.py):
+        the reader opens the FIFO first, so not a byte of the boot is missed."""
+        vmconsole.make_fifos(d)
+        vmconsole.attach(d)
         return await launch(m, d)
 
     async def _restore(self, spec: VMSpec, d: Path, state: Path, base_disk: Path, base_name: str,
@@ -313,7 +323,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, LivenessWatche
         await _run("qemu-img", "create", "-q", "-f", "qcow2", "-F", fmt, "-b", base, str(upper))
         m = await self.machine(spec, d, Disk(upper, "dsec-upper", readonly=False, fmt="qcow2"),
                                ram_file=ram_file, ram_shared=False, incoming=True)
-        await launch(m, d)
+        await self._launch(m, d)
         try:
             async with Qmp(m.qmp_socket, spec.sandbox_id) as q:
                 if ignore_shared:   # RAM is not in the stream: it is the template's file, mapped privately
@@ -377,6 +387,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, LivenessWatche
         pid = self._pid(sandbox_id)
         if pid is not None:
             await kill(pid, sandbox_id)
+        vmconsole.detach(d)      # the last lines QEMU wrote, then stop reading
         self.started.pop(sandbox_id, None)
         if d.exists():
             self._keep_console(d)
@@ -410,6 +421,14 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, LivenessWatche
                            else PARKED if self.is_saved(d.name) else "stopped")
         return out
 
+    async def recover(self, live_ids: set[str]) -> None:
+        """After an edge restart: read the consoles of the running VMs again (QEMU discarded
+        what the guests wrote while no edge was connected)."""
+        for sandbox_id in live_ids:
+            d = self.sandbox_dir(sandbox_id)
+            if vmconsole.tap_of(d) is None and await self.is_running(sandbox_id):
+                vmconsole.attach(d)
+
     async def pause(self, sandbox_id: str) -> None:
         async with Qmp(self.sandbox_dir(sandbox_id) / "qmp.sock", sandbox_id) as q:
             await q.run("stop")
@@ -438,6 +457,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, LivenessWatche
                     # bases, linked in beside it
                     await _run("cp", "--sparse=always", str(upper), str(tmp / upper.name))
                     chain.carry(d, tmp)
+                    vmconsole.drain(d)
                     if (d / "console.log").is_file():
                         shutil.copyfile(d / "console.log", tmp / "console.log")
                 finally:
@@ -471,6 +491,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, LivenessWatche
         pid = self._pid(sandbox_id)
         if pid is not None:
             await kill(pid, sandbox_id)
+        vmconsole.detach(d)
         for f in ("agent.sock", "qmp.sock", "qemu.pid"):
             (d / f).unlink(missing_ok=True)
         self.started.pop(sandbox_id, None)
@@ -486,7 +507,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, LivenessWatche
         upper = d / _upper_name(d)
         fmt = "qcow2" if upper.suffix == ".qcow2" else "raw"
         m = await self.machine(spec, d, Disk(upper, "dsec-upper", readonly=False, fmt=fmt), incoming=True)
-        await launch(m, d)
+        await self._launch(m, d)
         try:
             async with Qmp(m.qmp_socket, sandbox_id) as q:
                 await q.run("migrate-incoming", uri=f"exec:cat {shell_safe(d / 'saved.state')}")
@@ -588,6 +609,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, LivenessWatche
 
 def console_tail(d: Path, n: int = 800) -> str:
     """The end of the guest's serial console, and QEMU's own errors if it wrote any."""
+    vmconsole.drain(d)     # QEMU may have written its last lines (a panic) and exited just now
     try:
         tail = (d / "console.log").read_bytes()[-n:].decode(errors="replace").strip()
     except OSError:

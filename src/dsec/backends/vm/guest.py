@@ -46,7 +46,8 @@ SOCK with `AgentClient.connect(SOCK)` and speaks the unchanged protocol. One hos
 a time; after a host disconnect (or a snapshot restore) the next connection is a fresh one
 (re-ATTACH to get retained output). The agent answers nothing until the host sends a frame.
 
-Console: ttyS0 (`-serial chardev:con` with `-chardev file,id=con,path=LOG`), on both machines.
+Console: ttyS0 (`-serial chardev:con`), on both machines; the driver's chardev is a pipe the
+edge reads into a size-capped log (console.py), `qemu_argv` below appends to a file.
 init failures print `dsec-init: error: ...` there before the kernel panics.
 
 `qemu_argv(GuestBoot(...)) -> list[str]` is the full, foreground QEMU command line the tests

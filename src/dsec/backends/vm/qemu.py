@@ -69,6 +69,9 @@ class Machine:
     agent_socket: Path = Path("agent.sock")
     qmp_socket: Path = Path("qmp.sock")
     console_log: Path = Path("console.log")
+    # the serial console as a pipe (FIFOs <console_pipe>.in/.out) the edge reads into
+    # console_log with a size cap (console.py); None: QEMU appends to console_log, unbounded
+    console_pipe: Path | None = None
     pidfile: Path = Path("qemu.pid")
     incoming: bool = False            # wait for `migrate-incoming` (restore from a snapshot)
 
@@ -90,7 +93,9 @@ class Machine:
              "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
              "-kernel", str(self.kernel), *(["-initrd", str(self.initrd)] if self.initrd else []),
              "-append", self.append,
-             "-chardev", f"file,id=con,path={self.console_log},append=on", "-serial", "chardev:con",
+             "-chardev", (f"pipe,id=con,path={self.console_pipe}" if self.console_pipe is not None
+                          else f"file,id=con,path={self.console_log},append=on"),
+             "-serial", "chardev:con",
              "-device", self._dev("virtio-serial"),
              "-chardev", f"socket,id=agent,path={self.agent_socket},server=on,wait=off",
              "-device", "virtserialport,chardev=agent,name=dsec.agent",

@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dsec.backends.vm import console as vmconsole
 from dsec.backends.vm.qemu import Qmp, kill, shell_safe
 from dsec.config import Paths
 
@@ -149,14 +150,16 @@ class Templates:
                 except Exception:   # QEMU may close the socket before it answers
                     pass
             await kill(pid, name)
+            vmconsole.detach(t.dir)     # its boot log, which every clone starts with
             os.replace(t.dir / "state.tmp", t.state)
             os.chmod(t.upper, 0o400)      # the clones' qcow2 base: never written again
         except BaseException:
             await asyncio.shield(kill(pid, name))
+            vmconsole.detach(t.dir)
             shutil.rmtree(t.dir, ignore_errors=True)
             t.ram.unlink(missing_ok=True)
             raise
-        for f in ("agent.sock", "qmp.sock", "qemu.pid"):
+        for f in ("agent.sock", "qmp.sock", "console.in", "console.out", "qemu.pid"):
             (t.dir / f).unlink(missing_ok=True)
         log.info("vm template built", extra={"template": t.key, "seconds": round(time.monotonic() - t0, 2),
                                              "ram_bytes": t.ram.stat().st_blocks * 512})

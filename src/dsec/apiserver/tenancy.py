@@ -1,0 +1,37 @@
+"""Images and layers belong to projects: who may see and use which.
+
+A layer a sandbox packs (pack_diff) is owned by the sandbox's project. It is visible to that
+project, to the projects below it (a team's workspaces serve its sub-projects) and to those
+above it (a parent already controls its children's sandboxes). Images the operator builds or
+imports, and images an admin publishes, have no owner: every project sees them. To anyone else
+an owned image looks missing (404 naming the field), as another project's sandboxes do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dsec.iam import IAM, Principal
+from dsec.images.service import ImageService
+from dsec.types import ImageInfo, NotFound
+
+
+def visible(iam: IAM, who: Principal, info: ImageInfo) -> bool:
+    if info.owner is None:
+        return True
+    return info.owner in iam.ancestors(who.project_id) or iam.can_access(who, info.owner)
+
+
+def check_usable(iam: IAM, images: ImageService, who: Principal, args: Any) -> None:
+    """Every image a sandbox would be composed of (image, workspace, toolkits) exists and is
+    visible to the caller; else NotFound naming the field, the same as a missing one."""
+    refs = [("image", args.image)]
+    if getattr(args, "workspace", None):
+        refs.append(("workspace", args.workspace))
+    refs += [(f"toolkits[{i}]", name) for i, name in enumerate(getattr(args, "toolkits", []))]
+    for field, name in refs:
+        info = images.get(name, field)
+        if not visible(iam, who, info):
+            raise NotFound(f"no {field.split('[')[0].rstrip('s')} {name!r} for this project ({field})",
+                           field=field, fix="use an image or layer of your project (or one published to all); "
+                                            "list them with `dsec image ls`")

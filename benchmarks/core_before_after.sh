@@ -23,3 +23,9 @@ run() {
   $PY -m dsec down >/dev/null 2>&1
 }
 for i in $(seq 1 "$ROUNDS"); do run before "$i"; run after "$i"; done
+# leave nothing behind: the worktrees, and each home's scratch mount (dsec down keeps it for a restart)
+for side in before after; do
+  umount /var/tmp/bench-$side/sb 2>/dev/null
+  rm -rf /var/tmp/bench-$side
+  git worktree remove --force /tmp/dsec-$side
+done

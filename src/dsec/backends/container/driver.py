@@ -11,6 +11,7 @@ the layer mounts, used only inside the private mount namespace (nsexec.c, idmap.
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import functools
 import json
@@ -121,7 +122,17 @@ class ContainerDriver(Backend, LayerDiff, Egress):
     async def _start(self, sandbox_id: str, spec: ContainerSpec) -> None:
         d = self.sandbox_dir(sandbox_id)
         try:
-            spec = await asyncio.to_thread(self._prepare_bundle, d, spec)
+            try:
+                spec = await asyncio.to_thread(self._prepare_bundle, d, spec)
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+                    raise
+                # btrfs can refuse a new subvolume (metadata full) while statvfs still shows room
+                raise Unavailable(f"node's sandboxes' scratch filesystem ({self.paths.sandboxes}) cannot take a new "
+                                  f"sandbox: {e.strerror} (admission keeps DSEC_SCRATCH_RESERVE_MB free; this "
+                                  "create got past it)", field=None,
+                                  fix="stop idle sandboxes or delete files in them, or raise DSEC_SCRATCH_GB; "
+                                      "retry (placement tries another node)") from e
             listener = self._listen(self.agent_socket(sandbox_id))
             try:
                 await self._run_crun(sandbox_id, d, spec, listener)

@@ -221,20 +221,22 @@ class ContainerDriver(Backend, LayerDiff, Egress):
     async def destroy(self, sandbox_id: str) -> None:
         self.unwatch_exit(sandbox_id)     # its death below is ours, not news for the edge
         d = self.sandbox_dir(sandbox_id)
-        if d.exists() and not (d / "run" / "pid").exists():
+        killed = d.exists() and not (d / "run" / "pid").exists()
+        if killed:
             await asyncio.to_thread(_kill_inflight_create, d)
         proc = await asyncio.create_subprocess_exec(
             *self._crun("delete", "-f", sandbox_id), stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
         _, err = await proc.communicate()
-        if proc.returncode != 0 and b"does not exist" not in err and b"No such file" not in err:
+        unknown = b"does not exist" in err or b"No such file" in err
+        if proc.returncode != 0 and not unknown:
             log.warning("crun delete failed", extra={"sandbox": sandbox_id, "stderr": err.decode(errors="replace")})
+        if unknown and not killed and d.exists():
+            # crun has no state for it, yet its bundle is here: a `crun run` may still be
+            # creating it (the edge died mid-create after the pid file was written)
+            await asyncio.to_thread(_kill_inflight_create, d)
         # cgroups that crun could not remove (e.g. it died mid-create) are removed here
-        for cg in cgroups.leftover_dirs(cgroup_path(sandbox_id)):
-            try:
-                cg.rmdir()
-            except OSError as e:
-                log.warning("cgroup left behind", extra={"sandbox": sandbox_id, "path": str(cg), "error": str(e)})
+        await asyncio.to_thread(_remove_cgroups, sandbox_id)
         base = self.id_base(sandbox_id)
         if d.exists():
             await asyncio.to_thread(self.disk.remove_dir, d)
@@ -474,3 +476,28 @@ def _alive(pid: int) -> bool:
         return _proc_stat(pid)[0] not in ("Z", "X")
     except (OSError, IndexError):
         return False
+
+
+def _remove_cgroups(sandbox_id: str, tries: int = 20) -> None:
+    """rmdir the sandbox's cgroup directories in every hierarchy; processes still in one (a
+    half-started init) are killed first. Retried briefly: a killed process leaves its cgroups
+    a moment after it is gone."""
+    left: list[Path] = []
+    for attempt in range(tries):
+        left = []
+        for cg in cgroups.leftover_dirs(cgroup_path(sandbox_id)):
+            try:
+                cg.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError:
+                left.append(cg)
+                try:
+                    for pid in (cg / "cgroup.procs").read_text().split():
+                        os.kill(int(pid), signal.SIGKILL)
+                except (OSError, ValueError):
+                    pass
+        if not left:
+            return
+        time.sleep(0.05)
+    log.warning("cgroups left behind", extra={"sandbox": sandbox_id, "paths": [str(c) for c in left]})

@@ -406,19 +406,19 @@ class Edge:
     def _snapshot_info(self, r: dict[str, Any]) -> SnapshotInfo:
         return SnapshotInfo(node=self.node_id, **{**r, "created_at": datetime.fromtimestamp(r["created_at"], timezone.utc)})
 
-    def _snapshot_owner(self, snapshot_id: str) -> Snapshots:
+    def _find_snapshot(self, snapshot_id: str) -> tuple[Snapshots, dict[str, Any]]:
+        """The backend holding the snapshot, and its record (file reads: call in a thread)."""
         for b in self._snapshot_backends():
             try:
-                b.snapshot_record(snapshot_id)
-                return b
+                return b, b.snapshot_record(snapshot_id)
             except NotFound:
                 continue
         raise NotFound(f"no snapshot {snapshot_id!r} on node {self.node_id}", field="snapshot_id",
                        fix="use an id returned by Sandbox.snapshot(); list them with `dsec vm snapshot ls`")
 
     async def get_snapshot(self, snapshot_id: str) -> SnapshotInfo:
-        owner = self._snapshot_owner(snapshot_id)
-        return self._snapshot_info(await asyncio.to_thread(owner.snapshot_record, snapshot_id))
+        _, record = await asyncio.to_thread(self._find_snapshot, snapshot_id)
+        return self._snapshot_info(record)
 
     async def list_snapshots(self, project: str | None = None) -> builtins.list[SnapshotInfo]:
         out: builtins.list[SnapshotInfo] = []
@@ -430,7 +430,8 @@ class Edge:
     async def delete_snapshot(self, snapshot_id: str) -> None:
         """Remove a snapshot. Sandboxes restored from it keep running and restoring: they hold
         their own links to what they need of it."""
-        await self._snapshot_owner(snapshot_id).delete_snapshot(snapshot_id)
+        owner, _ = await asyncio.to_thread(self._find_snapshot, snapshot_id)
+        await owner.delete_snapshot(snapshot_id)
         log.info("snapshot deleted", extra={"snapshot": snapshot_id})
 
     async def suspend(self, sandbox_id: str) -> SandboxInfo:

@@ -122,6 +122,9 @@ def test_public_routes_need_no_key(server):
     ("POST", "/v1/sandboxes", 1 * MiB),
     ("PUT", "/v1/sandboxes/sb-local.000000000000/network", 1 * MiB),
     ("POST", "/v1/sandboxes/sb-local.000000000000/exec", 24 * MiB),
+    ("POST", "/v1/sandboxes/sb-local.000000000000/execs", 24 * MiB),
+    ("POST", "/v1/sandboxes/sb-local.000000000000/execs/1/stdin", 24 * MiB),
+    ("POST", "/v1/sandboxes/sb-local.000000000000/timeout", 1 * MiB),
     ("PUT", "/v1/sandboxes/sb-local.000000000000/files?path=/work/a", 64 * MiB),
     ("POST", "/v1/fncall/batch", 64 * MiB),
 ])

@@ -28,6 +28,15 @@ def test_sandbox_commands(server):
     assert sid not in dsec(server, "sandbox", "ls").stdout
 
 
+def test_argv_after_dashes_arrives_intact(server):
+    """Several arguments are an argv (each quoted), one argument is a shell command line."""
+    p = dsec(server, "run", "debian-python", "--", "python3", "-c", "print(6*7)")
+    assert p.stdout == "42\n"
+    p = dsec(server, "run", "busybox", "--", "printf", "%s|", "a b", "$HOME", "it's")
+    assert p.stdout == "a b|$HOME|it's|"
+    assert dsec(server, "run", "busybox", "--", "echo a | tr a b").stdout == "b\n"
+
+
 def test_bad_input_is_actionable(server):
     p = dsec(server, "sandbox", "create", "no-such-image", check=False)
     assert p.returncode == 2 and "field: image" in p.stderr and "fix:" in p.stderr

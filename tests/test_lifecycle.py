@@ -123,6 +123,8 @@ async def test_edge_restart_keeps_sandboxes_sessions_and_running_commands(server
         claims = _id_claims(server.paths.sandboxes / sb.id)
         assert len(claims) == 1                # its own host uid range, claimed host-wide
         await sb.run("export KEEP=me; cd /tmp", session="s")
+        detached = await sb.start("cat; echo bye", keep_stdin=True)    # its stdin stays open across it
+        await sb.send_stdin(detached.exec_id, "a\n")
         stream = sb.stream("sleep 2; echo finished", timeout_s=60)
         start = await anext(stream)
         exec_id = start.exec_id
@@ -138,6 +140,9 @@ async def test_edge_restart_keeps_sandboxes_sessions_and_running_commands(server
         r = await sb2.attach(exec_id)          # the command kept running and its result survived
         assert r.stdout == "finished\n" and r.exit_code == 0
         assert (await sb2.run("echo $KEEP $(pwd)", session="s")).stdout == "me /tmp\n"
+        assert detached.exec_id in {e.exec_id for e in await sb2.execs()}
+        await sb2.send_stdin(detached.exec_id, "b\n", close=True)
+        assert (await sb2.attach(detached.exec_id)).stdout == "a\nb\nbye\n"
         # the restarted edge kept the range: still claimed, never handed to a new sandbox
         assert _id_claims(server.paths.sandboxes / sb.id) == claims
         fresh = await c.create_container(image="busybox")

@@ -5,14 +5,14 @@ from typing import TYPE_CHECKING, Any
 from dsec.sdk.client import Client, Created, ExecFailed, Files, Sandbox
 from dsec.types import FnCallRequest, FnCallResult, FnCallStatus
 from dsec.types import MicroVMArgs, SnapshotInfo, VMArgs
-from dsec.types import (ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult, FileEntry,
+from dsec.types import (ContainerArgs, DsecError, ExecEvent, ExecInfo, ExecRequest, ExecResult, FileEntry,
                         NetworkPolicy, NetworkRule, SandboxInfo, SandboxState)
 
 if TYPE_CHECKING:   # type checkers see the generated, typed blocking client
     from dsec.sdk.sync import SyncClient
 
 __all__ = ["Client", "Created", "ExecFailed", "Files", "Sandbox", "ContainerArgs", "DsecError",
-           "ExecEvent", "ExecRequest", "ExecResult", "FileEntry", "NetworkPolicy", "NetworkRule",
+           "ExecEvent", "ExecInfo", "ExecRequest", "ExecResult", "FileEntry", "NetworkPolicy", "NetworkRule",
            "SandboxInfo", "SandboxState", "SyncClient", "MicroVMArgs", "VMArgs", "SnapshotInfo",
            "FnCallRequest", "FnCallResult", "FnCallStatus"]
 

@@ -81,6 +81,18 @@ class PayloadTooLarge(DsecError):
     status, code = 413, "payload_too_large"
 
 
+class BadGateway(DsecError):
+    """A server inside a sandbox answered with something that is not valid HTTP (port ingress)."""
+
+    status, code = 502, "bad_gateway"
+
+
+class GatewayTimeout(DsecError):
+    """A server inside a sandbox accepted the connection but did not answer in time."""
+
+    status, code = 504, "gateway_timeout"
+
+
 class InternalError(DsecError):
     """A bug in dsec, not in the request: the server log has the details."""
 
@@ -90,7 +102,7 @@ class InternalError(DsecError):
 ERRORS_BY_CODE: dict[str, type[DsecError]] = {
     cls.code: cls for cls in (DsecError, InvalidArgument, NotFound, Unauthorized, Forbidden,
                               Conflict, CapacityExceeded, SandboxFailed, Unavailable, PayloadTooLarge,
-                              InternalError)
+                              BadGateway, GatewayTimeout, InternalError)
 }
 
 
@@ -226,6 +238,15 @@ Labels = Annotated[dict[str, str], BeforeValidator(_check_labels), WithJsonSchem
     "additionalProperties": {"type": "string", "maxLength": MAX_LABEL_VALUE},
     "description": f"at most {MAX_LABELS}; keys 1-63 chars [A-Za-z0-9._/-], values at most {MAX_LABEL_VALUE} chars"})]
 IdleTtl = Annotated[int, Field(gt=0, le=MAX_TTL_S, description="reap after this long without a request")]
+Lifetime = Annotated[float | None, Field(gt=0, le=MAX_TTL_S,
+                                         description="absolute lifetime, s: the sandbox is stopped this long after "
+                                                     "creation, busy or not (extend with set_timeout); None: only "
+                                                     "the idle TTL ends it")]
+IDEMPOTENCY_KEY_RE = r"^[A-Za-z0-9_.:-]{1,128}$"
+IdempotencyKey = Annotated[str | None, Field(pattern=IDEMPOTENCY_KEY_RE,
+                                             description="a retried request with the same key (same project or "
+                                                         "sandbox) returns the first one's result instead of "
+                                                         "running again")]
 OutputCap = Annotated[int, Field(ge=1024, le=64 * 1024 * 1024,
                                  description="per stream per command; beyond it output is dropped and reported")]
 
@@ -311,6 +332,8 @@ class ContainerArgs(_Strict):
     max_file_mb: Annotated[int | None, Field(ge=1, le=1024 * 1024,
                                              description="largest file a command may write (RLIMIT_FSIZE); None: no limit")] = None
     ttl_idle_s: IdleTtl = 600
+    lifetime_s: Lifetime = None
+    idempotency_key: IdempotencyKey = None
     user: SandboxUser = None
     workdir: Annotated[str, Field(pattern=r"^/[^\x00]{0,255}$")] = "/work"
     env: Env = Field(default_factory=dict)
@@ -339,6 +362,8 @@ class _VMArgs(_Strict):
     disk_mb: Annotated[int, Field(ge=64, le=1024 * 1024,
                                   description="size of the guest's writable disk, MiB (sparse on the host)")] = 2048
     ttl_idle_s: IdleTtl = 600
+    lifetime_s: Lifetime = None
+    idempotency_key: IdempotencyKey = None
     suspend_idle_s: Annotated[int | None, Field(gt=0, le=MAX_TTL_S,
                                                 description="park the VM on disk after this long without a request "
                                                             "(memory freed; the next request resumes it); None: never")] = None
@@ -423,6 +448,8 @@ class SandboxInfo(BaseModel):
     ttl_idle_s: int
     created_at: datetime
     last_active_at: datetime
+    expires_at: datetime | None = Field(None, description="when the absolute lifetime ends it (lifetime_s, "
+                                                          "set_timeout); None: only the idle TTL")
     error: str | None = None
     labels: dict[str, str] = Field(default_factory=dict)
     network: NetworkPolicy | None = Field(None, description="current egress policy (container sandboxes)")
@@ -473,6 +500,11 @@ class ExecRequest(_Strict):
     output_cap_bytes: Annotated[int | None, Field(ge=1024, le=64 * 1024 * 1024)] = None
     user: Annotated[str | None, Field(pattern=USER_RE, description="None: the sandbox's user"),
                     AfterValidator(_check_user)] = None
+    keep_stdin: bool = Field(False, description="stdin stays open after `stdin` for later writes "
+                                                "(POST .../execs/{id}/stdin); closed by a write with close=true")
+    tag: Annotated[str | None, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$",
+                                     description="a free label shown in list_execs")] = None
+    idempotency_key: IdempotencyKey = None
 
     @field_validator("cmd")
     @classmethod
@@ -500,6 +532,36 @@ class ExecResult(BaseModel):
     @property
     def ok(self) -> bool:
         return self.exit_code == 0
+
+
+class ExecInfo(BaseModel):
+    """A command started in a sandbox (list_execs, start_exec)."""
+
+    exec_id: str
+    cmd: str = Field("", description="empty for a command started before the edge restarted")
+    cwd: str | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+    tag: str | None = None
+    session: str | None = None
+    running: bool = True
+    detached: bool = Field(False, description="started with start_exec: its output is kept for followers")
+    stdin_open: bool = False
+    started_at: datetime | None = None
+    exit_code: int | None = None
+    signal: int | None = None
+
+
+class ExecList(BaseModel):
+    execs: list[ExecInfo]
+
+
+class SignalRequest(_Strict):
+    signal: Annotated[int, Field(ge=1, le=64, description="signal number, e.g. 15 (TERM), 9 (KILL), 2 (INT)")]
+
+
+class TimeoutRequest(_Strict):
+    timeout_s: Annotated[float, Field(gt=0, le=MAX_TTL_S,
+                                      description="the sandbox ends this long from now (absolute lifetime)")]
 
 
 class ExecEvent(BaseModel):

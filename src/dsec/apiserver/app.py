@@ -17,12 +17,13 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dsec.apiserver import control
 from dsec.apiserver.context import ApiContext, EdgeHandle
-from dsec.apiserver.tenancy import check_usable, visible
+from dsec.apiserver.tenancy import visible
 from dsec.apiserver.guard import (MAX_FILE_BYTES, QUERY_KEY_PATHS, BodyTooLarge, RequestGuard, principal_of,
                                   request_key)
 from dsec.iam import Principal
-from dsec.iam.policy import EffectivePolicy, SandboxPolicy, check_create, check_network, is_root
+from dsec.iam.policy import EffectivePolicy, SandboxPolicy, check_create, check_network
 from dsec.types import (CapacityExceeded, ContainerArgs, DsecError, Forbidden, ExecEvent, ExecRequest, ExecResult,
                         FileList, ImageList, InvalidArgument, NetworkPolicy, NodeStatus, NotFound,
                         SandboxInfo, SandboxList, Unavailable)
@@ -30,6 +31,7 @@ from dsec.types import ErrorBody, InternalError
 from dsec.types import FnCallRequest
 from dsec.types import ImageInfo, PackDiffRequest
 from dsec.types import MicroVMArgs, SandboxArgs, SnapshotInfo, SnapshotList, VMArgs, node_of_snapshot
+from dsec.types import ExecInfo, ExecList, SignalRequest, TimeoutRequest
 
 log = logging.getLogger("dsec.apiserver")
 
@@ -185,12 +187,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
         return JSONResponse(err.to_body(), status_code=err.status)
 
     async def owned(sandbox_id: str, who: Principal) -> EdgeHandle:
-        edge = ctx.edge_for(sandbox_id)
-        info = await edge.get(sandbox_id)
-        if not ctx.iam.can_access(who, info.project):
-            # same answer as a missing sandbox: ids of other projects are not disclosed
-            raise NotFound(f"no sandbox {sandbox_id!r}", field="sandbox_id", fix="check the id and API key")
-        return edge
+        return (await control.owned(ctx, sandbox_id, who))[0]
 
     async def owned_snapshot(snapshot_id: str, who: Principal, field: str = "snapshot_id") -> EdgeHandle:
         """The edge holding a snapshot the caller's project (or an ancestor) took."""
@@ -216,37 +213,14 @@ def create_app(ctx: ApiContext) -> FastAPI:
     @app.post("/v1/sandboxes", status_code=201, response_model=SandboxInfo)
     async def create_sandbox(args: Annotated[SandboxArgs, Body()], who: Who) -> SandboxInfo:
         """Create a sandbox; `backend` picks the argument type: container (default), microvm, vm."""
-        # what a sandbox may loosen is bounded by its project's policy (iam/policy.py)
-        check_create(ctx.iam.effective_policy(who.project_id), args, who.project_id)
-        if ctx.images is not None and not getattr(args, "snapshot", None):
-            check_usable(ctx.iam, ctx.images, who, args)   # other projects' layers look missing
+        # what a sandbox may loosen is bounded by its project's policy (iam/policy.py),
+        # other projects' layers look missing (control.create_sandbox)
         if getattr(args, "snapshot", None):
             # a snapshot lives on one node: the new sandbox is restored there
+            check_create(ctx.iam.effective_policy(who.project_id), args, who.project_id)
             edge = await owned_snapshot(args.snapshot, who, field="snapshot")
             return await edge.create(who.project_id, args)
-        excluded: set[str] = set()
-        last: DsecError | None = None
-        for _ in range(PLACEMENT_TRIES):
-            try:
-                node = ctx.placer.choose(ctx.watcher.nodes(), args.backend, args.cpu_cores, args.memory_mb,
-                                         exclude=excluded)
-            except DsecError:
-                if last is not None:   # every node refused: the last edge's reason names what is short
-                    raise last from None
-                raise
-            try:
-                info = await ctx.edges[node].create(who.project_id, args)
-                ctx.placer.landed(node, args.cpu_cores, args.memory_mb, ctx.watcher.interval_s)
-                return info
-            except CapacityExceeded as e:   # the edge's own final check: place elsewhere
-                ctx.placer.release(node, args.cpu_cores, args.memory_mb)
-                excluded.add(node)
-                last = e
-            except BaseException:
-                ctx.placer.release(node, args.cpu_cores, args.memory_mb)
-                raise
-        assert last is not None
-        raise last
+        return await control.create_sandbox(ctx, who, args)
 
     @app.get("/v1/sandboxes", response_model=SandboxList)
     async def list_sandboxes(who: Who, include_ended: bool = False) -> SandboxList:
@@ -274,11 +248,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
         return await edge.set_network(sandbox_id, policy)
 
     async def check_exec(edge: EdgeHandle, sandbox_id: str, req: ExecRequest) -> None:
-        """Per-command loosening (root, a larger output cap) is bounded like create. Looked up
-        only when a command asks for one, so plain execs cost no IAM query."""
-        if is_root(req.user) or req.output_cap_bytes is not None:
-            project = (await edge.get(sandbox_id)).project
-            check_create(ctx.iam.effective_policy(project), req, project)
+        await control.check_exec(ctx, edge, sandbox_id, req)
 
     @app.get("/v1/projects/{project_id}/policy", response_model=EffectivePolicy)
     async def get_policy(project_id: str, who: Who) -> EffectivePolicy:
@@ -357,15 +327,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
         await check_exec(edge, sandbox_id, req)
         return await edge.run(sandbox_id, req)
 
-    @app.post("/v1/sandboxes/{sandbox_id}/exec/stream",
-              responses={200: {"content": {"application/x-ndjson": {}},
-                               "description": "one ExecEvent JSON object per line"}})
-    async def exec_stream(sandbox_id: str, req: ExecRequest, who: Who) -> StreamingResponse:
-        edge = await owned(sandbox_id, who)
-        await check_exec(edge, sandbox_id, req)
-        events = edge.exec_stream(sandbox_id, req)
-        first = await anext(events)   # errors before the first byte become proper HTTP errors
-
+    def ndjson(first: ExecEvent, events: AsyncIterator[ExecEvent]) -> StreamingResponse:
         async def lines() -> AsyncIterator[bytes]:
             yield first.model_dump_json().encode() + b"\n"
             try:
@@ -379,10 +341,69 @@ def create_app(ctx: ApiContext) -> FastAPI:
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
+    NDJSON = {200: {"content": {"application/x-ndjson": {}}, "description": "one ExecEvent JSON object per line"}}
+
+    @app.post("/v1/sandboxes/{sandbox_id}/exec/stream", responses=NDJSON)
+    async def exec_stream(sandbox_id: str, req: ExecRequest, who: Who) -> StreamingResponse:
+        edge = await owned(sandbox_id, who)
+        await check_exec(edge, sandbox_id, req)
+        events = edge.exec_stream(sandbox_id, req)
+        first = await anext(events)   # errors before the first byte become proper HTTP errors
+        return ndjson(first, events)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/execs", status_code=201, response_model=ExecInfo)
+    async def exec_start(sandbox_id: str, req: ExecRequest, who: Who) -> ExecInfo:
+        """Start a command detached: its exec_id comes back at once. Follow its output with
+        GET .../execs/{id}/stream (from the beginning, several followers at once), wait for its
+        result with GET .../execs/{id}, write to its stdin (keep_stdin) or signal it."""
+        edge = await owned(sandbox_id, who)
+        await check_exec(edge, sandbox_id, req)
+        return await edge.exec_start(sandbox_id, req)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/execs", response_model=ExecList)
+    async def list_execs(sandbox_id: str, who: Who) -> ExecList:
+        """The sandbox's running commands."""
+        edge = await owned(sandbox_id, who)
+        return ExecList(execs=await edge.list_execs(sandbox_id))
+
     @app.get("/v1/sandboxes/{sandbox_id}/execs/{exec_id}", response_model=ExecResult)
     async def attach(sandbox_id: str, exec_id: ExecId, who: Who) -> ExecResult:
+        """Wait for an exec's result (also one started before a client or edge restart)."""
         edge = await owned(sandbox_id, who)
         return await edge.attach(sandbox_id, exec_id)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/execs/{exec_id}/stream", responses=NDJSON)
+    async def exec_follow(sandbox_id: str, exec_id: ExecId, who: Who) -> StreamingResponse:
+        """An exec's output from its beginning, then live, then its exit (NDJSON ExecEvents)."""
+        edge = await owned(sandbox_id, who)
+        events = edge.exec_follow(sandbox_id, exec_id)
+        first = await anext(events)
+        return ndjson(first, events)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/execs/{exec_id}/stdin", status_code=204)
+    async def exec_stdin(sandbox_id: str, exec_id: ExecId, request: Request, who: Who,
+                         close: bool = False) -> Response:
+        """Write the request body to the stdin of a command started with keep_stdin; close=true
+        then closes it (EOF)."""
+        edge = await owned(sandbox_id, who)
+        data = bytearray()
+        async for chunk in request.stream():      # bounded by the guard (EXEC_BODY_BYTES)
+            data += chunk
+        await edge.exec_stdin(sandbox_id, exec_id, bytes(data), close)
+        return Response(status_code=204)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/execs/{exec_id}/signal", status_code=204)
+    async def exec_signal(sandbox_id: str, exec_id: ExecId, req: SignalRequest, who: Who) -> Response:
+        """Send a signal to a running command's process group."""
+        edge = await owned(sandbox_id, who)
+        await edge.exec_signal(sandbox_id, exec_id, req.signal)
+        return Response(status_code=204)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/timeout", response_model=SandboxInfo)
+    async def set_timeout(sandbox_id: str, req: TimeoutRequest, who: Who) -> SandboxInfo:
+        """The sandbox ends timeout_s from now, busy or not (its absolute lifetime)."""
+        edge = await owned(sandbox_id, who)
+        return await edge.set_timeout(sandbox_id, req.timeout_s)
 
     @app.delete("/v1/sandboxes/{sandbox_id}/sessions/{name}", status_code=204)
     async def close_session(sandbox_id: str, name: str, who: Who) -> Response:
@@ -422,6 +443,10 @@ def create_app(ctx: ApiContext) -> FastAPI:
 
     from dsec.apiserver.fncall_routes import add_fncall_routes
     add_fncall_routes(app, ctx)   # /v1/fncall, /v1/fncall/batch, SandboxFusion-compatible /run_code
+    from dsec.apiserver.ports import add_port_routes
+    add_port_routes(app, ctx)     # /v1/sandboxes/{id}/ports/{port}/...: HTTP and WebSocket into a sandbox
+    from dsec.apiserver.e2b import add_e2b_routes
+    add_e2b_routes(app, ctx)      # E2B's REST API and envd, for the stock e2b SDK
 
     @app.get("/v1/nodes", response_model=list[NodeStatus])
     async def nodes(_: Who) -> list[NodeStatus]:

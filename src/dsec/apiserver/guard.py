@@ -9,6 +9,12 @@ as it arrives and refused when it passes the limit. Nothing here buffers a body.
 Routes that work without a key: /healthz and the API's own documentation (openapi.json,
 /docs, /redoc). SandboxFusion clients of /run_code send no Authorization header, so the
 FnCall routes also take the key as ?api_key=... (fncall_routes.py).
+
+E2B routes (under E2B_PREFIX, apiserver/e2b/) take the key as `X-API-KEY` too, the header the
+stock e2b SDK sends, and answer errors in E2B's shape `{"code", "message"}`. Their sandbox
+traffic (envd and ports, marked by the `E2b-Sandbox-Id` header) carries no API key but the
+sandbox's own access token: the E2B dispatcher checks that token before it reads a body, so the
+guard only bounds those bodies.
 """
 
 from __future__ import annotations
@@ -53,19 +59,44 @@ class BodyLimit:
 BODY_LIMITS = (
     BodyLimit("PUT", re.compile(r"^/v1/sandboxes/[^/]+/files$"), MAX_FILE_BYTES,
               "split the file into parts of at most 64 MiB, or fetch or build it from inside the sandbox"),
-    BodyLimit("POST", re.compile(r"^/v1/sandboxes/[^/]+/exec(/stream)?$"), EXEC_BODY_BYTES,
+    BodyLimit("POST", re.compile(r"^/v1/sandboxes/[^/]+/(exec(/stream)?|execs(/[0-9]+/stdin)?)$"), EXEC_BODY_BYTES,
               "write large input to a file first (files.write) and redirect it into the command"),
     BodyLimit("POST", re.compile(r"^/(v1/fncall(/batch)?|run_code)$"), FNCALL_BODY_BYTES,
               "send fewer calls per batch, or smaller code, stdin and files per call"),
+    # E2B envd: file uploads, and stdin (one message, or a client stream over a command's life)
+    BodyLimit("POST", re.compile(r"^/e2b/files$"), MAX_FILE_BYTES,
+              "split the file into parts of at most 64 MiB, or fetch or build it from inside the sandbox"),
+    BodyLimit("POST", re.compile(r"^/e2b/process\.Process/(SendInput|StreamInput)$"), EXEC_BODY_BYTES,
+              "write large input to a file first (files.write) and redirect it into the command"),
 )
+# Port ingress (apiserver/ports.py) streams bodies through without holding them: a large
+# upload costs nothing, but every request stays bounded.
+PORT_PATHS = re.compile(r"^/v1/sandboxes/[^/]+/ports/[0-9]+(/.*)?$")
+PORT_FIX = "send at most 64 MiB per request to a sandbox's port"
 DEFAULT_FIX = "the JSON arguments of this route are small: send at most 1 MiB"
 
 RUN_CODE_AUTH_FIX = ("SandboxFusion clients send no Authorization header: put the key in the URL, "
                      "e.g. http://HOST:7620/run_code?api_key=dsk_...")
 QUERY_KEY_PATHS = re.compile(r"^/(v1/fncall(/.*)?|run_code)$")   # FnCall routes: ?api_key= too
 
+# E2B drop-in (apiserver/e2b/): its REST API and its sandbox traffic are served under this prefix
+E2B_PREFIX = "/e2b"
+E2B_SANDBOX_HEADER = "e2b-sandbox-id"     # sandbox traffic: authenticated by the E2B dispatcher
+E2B_KEY_HEADER = "x-api-key"
+
+
+def is_e2b_path(path: str) -> bool:
+    return path == E2B_PREFIX or path.startswith(E2B_PREFIX + "/")
+
+
+def is_e2b_sandbox_traffic(request: Request) -> bool:
+    """envd and port requests of the e2b SDK: the dispatcher checks the sandbox's access token."""
+    return is_e2b_path(request.url.path) and E2B_SANDBOX_HEADER in request.headers
+
 
 def body_limit(method: str, path: str) -> tuple[int, str]:
+    if PORT_PATHS.match(path):
+        return MAX_FILE_BYTES, PORT_FIX
     for lim in BODY_LIMITS:
         if lim.method == method and lim.path.match(path):
             return lim.max_bytes, lim.fix
@@ -73,10 +104,13 @@ def body_limit(method: str, path: str) -> tuple[int, str]:
 
 
 def request_key(request: Request) -> str | None:
-    """The API key of a request: `Authorization: Bearer KEY`, or ?api_key=KEY on FnCall routes."""
+    """The API key of a request: `Authorization: Bearer KEY`, ?api_key=KEY on FnCall routes,
+    `X-API-KEY: KEY` on E2B routes."""
     auth = request.headers.get("authorization", "")
     if auth.lower().startswith("bearer "):
         return auth[7:].strip()
+    if is_e2b_path(request.url.path) and E2B_KEY_HEADER in request.headers:
+        return request.headers[E2B_KEY_HEADER].strip()
     if QUERY_KEY_PATHS.match(request.url.path):
         return request.query_params.get("api_key")
     return None
@@ -117,13 +151,16 @@ class RequestGuard:
             return
         method, path = scope["method"], scope["path"]
         request = Request(scope)
-        if path not in self.public_paths:
+        e2b = is_e2b_path(path)
+        if path not in self.public_paths and not is_e2b_sandbox_traffic(request):
             try:
                 principal = self.authenticate(request_key(request))
             except DsecError as e:
                 if path == "/run_code" and isinstance(e, Unauthorized):
                     e = Unauthorized(e.message, field=e.field, fix=RUN_CODE_AUTH_FIX)
-                await _reply(send, e)
+                if e2b and isinstance(e, Unauthorized):
+                    e = Unauthorized(e.message, field="X-API-KEY", fix="set E2B_API_KEY to a dsec API key (dsk_...)")
+                await _reply(send, e, e2b=e2b)
                 return
             scope.setdefault("state", {})["dsec_principal"] = principal
         limit, fix = body_limit(method, path)
@@ -131,10 +168,10 @@ class RequestGuard:
         if declared is not None:
             if not declared.strip().isdigit():
                 await _reply(send, DsecError(f"bad Content-Length {declared[:40]!r}", field="content-length",
-                                             fix="send the body's size in bytes, or a chunked body"))
+                                             fix="send the body's size in bytes, or a chunked body"), e2b=e2b)
                 return
             if int(declared) > limit:
-                await _reply(send, _too_large(method, path, limit, fix))
+                await _reply(send, _too_large(method, path, limit, fix), e2b=e2b)
                 return
         seen = 0
 
@@ -162,16 +199,30 @@ class RequestGuard:
             log.error("unhandled error", exc_info=e, extra={"method": method, "path": path})
             await _reply(send, InternalError(f"internal error ({type(e).__name__})",
                                              fix="retry; if it persists, report it with the server log"),
-                         close=False)
+                         close=False, e2b=e2b)
 
 
-async def _reply(send: Send, error: DsecError, close: bool = True) -> None:
+def e2b_error_body(error: DsecError) -> dict[str, Any]:
+    """An error in E2B's shape: `code` is the HTTP status (the e2b SDK reads `message`); the
+    field and the fix are part of the message, since E2B has no place for them."""
+    status = 400 if error.status == 422 else error.status   # E2B answers bad arguments with 400
+    parts = [error.message]
+    if error.field and error.field not in error.message:
+        parts.append(f"field: {error.field}")
+    if error.fix:
+        parts.append(f"fix: {error.fix}")
+    return {"code": status, "message": "; ".join(parts)}
+
+
+async def _reply(send: Send, error: DsecError, close: bool = True, e2b: bool = False) -> None:
     """Answer with the error body; close the connection when the request body is left unread."""
-    body = json.dumps(error.to_body(), separators=(",", ":")).encode()
+    content = e2b_error_body(error) if e2b else error.to_body()
+    status = content["code"] if e2b else error.status
+    body = json.dumps(content, separators=(",", ":")).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if close:
         headers.append((b"connection", b"close"))
     if isinstance(error, Unauthorized):
         headers.append((b"www-authenticate", b"Bearer"))
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

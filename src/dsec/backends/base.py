@@ -16,6 +16,8 @@ The composition root (`dsec.embedded`) is the only place that names concrete bac
 
 from __future__ import annotations
 
+import asyncio
+
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from contextlib import AbstractAsyncContextManager
@@ -182,6 +184,16 @@ class Egress(ABC):
     async def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> None:
         """Replace the policy (InvalidArgument for unknown rule sets; FileNotFoundError if the
         sandbox is gone)."""
+
+
+class PortIngress(ABC):
+    """TCP ports inside a running sandbox reachable from the edge (HTTP/WebSocket ingress),
+    whatever the sandbox's own network policy: the connection is made from the host side."""
+
+    @abstractmethod
+    async def open_port(self, sandbox_id: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A TCP connection to `port` on the sandbox's loopback. ConnectionRefusedError when
+        nothing listens there; FileNotFoundError if the sandbox is gone."""
 
 
 class Console(ABC):

@@ -13,6 +13,7 @@ import math
 from datetime import datetime, timezone
 import os
 import signal
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -354,12 +355,18 @@ async def _stream_to_terminal(sb, cmd: str, session: Optional[str], timeout_s: f
     return code
 
 
+def command_line(argv: list[str]) -> str:
+    """The shell line for CMD: one argument is a shell command line as it is (`-- 'ls | wc'`);
+    several are an argv, each quoted so it arrives intact (`-- python3 -c 'print(6*7)'`)."""
+    return argv[0] if len(argv) == 1 else shlex.join(argv)
+
+
 @sandbox_app.command("exec", context_settings={"allow_extra_args": True})
 def sandbox_exec(sandbox_id: str, cmd: Annotated[list[str], typer.Argument(help="command (after --)")],
                  session: Optional[str] = None, timeout_s: float = 300.0) -> None:
     async def go() -> int:
         async with _client() as c:
-            return await _stream_to_terminal(await c.get(sandbox_id), " ".join(cmd), session, timeout_s)
+            return await _stream_to_terminal(await c.get(sandbox_id), command_line(cmd), session, timeout_s)
     raise typer.Exit(_run(go()))
 
 
@@ -394,7 +401,7 @@ def run(image: str, cmd: Annotated[list[str], typer.Argument(help="command (afte
         async with _client() as c:
             sb = await c.create(_args(backend, image, cpu, memory_mb, 600, user))
             try:
-                return await _stream_to_terminal(sb, " ".join(cmd), None, timeout_s)
+                return await _stream_to_terminal(sb, command_line(cmd), None, timeout_s)
             finally:
                 await sb.stop()
     raise typer.Exit(_run(go()))

@@ -23,20 +23,21 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, TypeVar
 
-from dsec.agent.client import AgentClient, AgentDisconnected, AgentError, DirEntry, ExecLost
+from dsec.agent.client import INTERNAL_CHAN_BASE, AgentClient, AgentDisconnected, AgentError, DirEntry, ExecLost
 from dsec.backends.base import (PARKED, RUNNING, Backend, Console, Egress, LayerDiff, LivenessWatched, MemoryUsage,
-                                Parking, Snapshots)
+                                Parking, PortIngress, Snapshots)
 from dsec.config import Paths
 from dsec.edge import output_budget
 from dsec.edge.admission import Admission
 from dsec.edge.agent_errors import check_path, map_agent_error
 from dsec.edge.exec_events import exec_events
+from dsec.edge.exec_tracker import TrackedExec, now_utc
 from dsec.edge.live import LiveSandbox
 from dsec.edge.records import EdgeRecords, SandboxRecord
 from dsec.images.service import ImageService
 from dsec.images.stacks import Stacks
 from dsec.security.users import resolve_user
-from dsec.types import (DEFAULT_SCRUB, Conflict, DsecError, ExecEvent, ExecRequest, ExecResult, FileEntry, ImageInfo,
+from dsec.types import (DEFAULT_SCRUB, Conflict, DsecError, ExecEvent, ExecInfo, ExecRequest, ExecResult, FileEntry, ImageInfo,
                         InvalidArgument, NetworkPolicy, NodeStatus, NotFound, PackDiffRequest, SandboxArgs,
                         SandboxFailed, SandboxInfo, SandboxState, SnapshotInfo, Unavailable, make_sandbox_id,
                         make_snapshot_id)
@@ -77,6 +78,7 @@ class Edge:
         self._exit_tasks: set[asyncio.Task[None]] = set()   # failing sandboxes whose runtime exited
         self._next_ping: dict[int, float] = {}   # per LivenessWatched backend (by id())
         self._disk_next = 0.0
+        self._creating_keys: dict[tuple[str, str], asyncio.Task[SandboxInfo]] = {}   # idempotent creates under way
 
     # -- lifecycle of the edge itself ----------------------------------------------------
     async def start(self) -> None:
@@ -96,6 +98,7 @@ class Edge:
         await asyncio.gather(*self._exit_tasks, return_exceptions=True)
         self._flush_activity()
         for live in list(self._live.values()):
+            live.commands.close()
             await live.drop_agent()
         self.records.close()
         if not self._live:
@@ -192,6 +195,23 @@ class Edge:
 
     # -- create / get / list / stop ------------------------------------------------------
     async def create(self, project: str, args: SandboxArgs) -> SandboxInfo:
+        """Create a sandbox. With an idempotency key, a retry (after a timeout, a lost
+        connection) returns the sandbox the first request made or is making."""
+        key = args.idempotency_key
+        if key is None:
+            return await self._create(project, args)
+        pending = self._creating_keys.get((project, key))
+        if pending is None:
+            earlier = await asyncio.to_thread(self.records.find_idempotent, project, key)
+            if earlier is not None:
+                return self._record(earlier.id).info(self.node_id)
+            pending = asyncio.create_task(self._create(project, args), name=f"create-{key}")
+            self._creating_keys[(project, key)] = pending
+            pending.add_done_callback(lambda _: self._creating_keys.pop((project, key), None))
+        # shielded: a caller that gives up does not abort the creation its retry will return
+        return await asyncio.shield(pending)
+
+    async def _create(self, project: str, args: SandboxArgs) -> SandboxInfo:
         """One path for every backend: prepare (validate, resolve), admit, record, create,
         wait for the agent. A failure anywhere leaves a failed record and nothing else."""
         backend = self._backend(args.backend)
@@ -202,7 +222,8 @@ class Edge:
         rec = SandboxRecord(id=make_sandbox_id(self.node_id), project=project, backend=args.backend,
                             state=SandboxState.creating, args=args, image=args.image,
                             image_digest=prepared.image_digest, uid=prepared.uid, gid=prepared.gid,
-                            created_at=now, last_active_at=now)
+                            created_at=now, last_active_at=now,
+                            expires_at=now + args.lifetime_s if args.lifetime_s is not None else None)
         live = LiveSandbox(rec, backend)
         try:
             self.records.insert(rec)   # durable before anything exists on the host
@@ -542,7 +563,24 @@ class Edge:
 
     # -- exec ------------------------------------------------------------------------------
     async def exec_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
-        """start, stdout/stderr chunks as they arrive, then exit with the full ExecResult."""
+        """start, stdout/stderr chunks as they arrive, then exit with the full ExecResult. With an
+        idempotency key the edge follows the command itself: a retry follows the same one."""
+        if req.idempotency_key is not None:
+            tracked = await self._start_tracked(sandbox_id, req, detached=False)
+            async for ev in tracked.follow():
+                yield ev
+            return
+        info = self._exec_info(req, detached=False)
+        async for ev in self._exec_events(sandbox_id, req, info, tracked=False):
+            yield ev
+
+    @staticmethod
+    def _exec_info(req: ExecRequest, detached: bool) -> ExecInfo:
+        return ExecInfo(exec_id="", cmd=req.cmd, cwd=req.cwd, env=dict(req.env), tag=req.tag, session=req.session,
+                        detached=detached, stdin_open=req.keep_stdin, started_at=now_utc())
+
+    async def _exec_events(self, sandbox_id: str, req: ExecRequest, info: ExecInfo,
+                           tracked: bool) -> AsyncIterator[ExecEvent]:
         async with self._use(sandbox_id) as (live, agent):
             rec = live.rec
             chan = live.take_chan()
@@ -559,10 +597,14 @@ class Edge:
                         events = await agent.start_exec(
                             chan, cmd=req.cmd, uid=uid, gid=gid, cwd=req.cwd, env=env,
                             timeout_ms=int(req.timeout_s * 1000), cap=grant.per_stream, session=req.session,
-                            stdin=req.stdin.encode() if req.stdin is not None else None)
+                            stdin=req.stdin.encode() if req.stdin is not None else None,
+                            keep_stdin=req.keep_stdin)
                     except AgentError as e:
                         raise map_agent_error(e, "cmd") from e
                     delivered = grant.reserved
+                    info.exec_id = str(chan)
+                    if not tracked:     # listed (list_execs) while it runs; tracked ones are kept apart
+                        live.commands.running[info.exec_id] = info
                     yield ExecEvent(type="start", exec_id=str(chan))
                     try:
                         async for ev in exec_events(str(chan), events, time.monotonic()):
@@ -584,19 +626,44 @@ class Edge:
                         raise SandboxFailed(f"exec {chan} in sandbox {rec.id} ended without a result: {e}",
                                             field="exec_id", fix="run the command again") from e
             finally:
+                live.commands.running.pop(info.exec_id, None)
                 output_budget.settle(rec, grant, delivered)
                 self._dirty.add(rec.id)
 
     async def run(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
         async for ev in self.exec_stream(sandbox_id, req):
             if ev.type == "exit":
-                assert ev.result is not None
+                if ev.result is None:     # a followed (idempotent) exec that was lost
+                    raise SandboxFailed(f"the command ended without a result: {ev.data}", field="cmd",
+                                        fix="run it again")
                 return ev.result
         raise SandboxFailed("exec ended without an exit status")
 
-    async def attach(self, sandbox_id: str, exec_id: str) -> ExecResult:
-        """Result of an earlier exec (e.g. after the client or the edge restarted)."""
-        from dsec.agent.client import INTERNAL_CHAN_BASE
+    async def _start_tracked(self, sandbox_id: str, req: ExecRequest, detached: bool) -> TrackedExec:
+        """Start a command the edge follows itself (or find the one an earlier request with the
+        same idempotency key started); returns once it runs (errors starting it are raised)."""
+        if self._record(sandbox_id).state == SandboxState.suspended:
+            await self.resume(sandbox_id)
+        live = self._running(sandbox_id)
+        key = req.idempotency_key
+        tracked = live.commands.by_key.get(key) if key is not None else None
+        if tracked is None:
+            info = self._exec_info(req, detached)
+            tracked = live.commands.start_tracking(
+                info, key, lambda t: self._exec_events(sandbox_id, req, t.info, tracked=True))
+        await tracked.started.wait()
+        if not tracked.info.exec_id:
+            raise tracked.error or SandboxFailed("the command did not start", field="cmd", fix="run it again")
+        live.commands.register(tracked)
+        return tracked
+
+    async def exec_start(self, sandbox_id: str, req: ExecRequest) -> ExecInfo:
+        """Start a command detached: returns its exec id at once; follow it with exec_follow,
+        feed it with exec_stdin, signal it, or wait for its result with attach."""
+        tracked = await self._start_tracked(sandbox_id, req, detached=True)
+        return tracked.info.model_copy()
+
+    def _exec_chan(self, sandbox_id: str, exec_id: str) -> int:
         try:
             chan = int(exec_id)
         except ValueError:
@@ -604,20 +671,105 @@ class Edge:
         if not 0 < chan < INTERNAL_CHAN_BASE:    # never the chan of an exec (0, negative, internal)
             raise NotFound(f"no exec {exec_id} in sandbox {sandbox_id}", field="exec_id",
                            fix="use the exec_id from run/stream")
+        return chan
+
+    async def _live_resumed(self, sandbox_id: str) -> LiveSandbox:
+        if self._record(sandbox_id).state == SandboxState.suspended:
+            await self.resume(sandbox_id)
+        return self._running(sandbox_id)
+
+    async def exec_follow(self, sandbox_id: str, exec_id: str) -> AsyncIterator[ExecEvent]:
+        """start, all output of the exec from its beginning, then live, then exit. Several
+        followers at once for execs the edge tracks (start_exec, idempotency key); others (after
+        an edge restart, or a plain exec whose stream was lost) are attached at the agent, which
+        replays what it retained."""
+        chan = self._exec_chan(sandbox_id, exec_id)
+        live = await self._live_resumed(sandbox_id)
+        tracked = live.commands.tracked.get(exec_id)
+        if tracked is not None:
+            async for ev in tracked.follow():
+                yield ev
+            return
         async with self._use(sandbox_id) as (_, agent):
+            yield ExecEvent(type="start", exec_id=exec_id)
             try:
                 async for ev in exec_events(exec_id, agent.attach(chan), time.monotonic()):
                     if ev.type == "exit":
                         await agent.release(chan)
-                        assert ev.result is not None
-                        return ev.result
+                    yield ev
             except AgentError as e:
                 raise map_agent_error(e, "exec_id") from e
             except ValueError as e:   # the agent connection follows this chan already (AgentClient._register)
                 raise Conflict(f"exec {chan} is being followed already, by another attach or the stream that "
                                "started it", field="exec_id",
                                fix="wait for that request to return the result, then attach again") from e
+
+    async def attach(self, sandbox_id: str, exec_id: str) -> ExecResult:
+        """Result of an earlier exec (waits for it; also after the client or the edge restarted)."""
+        async for ev in self.exec_follow(sandbox_id, exec_id):
+            if ev.type == "exit":
+                if ev.result is None:
+                    raise SandboxFailed(f"exec {exec_id} ended without a result: {ev.data}", field="exec_id",
+                                        fix="run the command again")
+                return ev.result
         raise SandboxFailed("attach ended without an exit status")
+
+    def _known_exec(self, live: LiveSandbox, exec_id: str) -> ExecInfo | None:
+        tracked = live.commands.tracked.get(exec_id)
+        return tracked.info if tracked is not None else live.commands.running.get(exec_id)
+
+    async def _check_running_exec(self, live: LiveSandbox, agent: AgentClient, chan: int) -> ExecInfo | None:
+        info = self._known_exec(live, str(chan))
+        if info is not None and not info.running:
+            raise Conflict(f"exec {chan} has ended", field="exec_id", fix="start a new command")
+        if info is None and chan not in {c for c, done in await agent.list_execs() if not done}:
+            raise NotFound(f"no running exec {chan} in sandbox {live.id}", field="exec_id",
+                           fix="list running commands with list_execs")
+        return info
+
+    async def exec_stdin(self, sandbox_id: str, exec_id: str, data: bytes, close: bool = False) -> None:
+        """Write to the stdin of a command started with keep_stdin; close=True closes it (EOF)
+        after `data`."""
+        chan = self._exec_chan(sandbox_id, exec_id)
+        async with self._use(sandbox_id) as (live, agent):
+            info = await self._check_running_exec(live, agent, chan)
+            if info is not None and not info.stdin_open:
+                raise Conflict(f"exec {chan}'s stdin is not open: it was started without keep_stdin, or closed",
+                               field="exec_id", fix="start the command with keep_stdin=true to write to it later")
+            if data:
+                await agent.send_stdin(chan, data)
+            if close:
+                await agent.send_stdin(chan, b"")
+                if info is not None:
+                    info.stdin_open = False
+
+    async def exec_signal(self, sandbox_id: str, exec_id: str, signal: int) -> None:
+        """Send `signal` to a running command (its whole process group)."""
+        if not 0 < signal <= 64:
+            raise InvalidArgument(f"signal {signal} is not a signal number", field="signal", fix="use 1..64, e.g. 15")
+        chan = self._exec_chan(sandbox_id, exec_id)
+        async with self._use(sandbox_id) as (live, agent):
+            await self._check_running_exec(live, agent, chan)
+            await agent.signal(chan, signal)
+
+    async def list_execs(self, sandbox_id: str) -> builtins.list[ExecInfo]:
+        """The sandbox's running commands (the agent's list, with what the edge knows of each)."""
+        async with self._use(sandbox_id) as (live, agent):
+            running = sorted(c for c, done in await agent.list_execs() if not done and 0 < c < INTERNAL_CHAN_BASE)
+            out = []
+            for chan in running:
+                info = self._known_exec(live, str(chan))
+                out.append(info.model_copy() if info is not None else ExecInfo(exec_id=str(chan)))
+            return out
+
+    async def set_timeout(self, sandbox_id: str, timeout_s: float) -> SandboxInfo:
+        """The sandbox ends `timeout_s` from now, busy or not (its absolute lifetime)."""
+        rec = self._record(sandbox_id)
+        if rec.state not in (SandboxState.running, SandboxState.suspended, SandboxState.creating):
+            raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}", field="sandbox_id", fix="create a new sandbox")
+        rec.expires_at = time.time() + timeout_s
+        await asyncio.to_thread(self.records.set_expires_at, rec.id, rec.expires_at)
+        return rec.info(self.node_id)
 
     async def close_session(self, sandbox_id: str, name: str) -> None:
         async with self._use(sandbox_id) as (_, agent):
@@ -657,6 +809,44 @@ class Edge:
                 await agent.remove(path, uid=live.rec.uid, gid=live.rec.gid)
             except AgentError as e:
                 raise map_agent_error(e, "path") from e
+
+    # -- port ingress ------------------------------------------------------------------------
+    @asynccontextmanager
+    async def port_connection(self, sandbox_id: str, port: int
+                              ) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+        """A TCP connection to `port` inside the sandbox, for the apiserver's HTTP/WebSocket
+        ingress. The sandbox counts as busy (never idle-reaped) while it is open; a parked one
+        is resumed first. Closed on exit."""
+        if not 0 < port < 65536:
+            raise InvalidArgument(f"port {port} is not a TCP port", field="port", fix="use 1..65535")
+        if self._record(sandbox_id).state == SandboxState.suspended:
+            await self.resume(sandbox_id)
+        live = self._running(sandbox_id)
+        ingress = self._capability(live.rec, PortIngress, "reach its ports")
+        rec = live.rec
+        rec.in_flight += 1
+        self._touch(rec)
+        try:
+            try:
+                reader, writer = await ingress.open_port(sandbox_id, port)
+            except ConnectionRefusedError:
+                raise Unavailable(f"nothing listens on port {port} in sandbox {sandbox_id}", field="port",
+                                  fix="start the server inside the sandbox (listening on 127.0.0.1 or 0.0.0.0) "
+                                      "and retry") from None
+            except FileNotFoundError:
+                await self._check_alive(live, ConnectionError("sandbox gone"))
+                raise
+            try:
+                yield reader, writer
+            finally:
+                writer.close()
+                try:
+                    await writer.wait_closed()
+                except OSError:
+                    pass
+        finally:
+            rec.in_flight -= 1
+            self._touch(rec)
 
     # -- reaping -----------------------------------------------------------------------------
     async def _reap_loop(self) -> None:
@@ -728,6 +918,12 @@ class Edge:
                    and r.in_flight == 0 and now - r.last_active_at > r.ttl_idle_s]
         for r in expired:
             await self.stop(r.id, reason=f"idle for more than ttl_idle_s={r.ttl_idle_s}s")
+        # the absolute lifetime ends a sandbox busy or not
+        ended = [r for r in recs if r.state in (SandboxState.running, SandboxState.suspended)
+                 and r.expires_at is not None and now >= r.expires_at and r not in expired]
+        for r in ended:
+            await self.stop(r.id, reason="its lifetime ended (lifetime_s / set_timeout)")
+            expired.append(r)
         to_park = [r for r in recs if r.state == SandboxState.running and r.in_flight == 0
                    and (after := getattr(r.args, "suspend_idle_s", None)) and now - r.last_active_at > after]
         for r in to_park:

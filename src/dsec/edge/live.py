@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from dsec.agent.client import AgentClient
 from dsec.backends.base import Backend
+from dsec.edge.exec_tracker import ExecTable
 from dsec.edge.records import SandboxRecord
 from dsec.types import CapacityExceeded
 
@@ -48,6 +49,7 @@ class LiveSandbox:
     ping_misses: int = 0          # unanswered liveness pings in a row (LivenessWatched backends)
     execs: int = 0                # execs running now (exec_slot)
     exec_bytes: int = 0           # output they reserved
+    commands: ExecTable = field(default_factory=ExecTable)   # detached/keyed execs, running execs' metadata
     # one connect at a time; parking/resuming serialised; network policy changes serialised
     agent_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     park_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -112,4 +114,5 @@ class LiveSandbox:
 
     async def close(self) -> None:
         """Free what the edge holds for this sandbox (the backend frees the sandbox itself)."""
+        self.commands.close()
         await self.drop_agent()

@@ -33,14 +33,19 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     last_active_at REAL NOT NULL,
     ended_at REAL,
     error TEXT,
-    output_used_bytes INTEGER NOT NULL DEFAULT 0   -- lifetime output budget spent (output_budget.py)
+    output_used_bytes INTEGER NOT NULL DEFAULT 0,  -- lifetime output budget spent (output_budget.py)
+    expires_at REAL,               -- absolute lifetime end (lifetime_s, set_timeout)
+    idempotency_key TEXT           -- the create's key: a retried create returns this sandbox
 );
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
 """
+INDEXES = "CREATE INDEX IF NOT EXISTS sandboxes_idem ON sandboxes(project, idempotency_key)"
 # Columns added after the first schema, with how to add them to an older edge.db.
-MIGRATIONS = {"output_used_bytes": "ALTER TABLE sandboxes ADD COLUMN output_used_bytes INTEGER NOT NULL DEFAULT 0"}
+MIGRATIONS = {"output_used_bytes": "ALTER TABLE sandboxes ADD COLUMN output_used_bytes INTEGER NOT NULL DEFAULT 0",
+              "expires_at": "ALTER TABLE sandboxes ADD COLUMN expires_at REAL",
+              "idempotency_key": "ALTER TABLE sandboxes ADD COLUMN idempotency_key TEXT"}
 COLUMNS = ("id, project, backend, state, args, image, image_digest, uid, gid, created_at, last_active_at, "
-           "ended_at, error, output_used_bytes")
+           "ended_at, error, output_used_bytes, expires_at")
 ARGS = TypeAdapter(SandboxArgs)
 LEGACY_USED_KEY = "output_used_bytes"    # older edges kept the counter inside the args JSON
 
@@ -68,6 +73,7 @@ class SandboxRecord:
     ended_at: float | None = None
     error: str | None = None
     output_used_bytes: int = 0
+    expires_at: float | None = None
     # not persisted: commands in flight (a busy sandbox is never idle-reaped)
     in_flight: int = field(default=0, compare=False)
 
@@ -90,6 +96,7 @@ class SandboxRecord:
                            cpu_cores=self.cpu_cores, memory_mb=self.memory_mb,
                            ttl_idle_s=self.ttl_idle_s, created_at=ts(self.created_at),
                            last_active_at=ts(self.last_active_at), error=self.error,
+                           expires_at=ts(self.expires_at) if self.expires_at is not None else None,
                            labels=self.args.labels,
                            network=self.args.network if isinstance(self.args, ContainerArgs) else None,
                            accel=getattr(self.args, "accel", None))
@@ -105,6 +112,7 @@ class EdgeRecords:
         for column, ddl in MIGRATIONS.items():
             if column not in have:
                 self._db.execute(ddl)
+        self._db.execute(INDEXES)
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -113,10 +121,10 @@ class EdgeRecords:
     def insert(self, r: SandboxRecord) -> None:
         with self._lock:
             self._db.execute(
-                f"INSERT INTO sandboxes ({COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                f"INSERT INTO sandboxes ({COLUMNS}, idempotency_key) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (r.id, r.project, r.backend, r.state.value, r.args.model_dump_json(), r.image,
                  r.image_digest, r.uid, r.gid, r.created_at, r.last_active_at, r.ended_at, r.error,
-                 r.output_used_bytes))
+                 r.output_used_bytes, r.expires_at, r.args.idempotency_key))
 
     def set_state(self, sandbox_id: str, state: SandboxState, error: str | None = None) -> None:
         ended = time.time() if state in (SandboxState.stopped, SandboxState.failed) else None
@@ -127,6 +135,17 @@ class EdgeRecords:
     def set_args(self, sandbox_id: str, args: SandboxArgs) -> None:
         with self._lock:
             self._db.execute("UPDATE sandboxes SET args=? WHERE id=?", (args.model_dump_json(), sandbox_id))
+
+    def set_expires_at(self, sandbox_id: str, expires_at: float | None) -> None:
+        with self._lock:
+            self._db.execute("UPDATE sandboxes SET expires_at=? WHERE id=?", (expires_at, sandbox_id))
+
+    def find_idempotent(self, project: str, key: str) -> SandboxRecord | None:
+        """The sandbox an earlier create of `project` with this idempotency key made (not one
+        whose creation failed: the caller got that error, and a retry may try again)."""
+        found = self._select("WHERE project=? AND idempotency_key=? AND NOT (state='failed' AND error LIKE "
+                             "'creation failed%') ORDER BY created_at DESC LIMIT 1", (project, key))
+        return found[0] if found else None
 
     def flush_activity(self, items: list[tuple[float, int, str]]) -> None:
         """(last_active_at, output_used_bytes, id) of sandboxes used since the last flush."""
@@ -147,7 +166,7 @@ class EdgeRecords:
             out.append(SandboxRecord(id=r[0], project=r[1], backend=r[2], state=SandboxState(r[3]), args=args,
                                      image=r[5], image_digest=r[6], uid=r[7], gid=r[8], created_at=r[9],
                                      last_active_at=r[10], ended_at=r[11], error=r[12],
-                                     output_used_bytes=max(r[13], legacy_used)))
+                                     output_used_bytes=max(r[13], legacy_used), expires_at=r[14]))
         return out
 
     def get(self, sandbox_id: str) -> SandboxRecord | None:

@@ -23,7 +23,7 @@ import httpx
 
 from dsec.config import DEFAULT_PORT, SERVER_INSTALL, Paths, server_installed
 from dsec.types import FnCallBatch, FnCallBatchItem, FnCallRequest, FnCallResult, FnCallStatus
-from dsec.types import PackDiffRequest
+from dsec.types import ExecInfo, ExecList, PackDiffRequest
 from dsec.types import MicroVMArgs, SandboxArgs, SnapshotInfo, SnapshotList, VMArgs
 from dsec.types import (ERRORS_BY_CODE, ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult,
                         FileEntry, FileList, ImageInfo, ImageList, NetworkPolicy, NodeStatus, SandboxInfo, SandboxList,
@@ -332,9 +332,13 @@ class Sandbox:
 
     async def run(self, cmd: str, *, session: str | None = None, timeout_s: float = 300.0,
                   cwd: str | None = None, env: dict[str, str] | None = None, stdin: str | None = None,
-                  user: str | None = None, output_cap_bytes: int | None = None, check: bool = False) -> ExecResult:
+                  user: str | None = None, output_cap_bytes: int | None = None, check: bool = False,
+                  idempotency_key: str | None = None) -> ExecResult:
+        """Run `cmd` (a shell command line) and return its result. With `idempotency_key`, a
+        retry after a timeout or lost connection returns the first run's result: the command
+        runs once."""
         req = ExecRequest(cmd=cmd, session=session, timeout_s=timeout_s, cwd=cwd, env=env or {},
-                          stdin=stdin, user=user, output_cap_bytes=output_cap_bytes)
+                          stdin=stdin, user=user, output_cap_bytes=output_cap_bytes, idempotency_key=idempotency_key)
         resp = await self._c._request("POST", f"{self._base}/exec", content=req.model_dump_json(), headers=JSON)
         result = ExecResult.model_validate_json(resp.content)
         if check and result.exit_code != 0:
@@ -343,13 +347,17 @@ class Sandbox:
 
     async def stream(self, cmd: str, *, session: str | None = None, timeout_s: float = 300.0,
                      cwd: str | None = None, env: dict[str, str] | None = None, stdin: str | None = None,
-                     user: str | None = None, output_cap_bytes: int | None = None) -> AsyncIterator[ExecEvent]:
+                     user: str | None = None, output_cap_bytes: int | None = None,
+                     idempotency_key: str | None = None) -> AsyncIterator[ExecEvent]:
         """Yield ExecEvents as the command produces output; the last one has type 'exit' and .result."""
         req = ExecRequest(cmd=cmd, session=session, timeout_s=timeout_s, cwd=cwd, env=env or {},
-                          stdin=stdin, user=user, output_cap_bytes=output_cap_bytes)
+                          stdin=stdin, user=user, output_cap_bytes=output_cap_bytes, idempotency_key=idempotency_key)
+        async for ev in self._ndjson("POST", f"{self._base}/exec/stream", req.model_dump_json()):
+            yield ev
+
+    async def _ndjson(self, method: str, path: str, content: str | None = None) -> AsyncIterator[ExecEvent]:
         await self._c._ensure_ready()
-        async with self._c._http.stream("POST", f"{self._base}/exec/stream", content=req.model_dump_json(),
-                                       headers=JSON) as resp:
+        async with self._c._http.stream(method, path, content=content, headers=JSON) as resp:
             if resp.status_code >= 400:
                 _raise_for(resp, await resp.aread())
             async for line in resp.aiter_lines():
@@ -362,10 +370,51 @@ class Sandbox:
                         raise DsecError(ev.data or "exec stream ended with an error")
                     yield ev
 
+    async def start(self, cmd: str, *, session: str | None = None, timeout_s: float = 300.0,
+                    cwd: str | None = None, env: dict[str, str] | None = None, stdin: str | None = None,
+                    keep_stdin: bool = False, tag: str | None = None, user: str | None = None,
+                    output_cap_bytes: int | None = None, idempotency_key: str | None = None) -> ExecInfo:
+        """Start `cmd` detached and return at once (ExecInfo.exec_id). Then: follow(exec_id)
+        for its output from the beginning, attach(exec_id) for its result, send_stdin (with
+        keep_stdin=True), signal, execs() to list what runs."""
+        req = ExecRequest(cmd=cmd, session=session, timeout_s=timeout_s, cwd=cwd, env=env or {}, stdin=stdin,
+                          keep_stdin=keep_stdin, tag=tag, user=user, output_cap_bytes=output_cap_bytes,
+                          idempotency_key=idempotency_key)
+        resp = await self._c._request("POST", f"{self._base}/execs", content=req.model_dump_json(), headers=JSON)
+        return ExecInfo.model_validate_json(resp.content)
+
+    async def follow(self, exec_id: str) -> AsyncIterator[ExecEvent]:
+        """An exec's output from its beginning, then live; the last event is its exit."""
+        async for ev in self._ndjson("GET", f"{self._base}/execs/{exec_id}/stream"):
+            yield ev
+
+    async def send_stdin(self, exec_id: str, data: bytes | str, *, close: bool = False) -> None:
+        """Write to the stdin of a command started with keep_stdin=True; close=True closes it after."""
+        body = data.encode() if isinstance(data, str) else data
+        await self._c._request("POST", f"{self._base}/execs/{exec_id}/stdin", content=body,
+                               params={"close": "true" if close else "false"})
+
+    async def signal(self, exec_id: str, signal: int = 15) -> None:
+        """Send `signal` (default TERM) to a running command's process group."""
+        await self._c._request("POST", f"{self._base}/execs/{exec_id}/signal",
+                               content=json.dumps({"signal": signal}), headers=JSON)
+
+    async def execs(self) -> builtins.list[ExecInfo]:
+        """The commands running in the sandbox now."""
+        resp = await self._c._request("GET", f"{self._base}/execs")
+        return ExecList.model_validate_json(resp.content).execs
+
     async def attach(self, exec_id: str) -> ExecResult:
         """Wait for and return the result of an earlier exec (survives client and edge restarts)."""
         resp = await self._c._request("GET", f"{self._base}/execs/{exec_id}")
         return ExecResult.model_validate_json(resp.content)
+
+    async def set_timeout(self, timeout_s: float) -> SandboxInfo:
+        """End the sandbox `timeout_s` seconds from now, busy or not (its absolute lifetime)."""
+        resp = await self._c._request("POST", f"{self._base}/timeout", content=json.dumps({"timeout_s": timeout_s}),
+                                      headers=JSON)
+        self.info = SandboxInfo.model_validate_json(resp.content)
+        return self.info
 
     async def close_session(self, name: str) -> None:
         await self._c._request("DELETE", f"{self._base}/sessions/{name}")

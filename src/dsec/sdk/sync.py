@@ -21,7 +21,7 @@ from typing import Any, cast
 
 from dsec.sdk import _sync
 from dsec.sdk.client import Client, Created, Files, Sandbox
-from dsec.types import (ContainerArgs, DsecError, ExecEvent, ExecResult, FileEntry, FnCallRequest,
+from dsec.types import (ContainerArgs, DsecError, ExecEvent, ExecInfo, ExecResult, FileEntry, FnCallRequest,
                         FnCallResult, ImageInfo, MicroVMArgs, NetworkPolicy, NodeStatus, SandboxArgs,
                         SandboxInfo, SnapshotInfo, VMArgs)
 
@@ -176,22 +176,63 @@ class SyncSandbox(_sync.Synchronized):
 
     def run(self, cmd: str, *, session: str | None = None, timeout_s: float = 300.0, cwd: str | None = None,
             env: dict[str, str] | None = None, stdin: str | None = None, user: str | None = None,
-            output_cap_bytes: int | None = None, check: bool = False) -> ExecResult:
+            output_cap_bytes: int | None = None, check: bool = False,
+            idempotency_key: str | None = None) -> ExecResult:
+        """Run `cmd` (a shell command line) and return its result. With `idempotency_key`, a
+        retry after a timeout or lost connection returns the first run's result: the command
+        runs once.
+        """
         return cast("ExecResult", _sync.call(self, "run", cmd, session=session, timeout_s=timeout_s, cwd=cwd,
                                              env=env, stdin=stdin, user=user,
-                                             output_cap_bytes=output_cap_bytes, check=check))
+                                             output_cap_bytes=output_cap_bytes, check=check,
+                                             idempotency_key=idempotency_key))
 
     def stream(self, cmd: str, *, session: str | None = None, timeout_s: float = 300.0,
                cwd: str | None = None, env: dict[str, str] | None = None, stdin: str | None = None,
-               user: str | None = None, output_cap_bytes: int | None = None) -> Iterator[ExecEvent]:
+               user: str | None = None, output_cap_bytes: int | None = None,
+               idempotency_key: str | None = None) -> Iterator[ExecEvent]:
         """Yield ExecEvents as the command produces output; the last one has type 'exit' and .result."""
         return cast("Iterator[ExecEvent]", _sync.call(self, "stream", cmd, session=session,
                                                       timeout_s=timeout_s, cwd=cwd, env=env, stdin=stdin,
-                                                      user=user, output_cap_bytes=output_cap_bytes))
+                                                      user=user, output_cap_bytes=output_cap_bytes,
+                                                      idempotency_key=idempotency_key))
+
+    def start(self, cmd: str, *, session: str | None = None, timeout_s: float = 300.0, cwd: str | None = None,
+              env: dict[str, str] | None = None, stdin: str | None = None, keep_stdin: bool = False,
+              tag: str | None = None, user: str | None = None, output_cap_bytes: int | None = None,
+              idempotency_key: str | None = None) -> ExecInfo:
+        """Start `cmd` detached and return at once (ExecInfo.exec_id). Then: follow(exec_id)
+        for its output from the beginning, attach(exec_id) for its result, send_stdin (with
+        keep_stdin=True), signal, execs() to list what runs.
+        """
+        return cast("ExecInfo", _sync.call(self, "start", cmd, session=session, timeout_s=timeout_s, cwd=cwd,
+                                           env=env, stdin=stdin, keep_stdin=keep_stdin, tag=tag, user=user,
+                                           output_cap_bytes=output_cap_bytes,
+                                           idempotency_key=idempotency_key))
+
+    def follow(self, exec_id: str) -> Iterator[ExecEvent]:
+        """An exec's output from its beginning, then live; the last event is its exit."""
+        return cast("Iterator[ExecEvent]", _sync.call(self, "follow", exec_id))
+
+    def send_stdin(self, exec_id: str, data: bytes | str, *, close: bool = False) -> None:
+        """Write to the stdin of a command started with keep_stdin=True; close=True closes it after."""
+        _sync.call(self, "send_stdin", exec_id, data, close=close)
+
+    def signal(self, exec_id: str, signal: int = 15) -> None:
+        """Send `signal` (default TERM) to a running command's process group."""
+        _sync.call(self, "signal", exec_id, signal)
+
+    def execs(self) -> builtins.list[ExecInfo]:
+        """The commands running in the sandbox now."""
+        return cast("builtins.list[ExecInfo]", _sync.call(self, "execs"))
 
     def attach(self, exec_id: str) -> ExecResult:
         """Wait for and return the result of an earlier exec (survives client and edge restarts)."""
         return cast("ExecResult", _sync.call(self, "attach", exec_id))
+
+    def set_timeout(self, timeout_s: float) -> SandboxInfo:
+        """End the sandbox `timeout_s` seconds from now, busy or not (its absolute lifetime)."""
+        return cast("SandboxInfo", _sync.call(self, "set_timeout", timeout_s))
 
     def close_session(self, name: str) -> None:
         _sync.call(self, "close_session", name)

@@ -27,11 +27,12 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from dsec.backends.base import Backend, Egress, ImageStacks, LayerDiff, Prepared, UpperView
+from dsec.backends.base import Backend, Egress, ImageStacks, LayerDiff, PortIngress, Prepared, UpperView
 from dsec.backends.container import cgroups
 from dsec.backends.container.disk import open_quotas
 from dsec.backends.container.idmap import IdRanges, host_to_sandbox
 from dsec.backends.container.network import SandboxNetworks
+from dsec.backends.container.ports import CONNECT_TIMEOUT_S, connect_in_netns
 from dsec.backends.container.spec import ContainerSpec, build_config, cgroup_path, ensure_node_file_max
 from dsec.config import Paths
 from dsec.native import compile_static
@@ -66,7 +67,7 @@ class _ExitWatch:
     status: int | None = None     # wait status once it exited (None: unknown)
 
 
-class ContainerDriver(Backend, LayerDiff, Egress):
+class ContainerDriver(Backend, LayerDiff, Egress, PortIngress):
     kinds = ("container",)
     instead = {"snapshot": "use pack_diff to save a container's changes as a layer",
                "suspend": "stop the container, or use a microvm/vm sandbox",
@@ -294,6 +295,25 @@ class ContainerDriver(Backend, LayerDiff, Egress):
         """Replace a running sandbox's egress policy (BPF map update; first allow adds a veth)."""
         allows = resolve(policy, self.rulesets, field="")
         await self.net.apply(sandbox_id, self._pid(sandbox_id), allows)
+
+    async def open_port(self, sandbox_id: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A TCP connection to `port` on the sandbox's loopback, made from the host side into
+        its network namespace (ports.py): its egress policy does not apply, by design."""
+        try:
+            pid = self._pid(sandbox_id)
+        except (OSError, ValueError):
+            raise FileNotFoundError(f"sandbox {sandbox_id} has no running init") from None
+        try:
+            sock = await connect_in_netns(pid, cgroup_path(sandbox_id), port)
+        except TimeoutError:
+            raise Unavailable(f"port {port} in sandbox {sandbox_id} did not accept a connection within "
+                              f"{CONNECT_TIMEOUT_S:g} s", field="port",
+                              fix="the server in the sandbox may be overloaded (full accept backlog); retry") from None
+        try:
+            return await asyncio.open_connection(sock=sock)
+        except BaseException:
+            sock.close()
+            raise
 
     async def recover(self, live_ids: set[str]) -> None:
         """After an edge restart: free what dead sandboxes left, re-attach live ones' networks."""

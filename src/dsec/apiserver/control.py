@@ -1,0 +1,64 @@
+"""The control-plane steps every API front (dsec's own routes, the E2B routes) shares: which
+sandboxes a caller may reach, creation bounded by the project's policy and placed on a node,
+and the policy check of commands that loosen something."""
+
+from __future__ import annotations
+
+from dsec.apiserver.context import ApiContext, EdgeHandle
+from dsec.apiserver.tenancy import check_usable
+from dsec.iam import Principal
+from dsec.iam.policy import check_create, is_root
+from dsec.types import CapacityExceeded, DsecError, ExecRequest, NotFound, SandboxArgs, SandboxInfo
+
+PLACEMENT_TRIES = 3
+
+
+async def owned(ctx: ApiContext, sandbox_id: str, who: Principal,
+                field: str = "sandbox_id") -> tuple[EdgeHandle, SandboxInfo]:
+    """The edge and info of a sandbox the caller's project (or an ancestor) owns."""
+    edge = ctx.edge_for(sandbox_id)
+    info = await edge.get(sandbox_id)
+    if not ctx.iam.can_access(who, info.project):
+        # same answer as a missing sandbox: ids of other projects are not disclosed
+        raise NotFound(f"no sandbox {sandbox_id!r}", field=field, fix="check the id and API key")
+    return edge, info
+
+
+async def create_sandbox(ctx: ApiContext, who: Principal, args: SandboxArgs) -> SandboxInfo:
+    """Create on the least-loaded node that admits it, bounded by the project's policy; other
+    projects' layers look missing. (A restore from a snapshot goes to the snapshot's node:
+    the caller handles it.)"""
+    check_create(ctx.iam.effective_policy(who.project_id), args, who.project_id)
+    if ctx.images is not None:
+        check_usable(ctx.iam, ctx.images, who, args)
+    excluded: set[str] = set()
+    last: DsecError | None = None
+    for _ in range(PLACEMENT_TRIES):
+        try:
+            node = ctx.placer.choose(ctx.watcher.nodes(), args.backend, args.cpu_cores, args.memory_mb,
+                                     exclude=excluded)
+        except DsecError:
+            if last is not None:   # every node refused: the last edge's reason names what is short
+                raise last from None
+            raise
+        try:
+            info = await ctx.edges[node].create(who.project_id, args)
+            ctx.placer.landed(node, args.cpu_cores, args.memory_mb, ctx.watcher.interval_s)
+            return info
+        except CapacityExceeded as e:   # the edge's own final check: place elsewhere
+            ctx.placer.release(node, args.cpu_cores, args.memory_mb)
+            excluded.add(node)
+            last = e
+        except BaseException:
+            ctx.placer.release(node, args.cpu_cores, args.memory_mb)
+            raise
+    assert last is not None
+    raise last
+
+
+async def check_exec(ctx: ApiContext, edge: EdgeHandle, sandbox_id: str, req: ExecRequest) -> None:
+    """Per-command loosening (root, a larger output cap) is bounded like create. Looked up
+    only when a command asks for one, so plain execs cost no IAM query."""
+    if is_root(req.user) or req.output_cap_bytes is not None:
+        project = (await edge.get(sandbox_id)).project
+        check_create(ctx.iam.effective_policy(project), req, project)

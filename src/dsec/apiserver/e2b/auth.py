@@ -1,0 +1,43 @@
+"""Per-sandbox envd access tokens.
+
+The e2b SDK sends a sandbox's `envdAccessToken` (from create/connect) as `X-Access-Token` on
+every envd request. dsec mints it as an HMAC of the sandbox id under a server secret, so no
+token is stored and every apiserver sharing the secret file accepts it; it opens that one
+sandbox only. The secret lives beside the IAM database ($DSEC_HOME/e2b.secret, mode 0600).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+from pathlib import Path
+
+SECRET_FILE = "e2b.secret"
+TOKEN_HEADER = "x-access-token"
+
+
+def load_secret(home: Path) -> bytes:
+    """The server secret, created once (O_EXCL: concurrent first starts agree on one)."""
+    path = home / SECRET_FILE
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return bytes.fromhex(path.read_text().strip())
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return bytes.fromhex(path.read_text().strip())
+
+
+class AccessTokens:
+    def __init__(self, secret: bytes):
+        self._secret = secret
+
+    def token(self, sandbox_id: str) -> str:
+        """The envd access token of a (dsec) sandbox id."""
+        mac = hmac.new(self._secret, b"e2b-envd:" + sandbox_id.encode(), hashlib.sha256)
+        return "ea_" + mac.hexdigest()[:48]
+
+    def check(self, sandbox_id: str, token: str | None) -> bool:
+        return token is not None and hmac.compare_digest(self.token(sandbox_id), token.strip())

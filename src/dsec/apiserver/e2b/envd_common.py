@@ -1,0 +1,77 @@
+"""What every envd request handler needs: its sandbox (from the E2b-Sandbox-Id header, already
+authenticated by the dispatcher), the user it acts as, and absolute paths."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import posixpath
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from dsec.apiserver.context import ApiContext, EdgeHandle
+from dsec.apiserver.e2b.errors import gone
+from dsec.apiserver.e2b.ids import to_dsec
+from dsec.apiserver.e2b.mapping import e2b_state
+from dsec.apiserver.guard import E2B_SANDBOX_HEADER
+from dsec.types import USER_RE, InvalidArgument, NotFound, SandboxInfo
+
+ENVD_PORT = 49983
+PORT_HEADER = "e2b-sandbox-port"
+HOME = "/work"     # relative paths resolve here: the workdir of sandboxes created through E2B
+
+
+@dataclass(frozen=True)
+class Target:
+    e2b_id: str
+    sandbox_id: str
+    edge: EdgeHandle
+    info: SandboxInfo
+
+
+async def target_of(ctx: ApiContext, headers: Mapping[str, str]) -> Target:
+    """The live sandbox a request is for; a missing or ended one is "not found" as E2B's proxy
+    answers it (502/UNAVAILABLE: the SDK raises SandboxNotRunningException)."""
+    e2b_id = headers.get(E2B_SANDBOX_HEADER, "")
+    try:
+        sandbox_id = to_dsec(e2b_id)
+        edge = ctx.edge_for(sandbox_id)
+        info = await edge.get(sandbox_id)
+    except NotFound:
+        raise gone(e2b_id[:80]) from None
+    if e2b_state(info) is None:
+        raise gone(e2b_id)
+    return Target(e2b_id, sandbox_id, edge, info)
+
+
+def user_of(headers: Mapping[str, str]) -> str | None:
+    """The user of an envd request (`Authorization: Basic base64("user:")`): E2B's "user" is
+    the sandbox's own user (None), "root" is root; dsec user specs pass as they are."""
+    auth = headers.get("authorization", "")
+    if not auth.lower().startswith("basic "):
+        return None
+    try:
+        name = base64.b64decode(auth[6:].strip(), validate=True).decode().partition(":")[0]
+    except (binascii.Error, UnicodeDecodeError):
+        raise InvalidArgument("the Authorization header is not Basic base64(user:)", field="user",
+                              fix="pass user='user' or user='root'") from None
+    return user_name(name)
+
+
+def user_name(name: str | None) -> str | None:
+    if not name or name == "user":
+        return None
+    if not re.match(USER_RE, name):
+        raise InvalidArgument(f"user {name[:40]!r} is not known in dsec sandboxes", field="user",
+                              fix="use 'user' (the sandbox's user) or 'root'")
+    return name
+
+
+def abs_path(path: str, field: str = "path") -> str:
+    """envd resolves relative paths against the user's home; dsec against HOME."""
+    if not path:
+        raise InvalidArgument("path is empty", field=field, fix="pass a file path")
+    if "\0" in path:
+        raise InvalidArgument("path contains a NUL byte", field=field, fix="pass a plain file path")
+    return posixpath.normpath(posixpath.join(HOME, path))

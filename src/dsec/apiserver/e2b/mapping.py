@@ -1,0 +1,192 @@
+"""E2B sandbox <-> dsec sandbox: create arguments in, sandbox info out.
+
+What dsec cannot honour is refused by name (Unsupported, a 400); see docs/e2b.md for the table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import math
+import re
+from datetime import datetime, timedelta
+from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+
+from dsec.apiserver.e2b.auth import AccessTokens
+from dsec.apiserver.e2b.errors import Unsupported
+from dsec.apiserver.e2b.ids import to_e2b
+from dsec.apiserver.e2b.models import NewSandbox
+from dsec.types import (IDEMPOTENCY_KEY_RE, MAX_TTL_S, VM_BACKENDS, InvalidArgument, SandboxArgs, SandboxInfo,
+                        SandboxState)
+
+# What the SDK gates on envd's version (e2b/envd/versions.py): commands stdin (0.3.0), default
+# user (0.4.0), close stdin (0.5.2), octet-stream upload (0.5.7), file metadata (0.6.2, refused
+# by name here), watch options (0.6.x, WatchDir is unimplemented). 0.6.4 lets every call reach
+# dsec, which then serves it or refuses it by name.
+ENVD_VERSION = "0.6.4"
+DEFAULT_TIMEOUT_S = 300       # the SDK's documented default sandbox timeout (SandboxBase)
+DSEC_KEYS = {"dsec.backend": "backend", "dsec.cpu_cores": "cpu_cores", "dsec.memory_mb": "memory_mb"}
+ALL_TRAFFIC = ("0.0.0.0/0", "::/0")
+_ARGS = TypeAdapter(SandboxArgs)
+# dsec field -> the E2B field a user wrote it as (for error messages)
+_E2B_FIELD = {"image": "templateID", "lifetime_s": "timeout", "labels": "metadata", "env": "envVars",
+              "network": "network", "cpu_cores": "metadata.dsec.cpu_cores", "vcpus": "metadata.dsec.cpu_cores",
+              "memory_mb": "metadata.dsec.memory_mb", "backend": "metadata.dsec.backend"}
+
+
+def _refuse(field: str, why: str, fix: str) -> Unsupported:
+    return Unsupported(f"{field}: {why}", field=field, fix=fix)
+
+
+def _check_unsupported(body: NewSandbox, backend: str) -> None:
+    """Every field dsec cannot honour, by name."""
+    if body.auto_pause:
+        raise _refuse("autoPause", "dsec ends a sandbox when its timeout passes; it cannot pause it instead",
+                      "leave lifecycle.on_timeout unset or 'kill'; extend the timeout with set_timeout")
+    if body.auto_pause_memory is not None:
+        raise _refuse("autoPauseMemory", "there is no auto-pause in dsec", "leave lifecycle.on_timeout unset")
+    if body.auto_resume is not None and (body.auto_resume.get("enabled") or backend in VM_BACKENDS):
+        raise _refuse("autoResume", "a paused dsec VM resumes on its next request; this cannot be changed",
+                      "leave lifecycle.auto_resume unset")
+    if body.secure is False:
+        raise _refuse("secure", "envd access in dsec always needs the sandbox's access token",
+                      "leave secure unset")
+    for name, value in (("mcp", body.mcp), ("iam", body.iam), ("volumeMounts", body.volume_mounts)):
+        if value:
+            raise _refuse(name, "not available in dsec", f"leave {name} unset")
+    if backend in VM_BACKENDS and (body.allow_internet_access or body.network):
+        raise _refuse("network" if body.network else "allow_internet_access",
+                      "dsec VMs have no network device", "use a container sandbox (the default) for network access")
+
+
+def _cidr(value: str, field: str) -> str:
+    try:
+        return str(ipaddress.ip_network(value.strip(), strict=False))
+    except ValueError:
+        raise _refuse(field, f"{value[:80]!r} is not an IP address or CIDR block: dsec allow-lists networks, "
+                             "not domain names", "list IP addresses or CIDR blocks") from None
+
+
+def _network(body: NewSandbox) -> dict[str, Any] | None:
+    """dsec's egress allow-list (deny-all by default) from allow_internet_access and network."""
+    net = dict(body.network or {})
+    allow = [_cidr(v, "network.allowOut") for v in net.pop("allowOut", None) or []]
+    deny = [_cidr(v, "network.denyOut") for v in net.pop("denyOut", None) or []]
+    if net.pop("allowPublicTraffic", None) is True:
+        raise _refuse("network.allowPublicTraffic", "dsec never serves a sandbox's ports without a key or the "
+                                                    "sandbox's access token", "leave it unset or false")
+    if net:
+        key = sorted(net)[0]
+        raise _refuse(f"network.{key}", "not available in dsec", "use allowOut/denyOut with IP addresses or CIDRs")
+    if deny and not set(deny) <= set(ALL_TRAFFIC):
+        raise _refuse("network.denyOut", "dsec's egress policy is an allow-list: it cannot deny parts of what "
+                                         "it allows", "deny all (0.0.0.0/0) and allow what is needed in allowOut")
+    if body.allow_internet_access and not deny and not allow:
+        allow = list(ALL_TRAFFIC)
+    if not allow:
+        return None                    # dsec's default: no egress but loopback
+    return {"rules": [{"cidr": c} for c in allow]}
+
+
+def _dsec_metadata(metadata: dict[str, str]) -> tuple[dict[str, str], dict[str, Any]]:
+    """Split metadata into labels and dsec's own keys (dsec.backend, dsec.cpu_cores, dsec.memory_mb)."""
+    labels, own = {}, {}
+    for k, v in metadata.items():
+        if k in DSEC_KEYS:
+            own[DSEC_KEYS[k]] = v
+        elif k.startswith("dsec."):
+            raise InvalidArgument(f"metadata key {k!r} is not one dsec reads", field=f"metadata.{k}",
+                                  fix="dsec's own keys: " + ", ".join(DSEC_KEYS))
+        else:
+            labels[k] = v
+    return labels, own
+
+
+def idempotency_key(header: str | None) -> str | None:
+    """E2B's Idempotency-Key (up to 255 chars) as dsec's (up to 128): long ones are hashed."""
+    if not header:
+        return None
+    if re.match(IDEMPOTENCY_KEY_RE, header):
+        return header
+    return "e2b-" + hashlib.sha256(header.encode()).hexdigest()[:64]
+
+
+def sandbox_args(body: NewSandbox, idem: str | None) -> Any:
+    """The dsec SandboxArgs of an E2B create request."""
+    labels, own = _dsec_metadata(body.metadata or {})
+    backend = own.pop("backend", "container")
+    _check_unsupported(body, backend)
+    timeout = body.timeout if body.timeout is not None else DEFAULT_TIMEOUT_S
+    raw: dict[str, Any] = {
+        "backend": backend, "image": body.template_id, "lifetime_s": timeout, "ttl_idle_s": MAX_TTL_S,
+        "labels": labels, "env": body.env_vars or {}, "idempotency_key": idempotency_key(idem)}
+    if backend in VM_BACKENDS:
+        if "cpu_cores" in own:
+            raw["vcpus"] = own.pop("cpu_cores")
+    else:
+        net = _network(body)
+        if net is not None:
+            raw["network"] = net
+    raw.update(own)
+    try:
+        return _ARGS.validate_python(raw)
+    except ValidationError as e:
+        raise _invalid(e) from None
+
+
+def _invalid(e: ValidationError) -> InvalidArgument:
+    first = e.errors()[0]
+    loc = [str(p) for p in first.get("loc", ()) if str(p) not in ("container", "microvm", "vm")]
+    name = _E2B_FIELD.get(loc[0], loc[0]) if loc else "body"
+    field = ".".join([name, *loc[1:]]) if loc else name
+    if loc and loc[0] == "backend":
+        return InvalidArgument(f"metadata dsec.backend: {first.get('msg')}", field=field,
+                               fix="use 'container', 'microvm' or 'vm'")
+    return InvalidArgument(f"{field}: {first.get('msg', 'invalid')}", field=field,
+                           fix="see docs/e2b.md for what dsec accepts")
+
+
+# -- sandbox info out -------------------------------------------------------------------------
+
+def e2b_state(info: SandboxInfo) -> str | None:
+    """E2B's state of a sandbox; None: it has ended (E2B no longer knows it)."""
+    if info.state in (SandboxState.running, SandboxState.creating):
+        return "running"
+    if info.state == SandboxState.suspended:
+        return "paused"
+    return None
+
+
+def end_at(info: SandboxInfo) -> datetime:
+    if info.expires_at is not None:
+        return info.expires_at
+    return info.last_active_at + timedelta(seconds=info.ttl_idle_s)
+
+
+def created(info: SandboxInfo, tokens: AccessTokens) -> dict[str, Any]:
+    """E2B's Sandbox (create/connect answers)."""
+    return {"templateID": info.image, "sandboxID": to_e2b(info.id), "clientID": info.node,
+            "envdVersion": ENVD_VERSION, "envdAccessToken": tokens.token(info.id),
+            "trafficAccessToken": None, "domain": None}
+
+
+def listed(info: SandboxInfo) -> dict[str, Any]:
+    """E2B's ListedSandbox."""
+    return {"templateID": info.image, "sandboxID": to_e2b(info.id), "clientID": info.node,
+            "startedAt": info.created_at.isoformat(), "endAt": end_at(info).isoformat(),
+            "cpuCount": max(1, math.ceil(info.cpu_cores)), "memoryMB": info.memory_mb,
+            "diskSizeMB": 0,   # not in dsec's SandboxInfo (the quota is disk_mb of the args)
+            "state": e2b_state(info) or "running", "envdVersion": ENVD_VERSION, "metadata": dict(info.labels),
+            "volumeMounts": []}
+
+
+def detail(info: SandboxInfo, tokens: AccessTokens) -> dict[str, Any]:
+    """E2B's SandboxDetail (GET /sandboxes/{id})."""
+    out = listed(info)
+    out.pop("volumeMounts")
+    egress = bool(info.network and info.network.rules)
+    out.update({"envdAccessToken": tokens.token(info.id), "domain": None,
+                "allowInternetAccess": egress if info.backend not in VM_BACKENDS else False})
+    return out

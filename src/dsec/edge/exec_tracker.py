@@ -1,0 +1,164 @@
+"""Commands the edge follows on the caller's behalf: detached execs and execs with an
+idempotency key.
+
+A tracked exec is run by a background task that consumes the edge's own exec stream (so the
+exec slot, output budget and release to the agent work as for any exec) and keeps its events
+for any number of followers: each follower gets them from the beginning, then live. A retried
+request with the same idempotency key follows the same exec instead of starting another.
+
+Bounded: output is what the exec's own caps let through (the agent truncates), and a sandbox
+keeps at most KEEP_FINISHED finished execs, each at most KEEP_FINISHED_S after it ended, and
+at most KEEP_FINISHED_BYTES of their output together. After
+an edge restart the trackers are gone; the agent still retains what it has not released, so a
+follower falls back to attaching there (Edge.exec_follow).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+from dsec.types import DsecError, ExecEvent, ExecInfo, ExecResult
+
+KEEP_FINISHED = 64          # finished tracked execs kept per sandbox for late followers
+KEEP_FINISHED_S = 600.0     # ... and for at most this long after they ended
+KEEP_FINISHED_BYTES = 32 << 20   # ... holding at most this much output together (oldest dropped first)
+
+
+@dataclass(eq=False)
+class TrackedExec:
+    info: ExecInfo
+    idempotency_key: str | None = None
+    events: list[ExecEvent] = field(default_factory=list)   # stdout/stderr, in order
+    result: ExecResult | None = None
+    error: DsecError | None = None          # it could not start, or was lost (sandbox ended ...)
+    ended_at: float | None = None           # monotonic
+    kept_bytes: int = 0                     # output held (events and result), for the table's bound
+    started: asyncio.Event = field(default_factory=asyncio.Event)   # exec_id known, or error
+    task: asyncio.Task | None = None
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def done(self) -> bool:
+        return self.ended_at is not None
+
+    def _notify(self) -> None:
+        wake, self._wake = self._wake, asyncio.Event()
+        wake.set()
+
+    async def consume(self, events: AsyncIterator[ExecEvent]) -> None:
+        """Run by the background task: keep every event of the exec until it ends."""
+        try:
+            async for ev in events:
+                if ev.type == "start":
+                    self.info.exec_id = ev.exec_id or ""
+                    self.started.set()
+                elif ev.type == "exit":
+                    self.result = ev.result
+                    if ev.result is not None:
+                        self.info.exit_code, self.info.signal = ev.result.exit_code, ev.result.signal
+                        self.kept_bytes += len(ev.result.stdout) + len(ev.result.stderr)
+                else:
+                    self.events.append(ev)
+                    self.kept_bytes += len(ev.data)
+                self._notify()
+        except DsecError as e:
+            self.error = e
+        finally:
+            self.info.running = False
+            self.info.stdin_open = False
+            self.ended_at = time.monotonic()
+            self.started.set()
+            self._notify()
+
+    async def follow(self) -> AsyncIterator[ExecEvent]:
+        """start, every output event so far and then live, exit (with the result, or the error
+        as the exit event's data, as the NDJSON stream reports errors after its start)."""
+        exec_id = self.info.exec_id
+        yield ExecEvent(type="start", exec_id=exec_id)
+        i = 0
+        while True:
+            wake = self._wake
+            while i < len(self.events):
+                yield self.events[i]
+                i += 1
+            if self.done:
+                if self.result is not None:
+                    yield ExecEvent(type="exit", exec_id=exec_id, result=self.result)
+                else:
+                    yield ExecEvent(type="exit", exec_id=exec_id,
+                                    data=self.error.message if self.error else "the exec ended without a result")
+                return
+            await wake.wait()
+
+    async def wait_result(self) -> ExecResult:
+        async for ev in self.follow():
+            if ev.type == "exit":
+                if ev.result is not None:
+                    return ev.result
+                if self.error is not None:
+                    raise self.error
+        raise DsecError("the exec ended without a result")
+
+
+@dataclass(eq=False)
+class ExecTable:
+    """One sandbox's tracked execs and the metadata of its other running execs."""
+
+    tracked: dict[str, TrackedExec] = field(default_factory=dict)        # exec_id -> tracked exec
+    by_key: dict[str, TrackedExec] = field(default_factory=dict)         # idempotency key -> tracked exec
+    running: dict[str, ExecInfo] = field(default_factory=dict)           # untracked execs now running
+
+    def start_tracking(self, info: ExecInfo, key: str | None,
+                       run: Callable[[TrackedExec], AsyncIterator[ExecEvent]]) -> TrackedExec:
+        """A new tracked exec whose events come from `run(t)`, consumed by a background task."""
+        self.prune()
+        t = TrackedExec(info=info, idempotency_key=key)
+        if key is not None:
+            self.by_key[key] = t     # before it starts: a concurrent retry waits for this one
+        t.task = asyncio.create_task(self._run(t, run(t)), name=f"exec-{key or 'detached'}")
+        return t
+
+    async def _run(self, t: TrackedExec, events: AsyncIterator[ExecEvent]) -> None:
+        await t.consume(events)
+        if t.error is not None and not t.info.exec_id and t.idempotency_key is not None:
+            self.by_key.pop(t.idempotency_key, None)     # never started: a retry may try again
+        self.prune()
+
+    def register(self, t: TrackedExec) -> None:
+        """Once started: reachable by its exec id."""
+        self.tracked[t.info.exec_id] = t
+
+    def prune(self) -> None:
+        now = time.monotonic()
+        done = sorted((t for t in self.tracked.values() if t.ended_at is not None), key=lambda t: t.ended_at or 0.0)
+        drop = [t for t in done if now - (t.ended_at or now) > KEEP_FINISHED_S]
+        drop += [t for t in done[:max(0, len(done) - KEEP_FINISHED)] if t not in drop]
+        held = sum(t.kept_bytes for t in done if t not in drop)
+        for t in done:                      # oldest first, until the rest fits
+            if held <= KEEP_FINISHED_BYTES:
+                break
+            if t not in drop:
+                drop.append(t)
+                held -= t.kept_bytes
+        for t in drop:
+            self.tracked.pop(t.info.exec_id, None)
+            if t.idempotency_key is not None and self.by_key.get(t.idempotency_key) is t:
+                del self.by_key[t.idempotency_key]
+
+    def close(self) -> None:
+        """The sandbox is going away (or the edge stops): stop following. The agent keeps
+        whatever it has not released."""
+        for t in self.tracked.values():
+            if t.task is not None and not t.task.done():
+                t.task.cancel()
+        for t in self.by_key.values():
+            if t.task is not None and not t.task.done():
+                t.task.cancel()
+
+
+def now_utc() -> datetime:
+    return datetime.now(timezone.utc)

@@ -1,0 +1,68 @@
+"""The edge's table of tracked execs: followers see everything from the start, concurrent
+retries share one exec, and what finished execs hold stays bounded."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from dsec.edge import exec_tracker
+from dsec.edge.exec_tracker import ExecTable, TrackedExec
+from dsec.types import ExecEvent, ExecInfo, ExecResult, InvalidArgument
+
+
+def fake_exec(exec_id: str, chunks: list[str], gate: asyncio.Event | None = None):
+    async def events(_: TrackedExec) -> AsyncIterator[ExecEvent]:
+        yield ExecEvent(type="start", exec_id=exec_id)
+        for c in chunks:
+            yield ExecEvent(type="stdout", data=c)
+            if gate is not None:
+                await gate.wait()
+        yield ExecEvent(type="exit", exec_id=exec_id,
+                        result=ExecResult(exec_id=exec_id, exit_code=0, stdout="".join(chunks)))
+    return events
+
+
+async def collect(t: TrackedExec) -> str:
+    return "".join([ev.data async for ev in t.follow() if ev.type == "stdout"])
+
+
+async def test_late_and_concurrent_followers_get_all_output() -> None:
+    table, gate = ExecTable(), asyncio.Event()
+    t = table.start_tracking(ExecInfo(exec_id=""), None, fake_exec("1", ["a", "b", "c"], gate))
+    await t.started.wait()
+    table.register(t)
+    early = asyncio.create_task(collect(t))
+    await asyncio.sleep(0)
+    gate.set()
+    late = await collect(t)
+    assert await early == late == "abc"
+    assert (await t.wait_result()).stdout == "abc" and not t.info.running
+
+
+async def test_a_key_whose_exec_never_started_is_free_again() -> None:
+    table = ExecTable()
+
+    async def refused(_: TrackedExec) -> AsyncIterator[ExecEvent]:
+        raise InvalidArgument("no", field="cmd")
+        yield ExecEvent(type="start")   # pragma: no cover
+
+    t = table.start_tracking(ExecInfo(exec_id=""), "k", refused)
+    await t.task
+    assert t.error is not None and "k" not in table.by_key
+
+
+async def test_finished_execs_are_bounded_by_count_and_bytes(monkeypatch) -> None:
+    monkeypatch.setattr(exec_tracker, "KEEP_FINISHED_BYTES", 1000)
+    table = ExecTable()
+    for i in range(1, 8):
+        t = table.start_tracking(ExecInfo(exec_id=""), f"k{i}", fake_exec(str(i), ["x" * 100]))
+        await t.task
+        table.register(t)
+    table.prune()
+    held = sum(t.kept_bytes for t in table.tracked.values())
+    assert held <= 1000 and "7" in table.tracked and "1" not in table.tracked
+    assert set(table.by_key) == {t.idempotency_key for t in table.tracked.values()}
+    monkeypatch.setattr(exec_tracker, "KEEP_FINISHED", 2)
+    table.prune()
+    assert sorted(table.tracked) == ["6", "7"]

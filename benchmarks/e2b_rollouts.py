@@ -1,7 +1,8 @@
 """The same rollout through the stock `e2b` SDK against dsec and through dsec's own SDK, side by
 side in one run: how much the E2B drop-in costs over the native path.
 
-    python benchmarks/e2b_rollouts.py --n 100 --concurrency 8     # the local dsec (DSEC_URL/DSEC_API_KEY else)
+    python benchmarks/e2b_rollouts.py --n 100 --concurrency 8 --isolated   # its own `dsec up` in a temp home
+    python benchmarks/e2b_rollouts.py --n 100                  # the local dsec (DSEC_URL/DSEC_API_KEY else)
 
 A rollout: create a sandbox (template/image debian-python), run 10 commands one after another,
 write a file and read it back, kill the sandbox. The two kinds alternate in rounds of
@@ -20,6 +21,7 @@ import time
 from e2b import AsyncSandbox
 
 from dsec import Client, ContainerArgs
+from dsec.bench.server import BenchServer
 from dsec.config import DEFAULT_PORT, Paths
 
 COMMANDS = 10
@@ -80,13 +82,26 @@ async def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--url", default=os.environ.get("DSEC_URL", f"http://127.0.0.1:{DEFAULT_PORT}"))
     ap.add_argument("--key", default=os.environ.get("DSEC_API_KEY"))
+    ap.add_argument("--isolated", action="store_true", help="start a `dsec up` of its own (temp home, own port)")
     a = ap.parse_args()
-    key = a.key or Paths.from_env().admin_key_file.read_text().strip()
+    if a.isolated:
+        srv = BenchServer("dsec-bench-e2b-")
+        try:
+            srv.prepare(["debian-python"])
+            srv.start()
+            await run(a, srv.url, srv.key)
+        finally:
+            srv.close()
+    else:
+        await run(a, a.url, a.key or Paths.from_env().admin_key_file.read_text().strip())
+
+
+async def run(a: argparse.Namespace, url: str, key: str) -> None:
     # the two variables (docs/e2b.md) that point the stock SDK at dsec, and the key
-    os.environ.update({"E2B_API_URL": a.url, "E2B_SANDBOX_URL": a.url, "E2B_API_KEY": key})
+    os.environ.update({"E2B_API_URL": f"{url}/e2b", "E2B_SANDBOX_URL": f"{url}/e2b", "E2B_API_KEY": key})
     rows: dict[str, list[dict[str, float]]] = {"dsec": [], "e2b": []}
     wall = {"dsec": 0.0, "e2b": 0.0}
-    async with Client(a.url, key) as c:
+    async with Client(url, key, autostart=False) as c:
         await dsec_rollout(c)          # warm both paths once (image mounts, connections)
         await e2b_rollout()
         done = 0

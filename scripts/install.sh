@@ -20,6 +20,7 @@ echo "== built-in images (busybox, debian-python, fncall-python via debootstrap;
 .venv/bin/dsec image build busybox --builtin
 .venv/bin/dsec image build debian-python --builtin
 .venv/bin/dsec image build fncall-python --builtin    # FnCall pool image: python3, gcc, g++, numpy
+.venv/bin/dsec image build code-interpreter --builtin    # E2B code interpreter: ipykernel + dsec-code-interpreter
 # full-VM test image (own kernel + systemd; tests/test_vm_disk.py): ~90 s the first time, ~5 s cached
 .venv/bin/dsec image build debian-vm --builtin
 echo "== VM guest: kernel (linux-image-cloud-amd64, unpacked, not installed) + initramfs (cached)"

@@ -8,6 +8,11 @@ debian-python  debootstrap --variant=minbase bookworm + python3, plus the `sandb
                `remove` takes seconds and gives the same digest.
 fncall-python  debian-python + gcc, g++ and numpy: the FnCall backend's pool image
                (dsec.fncall); cached the same way.
+code-interpreter
+               debian-python + Debian's ipykernel and jupyter_client, plus dsec's E2B
+               code-interpreter server (insandbox/code_interpreter_server.py) as
+               /usr/local/bin/dsec-code-interpreter; cached the same way. Nothing starts by
+               itself: `dsec-code-interpreter --daemon` (an exec) serves port 49999.
 debian-vm      debootstrap minbase bookworm + systemd-sysv, udev and linux-image-cloud-amd64:
                an image that brings its own kernel (/boot/vmlinuz-*, initrd) and init
                (systemd), for full-VM disks (`dsec vm disk build`, dsec.backends.vm.disks).
@@ -196,6 +201,41 @@ def _build_fncall_python(service: ImageService, progress: Progress | None) -> Im
 
 
 # ---------------------------------------------------------------------------------------
+# code-interpreter: what e2b_code_interpreter talks to on port 49999 (Jupyter kernels)
+# ---------------------------------------------------------------------------------------
+
+# python3-ipykernel pulls ipython3, jupyter-client, pyzmq, tornado, traitlets, debugpy (and
+# with it gdb), ...; no matplotlib (display_data still works for whatever the code renders).
+# debootstrap does not resolve virtual packages: python3-cffi-backend provides pyzmq's
+# python3-cffi-backend-api-*, libboost-regex1.74.0 gdb's libboost-regex1.74.0-icu72.
+CODE_INTERPRETER_PACKAGES = ("python3", "python3-ipykernel", "python3-jupyter-client",
+                             "python3-cffi-backend", "libboost-regex1.74.0")
+CODE_INTERPRETER_BIN = "usr/local/bin/dsec-code-interpreter"
+
+
+def install_code_interpreter(root: Path) -> None:
+    """debian-python's customization plus the server at /usr/local/bin/dsec-code-interpreter,
+    stamped with the mtime of its directory (from the cached tree), so the image digest only
+    changes with the packages or the server's source."""
+    from dsec.insandbox import source
+    add_sandbox_user(root)
+    target = root / CODE_INTERPRETER_BIN
+    bindir = target.parent
+    bindir.mkdir(parents=True, exist_ok=True)
+    st = bindir.lstat()
+    target.write_bytes(source("code_interpreter_server.py").read_bytes())
+    os.chown(target, 0, 0)
+    os.chmod(target, 0o755)
+    os.utime(target, ns=(st.st_mtime_ns, st.st_mtime_ns))
+    os.utime(bindir, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _build_code_interpreter(service: ImageService, progress: Progress | None) -> ImageInfo:
+    return service.build_debootstrap("code-interpreter", suite="bookworm", include=CODE_INTERPRETER_PACKAGES,
+                                     customize=install_code_interpreter, progress=progress)
+
+
+# ---------------------------------------------------------------------------------------
 # debian-vm: brings its own kernel and init (a bootable full-VM disk, dsec.backends.vm.disks)
 # ---------------------------------------------------------------------------------------
 
@@ -213,5 +253,6 @@ BUILTIN_IMAGES: dict[str, Callable[[ImageService, Progress | None], ImageInfo]] 
     "busybox": _build_busybox,
     "debian-python": _build_debian_python,
     "fncall-python": _build_fncall_python,
+    "code-interpreter": _build_code_interpreter,
     "debian-vm": _build_debian_vm,
 }

@@ -5,6 +5,8 @@ Files here are copied or compiled into sandboxes; none of them is imported by th
                     files, streaming (docs/agent-protocol.md); built static by dsec.agent.build
 - fncall_zygote.py  the FnCall pool manager/zygote (stdlib only), copied into pool containers
 - vm-init.sh        a microVM's initramfs /init (busybox sh): overlay of the layers, then the agent
+- code_interpreter_server.py  E2B's code-interpreter protocol on port 49999 over Jupyter kernels
+                    (stdlib + jupyter_client), installed in the `code-interpreter` image
 
 Paths to them come from `source(name)`, the one place the host finds these files.
 """

@@ -16,6 +16,7 @@ from pathlib import Path
 
 SECRET_FILE = "e2b.secret"
 TOKEN_HEADER = "x-access-token"
+TRAFFIC_HEADER = "e2b-traffic-access-token"   # ports other than envd's (code interpreter contexts ...)
 
 
 def load_secret(home: Path) -> bytes:
@@ -39,5 +40,13 @@ class AccessTokens:
         mac = hmac.new(self._secret, b"e2b-envd:" + sandbox_id.encode(), hashlib.sha256)
         return "ea_" + mac.hexdigest()[:48]
 
+    def traffic_token(self, sandbox_id: str) -> str:
+        """The token for the sandbox's other ports (E2B's trafficAccessToken): opens those, not envd."""
+        mac = hmac.new(self._secret, b"e2b-traffic:" + sandbox_id.encode(), hashlib.sha256)
+        return "et_" + mac.hexdigest()[:48]
+
     def check(self, sandbox_id: str, token: str | None) -> bool:
         return token is not None and hmac.compare_digest(self.token(sandbox_id), token.strip())
+
+    def check_traffic(self, sandbox_id: str, token: str | None) -> bool:
+        return token is not None and hmac.compare_digest(self.traffic_token(sandbox_id), token.strip())

@@ -3,11 +3,21 @@ names for the fields in their errors (sandboxID, templateID)."""
 
 from __future__ import annotations
 
+import logging
+
 from dsec.apiserver import control
 from dsec.apiserver.context import ApiContext, EdgeHandle
 from dsec.iam import Principal
 from dsec.iam.policy import check_create, is_root
-from dsec.types import ExecRequest, NotFound, SandboxArgs, SandboxInfo
+from dsec.types import DsecError, ExecRequest, NotFound, SandboxArgs, SandboxInfo
+
+log = logging.getLogger("dsec.apiserver.e2b")
+
+# What an E2B template starts at creation, when its image has it: the code interpreter's server
+# on port 49999 (insandbox/code_interpreter_server.py). `--daemon` returns once the port listens,
+# so run_code works as soon as create returns; an image without it costs one `test -x`.
+TEMPLATE_SERVICES = ("test -x /usr/local/bin/dsec-code-interpreter || exit 0; "
+                     "exec /usr/local/bin/dsec-code-interpreter --daemon")
 
 
 async def owned(ctx: ApiContext, sandbox_id: str, who: Principal) -> tuple[EdgeHandle, SandboxInfo]:
@@ -32,3 +42,16 @@ def check_exec(ctx: ApiContext, project: str, req: ExecRequest) -> None:
     known here already: no lookup)."""
     if is_root(req.user) or req.output_cap_bytes is not None:
         check_create(ctx.iam.effective_policy(project), req, project)
+
+
+async def start_template_services(ctx: ApiContext, info: SandboxInfo) -> None:
+    """Start what E2B templates run by themselves (dsec sandboxes start nothing but their agent).
+    A service that fails to start is logged, not fatal: the sandbox itself is fine."""
+    try:
+        r = await ctx.edge_for(info.id).run(info.id, ExecRequest(cmd=TEMPLATE_SERVICES, timeout_s=30))
+    except DsecError as e:
+        log.warning("template services did not start", extra={"sandbox": info.id, "error": e.message})
+        return
+    if r.exit_code != 0:
+        log.warning("template services did not start", extra={"sandbox": info.id, "exit_code": r.exit_code,
+                                                                "stderr": r.stderr[-500:]})

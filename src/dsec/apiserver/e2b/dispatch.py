@@ -17,7 +17,7 @@ from starlette.responses import Response
 from starlette.websockets import WebSocket
 
 from dsec.apiserver.context import ApiContext
-from dsec.apiserver.e2b.auth import TOKEN_HEADER, AccessTokens
+from dsec.apiserver.e2b.auth import TOKEN_HEADER, TRAFFIC_HEADER, AccessTokens
 from dsec.apiserver.e2b.envd_common import ENVD_PORT, PORT_HEADER, Target, target_of
 from dsec.apiserver.e2b.envd_files import TARGET_KEY
 from dsec.apiserver.e2b.errors import NotImplementedE2B, e2b_response
@@ -67,6 +67,8 @@ class E2BDispatch:
     def _authenticate(self, scope: Scope, headers: dict[str, str], t: Target, port: int) -> None:
         """envd: the sandbox's access token. Ports: that token, or an API key of its project."""
         if self.tokens.check(t.sandbox_id, headers.get(TOKEN_HEADER)):
+            return
+        if port != ENVD_PORT and self.tokens.check_traffic(t.sandbox_id, headers.get(TRAFFIC_HEADER)):
             return
         if port != ENVD_PORT and scope["type"] == "http":
             key = request_key(Request(scope))

@@ -113,6 +113,10 @@ def idempotency_key(header: str | None) -> str | None:
     return "e2b-" + hashlib.sha256(header.encode()).hexdigest()[:64]
 
 
+# E2B's SDKs create from these templates when none is named: the dsec images that play them.
+TEMPLATE_ALIASES = {"base": "debian-python", "code-interpreter-v1": "code-interpreter"}
+
+
 def sandbox_args(body: NewSandbox, idem: str | None) -> Any:
     """The dsec SandboxArgs of an E2B create request."""
     labels, own = _dsec_metadata(body.metadata or {})
@@ -120,7 +124,7 @@ def sandbox_args(body: NewSandbox, idem: str | None) -> Any:
     _check_unsupported(body, backend)
     timeout = body.timeout if body.timeout is not None else DEFAULT_TIMEOUT_S
     raw: dict[str, Any] = {
-        "backend": backend, "image": body.template_id, "lifetime_s": timeout, "ttl_idle_s": MAX_TTL_S,
+        "backend": backend, "image": TEMPLATE_ALIASES.get(body.template_id, body.template_id), "lifetime_s": timeout, "ttl_idle_s": MAX_TTL_S,
         "labels": labels, "env": body.env_vars or {}, "idempotency_key": idempotency_key(idem)}
     if backend in VM_BACKENDS:
         if "cpu_cores" in own:
@@ -169,7 +173,7 @@ def created(info: SandboxInfo, tokens: AccessTokens) -> dict[str, Any]:
     """E2B's Sandbox (create/connect answers)."""
     return {"templateID": info.image, "sandboxID": to_e2b(info.id), "clientID": info.node,
             "envdVersion": ENVD_VERSION, "envdAccessToken": tokens.token(info.id),
-            "trafficAccessToken": None, "domain": None}
+            "trafficAccessToken": tokens.traffic_token(info.id), "domain": None}
 
 
 def listed(info: SandboxInfo) -> dict[str, Any]:

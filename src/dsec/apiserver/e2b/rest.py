@@ -72,6 +72,7 @@ def build_rest_app(ctx: ApiContext, tokens: AccessTokens) -> FastAPI:
                      idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None) -> dict:
         args = mapping.sandbox_args(body, idempotency_key)
         info = await control.create(ctx, _who(request), args)
+        await control.start_template_services(ctx, info)
         return mapping.created(info, tokens)
 
     @app.get("/sandboxes/{sandbox_id}")

@@ -61,9 +61,13 @@ def images(dsec_home):
     return svc
 
 
+E2B_TEST_DOMAIN = "sandboxes.dsec.test"
+
+
 @pytest.fixture(scope="session")
 def server(dsec_home, images):
-    srv = ServerProc(dsec_home, env={"DSEC_VM_PING_S": "2"})   # hung-guest checks within seconds
+    # hung-guest checks within seconds; E2B get_host() names under a test domain (resolved by hand)
+    srv = ServerProc(dsec_home, env={"DSEC_VM_PING_S": "2", "DSEC_E2B_DOMAIN": E2B_TEST_DOMAIN})
     srv.start()
     yield srv
     srv.kill(signal.SIGTERM)

@@ -387,3 +387,25 @@ def test_traffic_token_opens_only_its_own_sandboxs_ports(e2b_env, e2b_sbx):
         assert get(other.sandbox_id, 49999, "/health", other.traffic_access_token) == 200
     finally:
         other.kill()
+
+
+def test_get_host_names_reach_the_sandbox_port(server, e2b_env, e2b_sbx):
+    """E2B's get_host(port) -> {port}-{sandboxID}.{domain}: the apiserver routes such a name (a
+    wildcard DNS record points it at the apiserver; here the Host header stands in for DNS)."""
+    import httpx
+    from conftest import E2B_TEST_DOMAIN
+    host = e2b_sbx.get_host(49999)
+    assert host == f"49999-{e2b_sbx.sandbox_id}.{E2B_TEST_DOMAIN}"
+    token = {"E2B-Traffic-Access-Token": e2b_sbx.traffic_access_token}
+    r = httpx.get(f"{server.url}/health", headers={"Host": host, **token}, timeout=30)
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{server.url}/execute", headers={"Host": host, **token}, timeout=60,
+                   json={"code": "6*7", "context_id": None, "language": None, "env_vars": None})
+    assert r.status_code == 200 and '"42"' in r.text, r.text
+    # the name routes, it does not authenticate: no token, another sandbox's token, envd's port by name
+    assert httpx.get(f"{server.url}/health", headers={"Host": host}, timeout=30).status_code == 401
+    envd = f"49983-{e2b_sbx.sandbox_id}.{E2B_TEST_DOMAIN}"
+    assert httpx.get(f"{server.url}/health", headers={"Host": envd, **token}, timeout=30).status_code == 401
+    # a name outside the domain is the plain API (which wants a key)
+    r = httpx.get(f"{server.url}/health", headers={"Host": f"49999-{e2b_sbx.sandbox_id}.other.test", **token})
+    assert r.status_code in (401, 404)

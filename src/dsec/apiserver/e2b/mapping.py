@@ -47,8 +47,8 @@ def _check_unsupported(body: NewSandbox, backend: str) -> None:
                       "leave lifecycle.on_timeout unset or 'kill'; extend the timeout with set_timeout")
     if body.auto_pause_memory is not None:
         raise _refuse("autoPauseMemory", "there is no auto-pause in dsec", "leave lifecycle.on_timeout unset")
-    if body.auto_resume is not None and (body.auto_resume.get("enabled") or backend in VM_BACKENDS):
-        raise _refuse("autoResume", "a paused dsec VM resumes on its next request; this cannot be changed",
+    if body.auto_resume is not None:     # containers and VMs alike (both can be paused)
+        raise _refuse("autoResume", "a paused dsec sandbox resumes on its next request; this cannot be changed",
                       "leave lifecycle.auto_resume unset")
     if body.secure is False:
         raise _refuse("secure", "envd access in dsec always needs the sandbox's access token",
@@ -169,11 +169,11 @@ def end_at(info: SandboxInfo) -> datetime:
     return info.last_active_at + timedelta(seconds=info.ttl_idle_s)
 
 
-def created(info: SandboxInfo, tokens: AccessTokens) -> dict[str, Any]:
+def created(info: SandboxInfo, tokens: AccessTokens, domain: str | None = None) -> dict[str, Any]:
     """E2B's Sandbox (create/connect answers)."""
     return {"templateID": info.image, "sandboxID": to_e2b(info.id), "clientID": info.node,
             "envdVersion": ENVD_VERSION, "envdAccessToken": tokens.token(info.id),
-            "trafficAccessToken": tokens.traffic_token(info.id), "domain": None}
+            "trafficAccessToken": tokens.traffic_token(info.id), "domain": domain}
 
 
 def listed(info: SandboxInfo) -> dict[str, Any]:
@@ -186,11 +186,11 @@ def listed(info: SandboxInfo) -> dict[str, Any]:
             "volumeMounts": []}
 
 
-def detail(info: SandboxInfo, tokens: AccessTokens) -> dict[str, Any]:
+def detail(info: SandboxInfo, tokens: AccessTokens, domain: str | None = None) -> dict[str, Any]:
     """E2B's SandboxDetail (GET /sandboxes/{id})."""
     out = listed(info)
     out.pop("volumeMounts")
     egress = bool(info.network and info.network.rules)
-    out.update({"envdAccessToken": tokens.token(info.id), "domain": None,
+    out.update({"envdAccessToken": tokens.token(info.id), "domain": domain,
                 "allowInternetAccess": egress if info.backend not in VM_BACKENDS else False})
     return out

@@ -24,7 +24,7 @@ from dsec.apiserver.e2b.ids import to_dsec, to_e2b
 from dsec.apiserver.e2b.models import ConnectBody, NewSandbox, PauseBody, TimeoutBody
 from dsec.apiserver.guard import principal_of
 from dsec.iam import Principal
-from dsec.types import (MAX_TTL_S, VM_BACKENDS, Conflict, DsecError, InternalError, InvalidArgument, NotFound,
+from dsec.types import (MAX_TTL_S, Conflict, DsecError, InternalError, InvalidArgument, NotFound,
                         SandboxInfo, SandboxState, Unauthorized)
 
 log = logging.getLogger("dsec.apiserver.e2b")
@@ -52,7 +52,7 @@ def _check_timeout(timeout: int) -> float:
     return float(timeout)
 
 
-def build_rest_app(ctx: ApiContext, tokens: AccessTokens) -> FastAPI:
+def build_rest_app(ctx: ApiContext, tokens: AccessTokens, domain: str | None = None) -> FastAPI:
     app = FastAPI(title="dsec E2B API", openapi_url=None, docs_url=None, redoc_url=None)
     _add_error_handlers(app)
 
@@ -73,12 +73,12 @@ def build_rest_app(ctx: ApiContext, tokens: AccessTokens) -> FastAPI:
         args = mapping.sandbox_args(body, idempotency_key)
         info = await control.create(ctx, _who(request), args)
         await control.start_template_services(ctx, info)
-        return mapping.created(info, tokens)
+        return mapping.created(info, tokens, domain)
 
     @app.get("/sandboxes/{sandbox_id}")
     async def get(request: Request, sandbox_id: str) -> dict:
         info = await running(sandbox_id, _who(request))
-        return mapping.detail(info, tokens)
+        return mapping.detail(info, tokens, domain)
 
     @app.get("/sandboxes")
     @app.get("/v2/sandboxes")
@@ -123,7 +123,7 @@ def build_rest_app(ctx: ApiContext, tokens: AccessTokens) -> FastAPI:
     @app.post("/sandboxes/{sandbox_id}/resume")
     async def connect(request: Request, sandbox_id: str,
                       body: Annotated[ConnectBody | None, Body()] = None) -> JSONResponse:
-        """Running: 200 (the timeout only grows). Paused (a suspended VM): resumed, 201."""
+        """Running: 200 (the timeout only grows). Paused (suspended): resumed, 201."""
         body = body or ConnectBody()
         info = await running(sandbox_id, _who(request))
         edge = ctx.edge_for(info.id)
@@ -133,13 +133,13 @@ def build_rest_app(ctx: ApiContext, tokens: AccessTokens) -> FastAPI:
         status = 200
         if info.state == SandboxState.suspended:
             if body.memory is False:
-                raise Unsupported("memory: dsec resumes a paused VM from its memory snapshot; a cold reboot "
+                raise Unsupported("memory: dsec resumes a paused sandbox with its memory; a cold reboot "
                                   "is not available", field="memory", fix="connect with on_resume='restore'")
             info = await edge.resume(info.id)
             status = 201
         if body.timeout is not None:
             info = await _grow_timeout(edge, info, _check_timeout(body.timeout))
-        return JSONResponse(mapping.created(info, tokens), status_code=status)
+        return JSONResponse(mapping.created(info, tokens, domain), status_code=status)
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     async def not_served(path: str, request: Request) -> Response:
@@ -162,13 +162,9 @@ async def _grow_timeout(edge: object, info: SandboxInfo, timeout_s: float) -> Sa
 
 
 def _check_pausable(info: SandboxInfo, body: PauseBody) -> None:
-    if info.backend not in VM_BACKENDS:
-        raise Unsupported(f"pause is not supported for {info.backend} sandboxes: dsec pauses (parks on disk) "
-                          "only VM sandboxes", field="backend",
-                          fix="create the sandbox with metadata {'dsec.backend': 'microvm'} to pause it, or kill "
-                              "it and create a new one")
+    # every backend parks with its memory: a VM on disk, a container frozen in place
     if body.memory is False:
-        raise Unsupported("memory: dsec pauses a VM with its memory; a filesystem-only pause is not available",
+        raise Unsupported("memory: dsec pauses a sandbox with its memory; a filesystem-only pause is not available",
                           field="memory", fix="pause with mode='full' (the default)")
 
 

@@ -192,3 +192,17 @@ async def test_bad_exec_control_input_names_the_field(sb, server):
             assert r.status_code == 422, (path, r.text)
             assert field in r.json()["error"]["field"], r.text
         await sb.signal(info.exec_id, 9)
+
+
+async def test_exec_control_cannot_reach_the_agents_own_channels(sb):
+    """Channel 0 is the agent's control channel and the top range its internal requests': no
+    exec id names them, so stdin, signals and followers cannot be aimed at them."""
+    from dsec.agent.client import INTERNAL_CHAN_BASE
+    for exec_id in ("0", str(INTERNAL_CHAN_BASE), str(INTERNAL_CHAN_BASE + 5)):
+        with pytest.raises(NotFound):
+            await sb.signal(exec_id, 9)
+        with pytest.raises(NotFound):
+            await sb.send_stdin(exec_id, "x")
+        with pytest.raises(NotFound):
+            await sb.attach(exec_id)
+    assert (await sb.run("echo still fine")).stdout == "still fine\n"

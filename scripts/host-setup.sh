@@ -20,3 +20,50 @@ modprobe btrfs 2>/dev/null || true
 [ -e /dev/loop-control ] || echo "warning: no loop devices: disk quotas will be polled, not enforced" >&2
 grep -qw btrfs /proc/filesystems || echo "warning: kernel has no btrfs: disk quotas will be polled, not enforced" >&2
 command -v mkfs.btrfs >/dev/null || echo "warning: mkfs.btrfs missing (apt-get install btrfs-progs): disk quotas will be polled" >&2
+# Compressed swap for parking containers (docs/decisions.md D23): a parked (frozen) container's
+# anonymous memory can only leave RAM through swap; zram keeps it compressed in RAM (~3-4x
+# here), no disk needed. Set up once per boot if no zram swap is active; a swap that is not
+# ours (another zram device, a disk swap) is never touched. DSEC_ZRAM_MB: its uncompressed
+# size (default: half the RAM, at most 64 GiB); 0 turns it off.
+# vm.swappiness is left as the host has it: a park squeezes with the sandbox cgroup's own
+# swappiness (v1 memory.swappiness, v2 memory.reclaim swappiness=), so the host-wide knob only
+# governs global reclaim, where the host default keeps running sandboxes' anon memory in RAM.
+setup_zram() {
+  local mb="${DSEC_ZRAM_MB:-}" dev="" n alg
+  if [ -z "$mb" ]; then
+    mb=$(( $(awk '/^MemTotal:/ {print $2}' /proc/meminfo) / 2048 ))
+    [ "$mb" -gt 65536 ] && mb=65536
+  fi
+  [ "$mb" -gt 0 ] 2>/dev/null || return 0
+  if awk 'NR > 1 && $1 ~ "^/dev/zram" {found=1} END {exit !found}' /proc/swaps; then
+    return 0                                   # a zram swap is active (ours from before, or not)
+  fi
+  modprobe zram 2>/dev/null || true
+  if [ ! -e /sys/class/zram-control/hot_add ] && [ ! -e /sys/block/zram0 ]; then
+    echo "warning: kernel has no zram: containers park without compressed swap (only page cache leaves RAM)" >&2
+    return 0
+  fi
+  # a device of our own: zram0 if nobody set it up (disksize 0, not held), else a new one
+  if [ -e /sys/block/zram0 ] && [ "$(cat /sys/block/zram0/disksize)" = 0 ] && \
+     [ -z "$(ls -A /sys/block/zram0/holders 2>/dev/null)" ]; then
+    dev=zram0
+  elif [ -e /sys/class/zram-control/hot_add ]; then
+    n=$(cat /sys/class/zram-control/hot_add 2>/dev/null) && dev="zram$n"
+  fi
+  if [ -z "$dev" ] || [ ! -e "/sys/block/$dev" ]; then
+    echo "warning: no free zram device (zram0 is in use, hot_add failed): containers park without compressed swap" >&2
+    return 0
+  fi
+  for alg in lz4 zstd; do                      # fast first; the kernel default otherwise
+    if grep -qw "$alg" "/sys/block/$dev/comp_algorithm"; then
+      echo "$alg" > "/sys/block/$dev/comp_algorithm" 2>/dev/null && break
+    fi
+  done
+  if ! { echo "${mb}M" > "/sys/block/$dev/disksize" && mkswap -q "/dev/$dev" >/dev/null && \
+         swapon -p 32000 "/dev/$dev"; }; then
+    echo "warning: could not set up zram swap on /dev/$dev: containers park without compressed swap" >&2
+    echo 1 > "/sys/block/$dev/reset" 2>/dev/null || true
+    return 0
+  fi
+}
+setup_zram

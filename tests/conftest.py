@@ -25,8 +25,17 @@ def requires_root() -> None:
         pytest.skip("needs root (crun, EROFS mounts, cgroups)")
 
 
+# Admission by pressure (edge/admission.py) is tested on fake /proc trees (tests/unit): the
+# servers here run on a shared 2-core box whose PSI a neighbour's burst drives up, so a test's
+# creates must not depend on it. Its other checks (ceilings, MemAvailable, disk) stay on.
+NO_PSI_ADMISSION = {f"DSEC_ADMIT_PSI_{k}": "100" for k in ("CPU_SOME", "MEMORY_SOME", "MEMORY_FULL", "IO_FULL")}
+
+
 class ServerProc(ServerProcess):
     """A `dsec up` subprocess that tests can kill -9 and restart on the same home."""
+
+    def __init__(self, home: Path, env: dict[str, str] | None = None):
+        super().__init__(home, {**NO_PSI_ADMISSION, **(env or {})})
 
 
 def link_downloads(home: Path) -> None:

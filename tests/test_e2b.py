@@ -164,11 +164,30 @@ def test_set_timeout_ends_the_sandbox_after_its_lifetime(e2b_env):
         s.get_info()
 
 
-def test_pause_of_a_container_is_refused_by_name(sbx):
-    with pytest.raises(SandboxException, match="pause is not supported for container sandboxes") as e:
-        sbx.pause()
-    assert e.value.status_code == 400
-    assert sbx.is_running()
+def test_pause_and_resume_a_container(e2b_env):
+    """A container pauses in place (frozen, memory to compressed swap) and comes back with its
+    files and processes on connect, or on any request to it."""
+    s = Sandbox.create("busybox", timeout=300)
+    try:
+        s.files.write("/tmp/kept", "state")
+        h = s.commands.run("sleep 1; echo still-here", background=True)
+        with pytest.raises(SandboxException, match="memory") as e:
+            s.pause(mode="filesystem")                            # dsec pauses with the memory
+        assert e.value.status_code == 400
+        assert s.pause() is True
+        assert s.get_info().state == SandboxState.PAUSED
+        assert Sandbox.pause(s.sandbox_id) is False               # already paused (E2B's 409)
+        again = Sandbox.connect(s.sandbox_id)
+        assert again.get_info().state == SandboxState.RUNNING
+        assert again.files.read("/tmp/kept") == "state"
+        # the command ran on after the resume (a handle streaming across the pause was cut;
+        # connecting again replays its output)
+        assert again.commands.connect(h.pid).wait().stdout == "still-here\n"
+        assert s.pause() is True
+        assert s.commands.run("cat /tmp/kept").stdout == "state"  # any request resumes it
+        assert s.get_info().state == SandboxState.RUNNING
+    finally:
+        s.kill()
 
 
 def test_fields_dsec_cannot_honour_are_refused_by_name(e2b_env):

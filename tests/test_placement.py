@@ -135,6 +135,20 @@ def test_prefers_less_loaded_of_sample():
     assert Counter(placer.choose(nodes, "container", 0.1, 10) for _ in range(30))["idle"] == 30
 
 
+def test_prefers_less_pressed_of_sample_once_pressure_nears_the_limit():
+    # same commitments; "hot" is 80% of the way to its edge refusing on PSI: the other wins
+    hot = node("hot").model_copy(update={"pressure": 0.8})
+    placer = Placer(k=2, rng=random.Random(0))
+    assert Counter(placer.choose([hot, node("cool")], "container", 0.1, 10) for _ in range(30))["cool"] == 30
+    # low pressure is noise (stale, slow to move): it does not override the spread of a burst
+    warm = node("warm").model_copy(update={"pressure": 0.3})
+    placer = Placer(k=2, rng=random.Random(0))
+    picks = Counter(placer.choose([warm, node("cool")], "container", 0.1, 10) for _ in range(30))
+    assert picks["warm"] == picks["cool"] == 15
+    # an edge that predates the field reports none
+    assert NodeStatus.model_validate(node(0).model_dump(exclude={"pressure"})).pressure == 0.0
+
+
 def test_capacity_exceeded_names_tightest_resource():
     placer = Placer(rng=random.Random(0))
     nodes = [node(0, mem=8192, used_mem=8000), node(1, mem=8192, used_mem=7000),

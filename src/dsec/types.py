@@ -613,6 +613,7 @@ class NodeStatus(BaseModel):
     committed_memory_mb: int = 0
     sandboxes: int = 0
     reason: str | None = None
+    pressure: float = 0.0   # highest PSI avg10 / its admission limit: 0 idle, >= 1 the edge refuses
 
     @property
     def load(self) -> float:

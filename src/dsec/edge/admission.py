@@ -1,29 +1,57 @@
-"""Final admission check on the node: reject when full, with the resource that is short.
+"""Final admission check on the node: reject when full, naming the resource that is short.
 
-Limits are commitments, not reservations: agents idle most of the time (the reference saw 90%
-of sandboxes use <=5% of the CPU they ask for), so CPU and memory limits are overcommitted by
-configurable factors, and real free memory is checked on top.
+A sandbox is admitted by what the node measurably has left, not by the sum of what sandboxes
+asked for: agents idle most of the time (the reference saw 90% of sandboxes use <=5% of the CPU
+they ask for), so 3,200 one-core sandboxes on a 2-core node are normal. In order:
 
-Disk is not overcommitted past what is really free: a new sandbox is refused while DSEC_HOME's
-filesystem (layer store, records, VM disks, the scratch image's growth) or the sandboxes'
-scratch filesystem (their writable layers) has less free than its reserve, or is read-only.
+1. count: fewer than DSEC_MAX_SANDBOXES (4000) live sandboxes;
+2. ceilings on committed requests (limits), only to stop absurd overcommit:
+   cores x DSEC_CPU_OVERCOMMIT (2000) and MemTotal x DSEC_MEM_OVERCOMMIT (256). The defaults are
+   chosen so the count binds first for default-size sandboxes (1 core, 512 MiB) on the smallest
+   node we plan for, 2 cores / 8 GiB: 4000 x 1 core = 2 x 2000, 4000 x 512 MiB = 8 GiB x 250
+   (3,200 of them fit down to 6.25 GiB of MemTotal). Bigger requests hit the ceiling sooner;
+3. measured pressure, over the last ~10 s (PSI avg10, see pressure.py), below its limit:
+   cpu some 90% (DSEC_ADMIT_PSI_CPU_SOME: the CPUs were contended nearly all the time; lower
+   and a creation burst on a small node would refuse itself), memory some 20% and full 10%
+   (DSEC_ADMIT_PSI_MEMORY_SOME/_FULL: reclaim and swap-in stalls; full 10% is thrashing, while
+   ~6% was seen here during swap-ins of parked sandboxes with 22 GiB free), io full 20%
+   (DSEC_ADMIT_PSI_IO_FULL: everything waits for the disk; `io some` is left out, one
+   fsync-heavy writer keeps it high). A limit of
+   100 turns its check off; a kernel without PSI skips it (said once in the log);
+4. MemAvailable above DSEC_MEM_RESERVE_MB (512) plus what a new sandbox needs resident at first,
+   DSEC_ADMIT_SANDBOX_MB (8; an idle container is a few MiB: its limit is not what it uses);
+5. disk: not overcommitted past what is really free: refused while DSEC_HOME's filesystem
+   (layer store, records, VM disks, the scratch image's growth) or the sandboxes' scratch
+   filesystem (their writable layers) has less free than its reserve, or is read-only.
+
+A refusal is CapacityExceeded (429; placement tries another node) naming the resource, the
+measured value, the limit and the variable that sets it; disk is StorageLow (503). `resume` of
+a parked sandbox goes through the same check. Each check is O(1) in the number of sandboxes,
+and /proc is read at most once a second.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from dsec.edge.pressure import HostProbe, Reading
 from dsec.types import CapacityExceeded, NodeCapacity, NodeStatus, Unavailable
 
+CPU_OVERCOMMIT = 2000.0
+MEM_OVERCOMMIT = 256.0
+MAX_SANDBOXES = 4000
+MEM_RESERVE_MB = 512
+SANDBOX_MB = 8
+PRESSURE_RETRY_AFTER_S = 5   # avg10 moves over seconds: retrying at once would see the same
 
-def _meminfo_mb(key: str) -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) // 1024
-    return 0
+
+class PressureHigh(CapacityExceeded):
+    """The node is measurably short (stalls, free memory) right now: retry soon or elsewhere."""
+
+    retry_after_s = PRESSURE_RETRY_AFTER_S
 
 
 class StorageLow(Unavailable):
@@ -42,6 +70,7 @@ class DiskReserve:
     separate_mount: bool = False   # only checked while `path` is a mount point of its own
 
     def problem(self) -> str | None:
+        # one statvfs, not cached: free space can drop by GiBs within a second of a burst
         if self.separate_mount and not os.path.ismount(self.path):
             return None
         try:
@@ -58,17 +87,47 @@ class DiskReserve:
         return None
 
 
+@dataclass(frozen=True)
+class PsiLimit:
+    """Refuse while `<resource> <kind> avg10` (percent of the last ~10 s stalled) reaches `limit`."""
+
+    resource: str          # cpu | memory | io
+    kind: str              # some | full
+    limit: float
+    setting: str           # the environment variable that sets limit
+    request_field: str | None   # the request field of that resource, if any
+
+    def ratio(self, reading: Reading) -> float:
+        """How close the node is to this refusal: 0 idle, >= 1 refused."""
+        value = reading.stall(self.resource, self.kind)
+        return 0.0 if value is None or self.limit >= 100 else value / max(self.limit, 1e-9)
+
+
+def psi_limits_from_env(env: Mapping[str, str]) -> tuple[PsiLimit, ...]:
+    def limit(resource: str, kind: str, default: float, fld: str | None) -> PsiLimit:
+        setting = f"DSEC_ADMIT_PSI_{resource.upper()}_{kind.upper()}"
+        return PsiLimit(resource, kind, float(env.get(setting, default)), setting, fld)
+    return (limit("cpu", "some", 90, "cpu_cores"), limit("memory", "some", 20, "memory_mb"),
+            limit("memory", "full", 10, "memory_mb"), limit("io", "full", 20, None))
+
+
 @dataclass
 class Admission:
-    capacity: NodeCapacity
-    mem_reserve_mb: int = 512
+    capacity: NodeCapacity             # the ceilings on committed requests, and the count
+    mem_reserve_mb: int = MEM_RESERVE_MB
     disks: tuple[DiskReserve, ...] = ()
+    psi: tuple[PsiLimit, ...] = ()     # none: pressure is not checked (tests, and nodes built by hand)
+    sandbox_mb: int = 0                # resident memory a new sandbox needs at first
+    probe: HostProbe = field(default_factory=HostProbe)
 
     @classmethod
-    def for_this_host(cls, home: Path | None = None) -> "Admission":
+    def for_this_host(cls, home: Path | None = None, probe: HostProbe | None = None,
+                      cores: int | None = None) -> Admission:
         env = os.environ
-        cpu = (os.cpu_count() or 1) * float(env.get("DSEC_CPU_OVERCOMMIT", "16"))
-        mem = int(_meminfo_mb("MemTotal") * float(env.get("DSEC_MEM_OVERCOMMIT", "8")))
+        probe = probe or HostProbe()
+        cpu = (cores or os.cpu_count() or 1) * float(env.get("DSEC_CPU_OVERCOMMIT", CPU_OVERCOMMIT))
+        total_mb = probe.read().mem_total_mb or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
+        mem = int(total_mb * float(env.get("DSEC_MEM_OVERCOMMIT", MEM_OVERCOMMIT)))
         disks: tuple[DiskReserve, ...] = ()
         if home is not None:
             disks = (DiskReserve("the DSEC_HOME filesystem", home, int(env.get("DSEC_HOME_RESERVE_MB", "1024")),
@@ -77,35 +136,73 @@ class Admission:
                                  int(env.get("DSEC_SCRATCH_RESERVE_MB", "256")), "DSEC_SCRATCH_RESERVE_MB",
                                  separate_mount=True))
         return cls(NodeCapacity(cpu_cores=cpu, memory_mb=mem,
-                                max_sandboxes=int(env.get("DSEC_MAX_SANDBOXES", "4000"))),
-                   mem_reserve_mb=int(env.get("DSEC_MEM_RESERVE_MB", "512")), disks=disks)
+                                max_sandboxes=int(env.get("DSEC_MAX_SANDBOXES", MAX_SANDBOXES))),
+                   mem_reserve_mb=int(env.get("DSEC_MEM_RESERVE_MB", MEM_RESERVE_MB)), disks=disks,
+                   psi=psi_limits_from_env(env), sandbox_mb=int(env.get("DSEC_ADMIT_SANDBOX_MB", SANDBOX_MB)),
+                   probe=probe)
 
+    # -- what the watcher sees ---------------------------------------------------------
     def host_problem(self) -> str | None:
-        avail = _meminfo_mb("MemAvailable")
-        if avail < self.mem_reserve_mb:
-            return f"node memory low: {avail} MiB available, reserve is {self.mem_reserve_mb} MiB"
+        """Why the node cannot take any sandbox now (status() reports it unhealthy)."""
+        avail = self.probe.read().mem_available_mb
+        if avail is not None and avail < self.mem_reserve_mb:
+            return (f"node memory low: {avail} MiB available, reserve is {self.mem_reserve_mb} MiB "
+                    "(DSEC_MEM_RESERVE_MB)")
         return None
 
+    def pressure(self) -> float:
+        """The highest PSI reading relative to its limit (0 idle, >= 1 refusing): placement
+        prefers the less pressed of the nodes it samples."""
+        reading = self.probe.read()
+        return round(max((p.ratio(reading) for p in self.psi), default=0.0), 3)
+
+    # -- the check ---------------------------------------------------------------------
     def admit(self, status: NodeStatus, cpu_cores: float, memory_mb: int) -> None:
-        c = self.capacity
-        fix = "retry later, stop idle sandboxes, or ask for smaller limits"
-        if status.sandboxes + 1 > c.max_sandboxes:
-            raise CapacityExceeded(f"node {status.node_id} is full: {status.sandboxes}/{c.max_sandboxes} sandboxes",
-                                   fix=fix)
-        if status.committed_memory_mb + memory_mb > c.memory_mb:
-            raise CapacityExceeded(f"node {status.node_id} is full: memory committed "
-                                   f"{status.committed_memory_mb}+{memory_mb} > {c.memory_mb} MiB",
-                                   field="memory_mb", fix=fix)
-        if status.committed_cpu_cores + cpu_cores > c.cpu_cores:
-            raise CapacityExceeded(f"node {status.node_id} is full: cpu committed "
-                                   f"{status.committed_cpu_cores:g}+{cpu_cores:g} > {c.cpu_cores:g} cores",
-                                   field="cpu_cores", fix=fix)
-        problem = self.host_problem()
-        if problem:
-            raise CapacityExceeded(problem, fix=fix)
+        self._check_commitments(status, cpu_cores, memory_mb)
+        reading = self.probe.read()
+        self._check_pressure(status.node_id, reading)
+        self._check_memory(status.node_id, reading)
         for disk in self.disks:
             problem = disk.problem()
             if problem:
                 raise StorageLow(f"node {status.node_id} cannot take a sandbox: {problem}",
                                  fix="free space there (stop sandboxes, `dsec image rm` unused images, remove "
                                      f"other files), or place the sandbox on another node; or lower {disk.setting}")
+
+    def _check_commitments(self, status: NodeStatus, cpu_cores: float, memory_mb: int) -> None:
+        c, node = self.capacity, status.node_id
+        if status.sandboxes + 1 > c.max_sandboxes:
+            raise CapacityExceeded(f"node {node} is full: {status.sandboxes}/{c.max_sandboxes} sandboxes "
+                                   "(DSEC_MAX_SANDBOXES)",
+                                   fix="stop idle sandboxes, place it on another node, or raise DSEC_MAX_SANDBOXES")
+        if status.committed_memory_mb + memory_mb > c.memory_mb:
+            raise CapacityExceeded(f"node {node} is full: memory limits committed {status.committed_memory_mb}"
+                                   f"+{memory_mb} MiB > ceiling {c.memory_mb} MiB (MemTotal x DSEC_MEM_OVERCOMMIT)",
+                                   field="memory_mb",
+                                   fix="ask for a smaller memory_mb, stop idle sandboxes, or raise "
+                                       "DSEC_MEM_OVERCOMMIT (a ceiling on limits; real use is checked apart)")
+        if status.committed_cpu_cores + cpu_cores > c.cpu_cores:
+            raise CapacityExceeded(f"node {node} is full: cpu limits committed {status.committed_cpu_cores:g}"
+                                   f"+{cpu_cores:g} > ceiling {c.cpu_cores:g} cores (cores x DSEC_CPU_OVERCOMMIT)",
+                                   field="cpu_cores",
+                                   fix="ask for fewer cpu_cores, stop idle sandboxes, or raise "
+                                       "DSEC_CPU_OVERCOMMIT (a ceiling on limits; real use is checked apart)")
+
+    def _check_pressure(self, node: str, reading: Reading) -> None:
+        for p in self.psi:
+            if p.ratio(reading) >= 1:
+                value = reading.stall(p.resource, p.kind)
+                raise PressureHigh(
+                    f"node {node} is under {p.resource} pressure: PSI {p.resource} {p.kind} avg10 "
+                    f"{value:g}% >= limit {p.limit:g}% ({p.setting})", field=p.request_field,
+                    fix=f"retry in {PRESSURE_RETRY_AFTER_S} s or on another node, stop busy sandboxes; "
+                        f"or raise {p.setting} (100 turns the check off)")
+
+    def _check_memory(self, node: str, reading: Reading) -> None:
+        avail, need = reading.mem_available_mb, self.mem_reserve_mb + self.sandbox_mb
+        if avail is not None and avail < need:
+            raise PressureHigh(
+                f"node {node} is short of memory: MemAvailable {avail} MiB < reserve {self.mem_reserve_mb} "
+                f"MiB (DSEC_MEM_RESERVE_MB) + {self.sandbox_mb} MiB a new sandbox needs (DSEC_ADMIT_SANDBOX_MB)",
+                field="memory_mb",
+                fix="stop or park idle sandboxes, place it on another node, or lower DSEC_MEM_RESERVE_MB")

@@ -31,8 +31,10 @@ from dsec.edge import output_budget
 from dsec.edge.admission import Admission
 from dsec.edge.agent_errors import check_path, map_agent_error
 from dsec.edge.exec_events import exec_events
+from dsec.edge.deadlines import Deadlines
 from dsec.edge.exec_tracker import TrackedExec, now_utc
 from dsec.edge.live import LiveSandbox
+from dsec.edge.load import NodeLoad
 from dsec.edge.records import EdgeRecords, SandboxRecord
 from dsec.images.service import ImageService
 from dsec.images.stacks import Stacks
@@ -46,6 +48,12 @@ log = logging.getLogger("dsec.edge")
 
 LIVE = (SandboxState.creating, SandboxState.running, SandboxState.suspended, SandboxState.stopping)
 DISK_POLL_S = float(os.environ.get("DSEC_DISK_POLL_S", "10"))   # fallback quota check interval
+PURGE_EVERY_S = 60.0      # ended records and what they left are forgotten at most this often
+
+
+def _park_after(rec: SandboxRecord) -> int | None:
+    """Idle seconds after which the sandbox is parked (arguments that have suspend_idle_s)."""
+    return getattr(rec.args, "suspend_idle_s", None) if "suspend_idle_s" in type(rec.args).model_fields else None
 Cap = TypeVar("Cap")
 
 
@@ -79,6 +87,9 @@ class Edge:
         self._next_ping: dict[int, float] = {}   # per LivenessWatched backend (by id())
         self._disk_next = 0.0
         self._creating_keys: dict[tuple[str, str], asyncio.Task[SandboxInfo]] = {}   # idempotent creates under way
+        self._load = NodeLoad()                # committed CPU/memory of the live sandboxes, as running totals
+        self._deadlines = Deadlines()          # when the reaper looks at each sandbox next (O(due) ticks)
+        self._purge_next = 0.0                 # monotonic: ended records are purged once a minute
 
     # -- lifecycle of the edge itself ----------------------------------------------------
     async def start(self) -> None:
@@ -151,6 +162,8 @@ class Edge:
             if b is not None and ((rec.state == SandboxState.running and seen == RUNNING)
                                   or (rec.state == SandboxState.suspended and seen == PARKED)):
                 self._live[rec.id] = LiveSandbox(rec, b)   # a parked one resumes on its next request
+                self._load.update(rec, live=True)
+                self._schedule(rec)
                 continue
             reason = {SandboxState.creating: "edge restarted while creating the sandbox",
                       SandboxState.running: "the sandbox died while the edge was down",
@@ -185,13 +198,12 @@ class Edge:
     # -- status for the watcher ----------------------------------------------------------
     async def status(self) -> NodeStatus:
         # parked sandboxes hold no CPU or memory: they do not count against admission
-        live = [x.rec for x in self._live.values()
-                if x.rec.state not in (SandboxState.stopping, SandboxState.suspended)]
+        # (running totals, NodeLoad: a status is O(1) however many sandboxes the node holds)
         problem = self.admission.host_problem()
         return NodeStatus(node_id=self.node_id, healthy=problem is None, reason=problem,
                           backends=self.backends, capacity=self.admission.capacity,
-                          committed_cpu_cores=sum(r.cpu_cores for r in live),
-                          committed_memory_mb=sum(r.memory_mb for r in live), sandboxes=len(live))
+                          committed_cpu_cores=self._load.cpu_cores, committed_memory_mb=self._load.memory_mb,
+                          sandboxes=self._load.sandboxes, pressure=self.admission.pressure())
 
     # -- create / get / list / stop ------------------------------------------------------
     async def create(self, project: str, args: SandboxArgs) -> SandboxInfo:
@@ -201,15 +213,19 @@ class Edge:
         if key is None:
             return await self._create(project, args)
         pending = self._creating_keys.get((project, key))
-        if pending is None:
-            earlier = await asyncio.to_thread(self.records.find_idempotent, project, key)
-            if earlier is not None:
-                return self._record(earlier.id).info(self.node_id)
-            pending = asyncio.create_task(self._create(project, args), name=f"create-{key}")
+        if pending is None:   # registered before any await: a concurrent retry finds it
+            pending = asyncio.create_task(self._create_once(project, key, args), name=f"create-{key}")
             self._creating_keys[(project, key)] = pending
             pending.add_done_callback(lambda _: self._creating_keys.pop((project, key), None))
         # shielded: a caller that gives up does not abort the creation its retry will return
         return await asyncio.shield(pending)
+
+    async def _create_once(self, project: str, key: str, args: SandboxArgs) -> SandboxInfo:
+        """The sandbox an earlier create with this key made, else a new one."""
+        earlier = await asyncio.to_thread(self.records.find_idempotent, project, key)
+        if earlier is not None:
+            return self._record(earlier.id).info(self.node_id)
+        return await self._create(project, args)
 
     async def _create(self, project: str, args: SandboxArgs) -> SandboxInfo:
         """One path for every backend: prepare (validate, resolve), admit, record, create,
@@ -231,6 +247,7 @@ class Edge:
             raise Unavailable(f"node {self.node_id} cannot record a new sandbox in {self.paths.edge_db}: {e}",
                               fix="free space on the DSEC_HOME filesystem, then retry") from e
         self._live[rec.id] = live
+        self._load.update(rec, live=True)
         try:
             async with self._create_slots:   # a burst starts a few at a time
                 await backend.create(rec.id, prepared, self.stacks)
@@ -247,6 +264,7 @@ class Edge:
         rec.state = SandboxState.running
         self.records.set_state(rec.id, SandboxState.running)
         self._watch_exit(live)
+        self._schedule(rec)
         log.info("sandbox created", extra={"sandbox": rec.id, "backend": args.backend, "image": args.image,
                                            "project": project, "accel": getattr(args, "accel", None)})
         return rec.info(self.node_id)
@@ -277,6 +295,8 @@ class Edge:
     async def _teardown(self, live: LiveSandbox) -> None:
         """Free everything of a sandbox: the edge's side (live object, agent) and the backend's."""
         self._live.pop(live.id, None)
+        self._load.update(live.rec, live=False)
+        self._deadlines.forget(live.id)
         await live.close()
         await live.backend.destroy(live.id)
 
@@ -322,6 +342,7 @@ class Edge:
         if rec.state in (SandboxState.stopped, SandboxState.failed):
             return rec.info(self.node_id)
         rec.state = SandboxState.stopping
+        self._load.update(rec, live=rec.id in self._live)
         self.records.set_state(rec.id, SandboxState.stopping)
         live = self._live.get(rec.id)
         if live is not None:
@@ -464,9 +485,22 @@ class Edge:
             if live.rec.state != SandboxState.running:
                 return live.rec.info(self.node_id)
             live.backend.unwatch_exit(live.id)    # parking stops its runtime on purpose
+            # tracked execs read the connection dropped below: let go of the running ones (the
+            # agent keeps their output; exec_follow/attach re-attach there after the resume)
+            for exec_id, t in list(live.commands.tracked.items()):
+                if not t.done and t.task is not None:
+                    del live.commands.tracked[exec_id]
+                    t.error = Unavailable(f"sandbox {live.id} was suspended while exec {exec_id} was followed; "
+                                          "it runs on", field="exec_id", fix="follow or attach it again")
+                    t.task.cancel()
             await live.drop_agent()
-            size = await parking.park(live.id)
+            try:
+                size = await parking.park(live.id)
+            except BaseException:
+                self._watch_exit(live)        # it runs on (a park that failed undoes itself)
+                raise
             live.rec.state = SandboxState.suspended
+            self._load.update(live.rec, live=True)
             self.records.set_state(live.id, SandboxState.suspended)
         log.info("sandbox parked", extra={"sandbox": live.id, "bytes": size})
         return live.rec.info(self.node_id)
@@ -489,8 +523,10 @@ class Edge:
                     await self._fail(live, f"could not resume the parked sandbox: {e.message}")
                     raise
                 rec.state = SandboxState.running
+                self._load.update(rec, live=True)
                 self.records.set_state(rec.id, SandboxState.running)
                 self._watch_exit(live)
+                self._schedule(rec)
                 log.info("sandbox resumed", extra={"sandbox": rec.id, "seconds": round(time.monotonic() - t0, 3)})
         self._touch(rec)
         return rec.info(self.node_id)
@@ -567,7 +603,8 @@ class Edge:
         idempotency key the edge follows the command itself: a retry follows the same one."""
         if req.idempotency_key is not None:
             tracked = await self._start_tracked(sandbox_id, req, detached=False)
-            async for ev in tracked.follow():
+            # exec_follow: the tracker, or the agent if the edge let go of it (a park, a restart)
+            async for ev in self.exec_follow(sandbox_id, tracked.info.exec_id):
                 yield ev
             return
         info = self._exec_info(req, detached=False)
@@ -654,8 +691,7 @@ class Edge:
         await tracked.started.wait()
         if not tracked.info.exec_id:
             raise tracked.error or SandboxFailed("the command did not start", field="cmd", fix="run it again")
-        live.commands.register(tracked)
-        return tracked
+        return tracked      # reachable by its exec id since it started (ExecTable), unless let go of
 
     async def exec_start(self, sandbox_id: str, req: ExecRequest) -> ExecInfo:
         """Start a command detached: returns its exec id at once; follow it with exec_follow,
@@ -769,6 +805,7 @@ class Edge:
             raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}", field="sandbox_id", fix="create a new sandbox")
         rec.expires_at = time.time() + timeout_s
         await asyncio.to_thread(self.records.set_expires_at, rec.id, rec.expires_at)
+        self._schedule(rec)
         return rec.info(self.node_id)
 
     async def close_session(self, sandbox_id: str, name: str) -> None:
@@ -910,28 +947,51 @@ class Edge:
                 await self._fail(live, f"the guest stopped answering (hung): no reply to {live.ping_misses} "
                                        f"pings {b.ping_interval_s:.0f}s apart")
 
+    def _schedule(self, rec: SandboxRecord) -> None:
+        """Tell the reaper when to look at this sandbox next: the earliest of its idle TTL, idle
+        parking and absolute lifetime (activity moves them later; the reaper re-reads them)."""
+        if rec.state not in (SandboxState.running, SandboxState.suspended):
+            return
+        when = rec.last_active_at + rec.ttl_idle_s
+        if rec.expires_at is not None:
+            when = min(when, rec.expires_at)
+        park_after = _park_after(rec)
+        if park_after and rec.state == SandboxState.running:
+            when = min(when, rec.last_active_at + park_after)
+        self._deadlines.push(rec.id, when)     # in the past (busy, retrying): the next tick
+
     async def reap_once(self) -> builtins.list[str]:
+        """Stop sandboxes idle past their TTL or past their lifetime, park idle ones that ask for
+        it. Looks only at sandboxes whose deadline has come (Deadlines), never at all of them."""
         self._flush_activity()
         now = time.time()
-        recs = [x.rec for x in self._live.values()]
-        expired = [r for r in recs if r.state in (SandboxState.running, SandboxState.suspended)
-                   and r.in_flight == 0 and now - r.last_active_at > r.ttl_idle_s]
-        for r in expired:
-            await self.stop(r.id, reason=f"idle for more than ttl_idle_s={r.ttl_idle_s}s")
-        # the absolute lifetime ends a sandbox busy or not
-        ended = [r for r in recs if r.state in (SandboxState.running, SandboxState.suspended)
-                 and r.expires_at is not None and now >= r.expires_at and r not in expired]
-        for r in ended:
-            await self.stop(r.id, reason="its lifetime ended (lifetime_s / set_timeout)")
-            expired.append(r)
-        to_park = [r for r in recs if r.state == SandboxState.running and r.in_flight == 0
-                   and (after := getattr(r.args, "suspend_idle_s", None)) and now - r.last_active_at > after]
-        for r in to_park:
-            try:
-                await self.suspend(r.id)
-            except DsecError as e:   # it keeps running; the next pass retries
-                log.warning("could not park idle sandbox", extra={"sandbox": r.id, "error": e.message})
-        self.records.purge_ended(now - self.settings.keep_ended_s)
-        for b in self._distinct_backends():
-            b.purge(now - self.settings.keep_ended_s)
-        return [r.id for r in expired]
+        reaped: builtins.list[str] = []
+        for sid in self._deadlines.due(now):
+            live = self._live.get(sid)
+            if live is None:
+                continue
+            r = live.rec
+            if r.state not in (SandboxState.running, SandboxState.suspended):
+                continue
+            if r.in_flight == 0 and now - r.last_active_at > r.ttl_idle_s:
+                await self.stop(r.id, reason=f"idle for more than ttl_idle_s={r.ttl_idle_s}s")
+                reaped.append(r.id)
+                continue
+            if r.expires_at is not None and now >= r.expires_at:   # busy or not
+                await self.stop(r.id, reason="its lifetime ended (lifetime_s / set_timeout)")
+                reaped.append(r.id)
+                continue
+            park_after = _park_after(r)
+            if (park_after and r.state == SandboxState.running and r.in_flight == 0
+                    and now - r.last_active_at > park_after):
+                try:
+                    await self.suspend(r.id)
+                except DsecError as e:   # it keeps running; the next pass retries
+                    log.warning("could not park idle sandbox", extra={"sandbox": r.id, "error": e.message})
+            self._schedule(r)          # busy, parked, or used since: look again later
+        if time.monotonic() >= self._purge_next:
+            self._purge_next = time.monotonic() + PURGE_EVERY_S
+            self.records.purge_ended(now - self.settings.keep_ended_s)
+            for b in self._distinct_backends():
+                b.purge(now - self.settings.keep_ended_s)
+        return reaped

@@ -39,6 +39,7 @@ class TrackedExec:
     kept_bytes: int = 0                     # output held (events and result), for the table's bound
     started: asyncio.Event = field(default_factory=asyncio.Event)   # exec_id known, or error
     task: asyncio.Task | None = None
+    on_start: Callable[[], None] | None = None   # the table makes it reachable by its exec id
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -55,6 +56,8 @@ class TrackedExec:
             async for ev in events:
                 if ev.type == "start":
                     self.info.exec_id = ev.exec_id or ""
+                    if self.on_start is not None:
+                        self.on_start()
                     self.started.set()
                 elif ev.type == "exit":
                     self.result = ev.result
@@ -117,6 +120,7 @@ class ExecTable:
         """A new tracked exec whose events come from `run(t)`, consumed by a background task."""
         self.prune()
         t = TrackedExec(info=info, idempotency_key=key)
+        t.on_start = lambda: self.register(t)     # as soon as it runs, whoever waits for it or not
         if key is not None:
             self.by_key[key] = t     # before it starts: a concurrent retry waits for this one
         t.task = asyncio.create_task(self._run(t, run(t)), name=f"exec-{key or 'detached'}")

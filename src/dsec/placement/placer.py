@@ -21,6 +21,7 @@ from dsec.types import CapacityExceeded, InvalidArgument, NodeStatus
 log = logging.getLogger("dsec.placement")
 
 _EPS = 1e-9
+PRESSURE_STEERS = 0.5   # a node's pressure counts in its load from half its admission limit on
 
 
 @dataclass
@@ -155,12 +156,17 @@ class Placer:
 
     def _load_after(self, n: NodeStatus, cpu_cores: float, memory_mb: int) -> float:
         # Load the node would have with this sandbox: on mixed node sizes this keeps a big
-        # request off a small node that merely looks idle.
+        # request off a small node that merely looks idle. Measured pressure (PSI relative to the
+        # edge's admission limit) counts once it is half way to a refusal: the ceilings on limits
+        # are far above real use, so there it is what tells two samples apart. Below that it is
+        # ignored: it is stale for seconds, and the pending reservations that spread a burst
+        # only move the other terms.
         cpu, mem, count = self._usage(n)
         c = n.capacity
         return max((cpu + cpu_cores) / max(c.cpu_cores, _EPS),
                    (mem + memory_mb) / max(c.memory_mb, 1),
-                   (count + 1) / max(c.max_sandboxes, 1))
+                   (count + 1) / max(c.max_sandboxes, 1),
+                   n.pressure if n.pressure >= PRESSURE_STEERS else 0.0)
 
     def _no_room(self, nodes: list[NodeStatus], eligible: list[NodeStatus], excluded: set[str],
                  backend: str, cpu_cores: float, memory_mb: int) -> CapacityExceeded:

@@ -452,8 +452,9 @@ class Sandbox:
         return resp.content.decode(errors="replace")
 
     async def suspend(self) -> SandboxInfo:
-        """VM sandboxes: park on disk (host memory freed). The next request resumes it, with
-        its processes where they were; `resume()` does it explicitly."""
+        """Park the sandbox: nothing in it runs and its memory is freed (a VM is saved to disk, a
+        container is frozen and its memory pushed to compressed swap). The next request resumes
+        it, with its processes where they were; `resume()` does it explicitly."""
         resp = await self._c._request("POST", f"/v1/sandboxes/{self.id}/suspend")
         self.info = SandboxInfo.model_validate_json(resp.content)
         return self.info

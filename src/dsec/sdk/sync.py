@@ -259,8 +259,9 @@ class SyncSandbox(_sync.Synchronized):
         return cast("str", _sync.call(self, "console", tail))
 
     def suspend(self) -> SandboxInfo:
-        """VM sandboxes: park on disk (host memory freed). The next request resumes it, with
-        its processes where they were; `resume()` does it explicitly.
+        """Park the sandbox: nothing in it runs and its memory is freed (a VM is saved to disk, a
+        container is frozen and its memory pushed to compressed swap). The next request resumes
+        it, with its processes where they were; `resume()` does it explicitly.
         """
         return cast("SandboxInfo", _sync.call(self, "suspend"))
 

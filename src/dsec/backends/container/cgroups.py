@@ -55,3 +55,8 @@ def oom_kills(rel: str) -> int | None:
     except (OSError, ValueError):
         pass
     return None
+
+
+def v1_dir(controller: str, rel: str) -> Path:
+    """A sandbox's directory in a cgroup v1 hierarchy (memory, freezer, ...)."""
+    return CGROUP_ROOT / controller / rel.lstrip("/")

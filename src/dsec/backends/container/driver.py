@@ -27,11 +27,13 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from dsec.backends.base import Backend, Egress, ImageStacks, LayerDiff, PortIngress, Prepared, UpperView
+from dsec.backends.base import (PARKED, RUNNING, Backend, Egress, ImageStacks, LayerDiff, Parking, PortIngress,
+                                Prepared, UpperView)
 from dsec.backends.container import cgroups
 from dsec.backends.container.disk import open_quotas
 from dsec.backends.container.idmap import IdRanges, host_to_sandbox
 from dsec.backends.container.network import SandboxNetworks
+from dsec.backends.container.parking import PARKED_MARKER, CgroupParking, cgroup_gone
 from dsec.backends.container.ports import CONNECT_TIMEOUT_S, connect_in_netns
 from dsec.backends.container.spec import ContainerSpec, build_config, cgroup_path, ensure_node_file_max
 from dsec.config import Paths
@@ -67,10 +69,9 @@ class _ExitWatch:
     status: int | None = None     # wait status once it exited (None: unknown)
 
 
-class ContainerDriver(Backend, LayerDiff, Egress, PortIngress):
+class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking):
     kinds = ("container",)
     instead = {"snapshot": "use pack_diff to save a container's changes as a layer",
-               "suspend": "stop the container, or use a microvm/vm sandbox",
                "console": "read a container's output from its commands"}
 
     def __init__(self, paths: Paths, agent_binary: Path, rulesets: Rulesets, crun: str = "crun"):
@@ -91,6 +92,7 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress):
         # a user namespace per sandbox with its own host id range (idmap.py)
         self.ids = IdRanges() if os.environ.get("DSEC_USERNS", "1") != "0" else None
         self._watches: dict[str, _ExitWatch] = {}     # exit detection (watch_exit)
+        self.parking = CgroupParking(self.cgroup_v2)  # suspend: freeze + memory to (zram) swap
 
     # -- paths ---------------------------------------------------------------------------
     def sandbox_dir(self, sandbox_id: str) -> Path:
@@ -316,14 +318,34 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress):
             raise
 
     async def recover(self, live_ids: set[str]) -> None:
-        """After an edge restart: free what dead sandboxes left, re-attach live ones' networks."""
+        """After an edge restart: free what dead sandboxes left, re-attach live ones' networks,
+        thaw what a park (or pack_diff) the edge did not finish left frozen."""
         live: dict[str, int] = {}
         for sid in live_ids:
             try:
                 live[sid] = self._pid(sid)
             except (OSError, ValueError):
                 pass
+            try:
+                await asyncio.to_thread(self.parking.settle, cgroup_path(sid), self.sandbox_dir(sid) / "run")
+            except OSError as e:
+                log.warning("could not settle a sandbox's park state", extra={"sandbox": sid, "error": str(e)})
         await self.net.recover(live)
+
+    # -- parking (suspend/resume): parking.py --------------------------------------------
+    async def park(self, sandbox_id: str) -> int:
+        """Freeze the sandbox and push its memory to (compressed) swap; returns bytes pushed out."""
+        try:
+            return await asyncio.to_thread(self.parking.park, cgroup_path(sandbox_id),
+                                           self.sandbox_dir(sandbox_id) / "run")
+        except FileNotFoundError as e:
+            raise cgroup_gone(sandbox_id, e) from e
+
+    async def unpark(self, sandbox_id: str) -> None:
+        try:
+            await asyncio.to_thread(self.parking.unpark, cgroup_path(sandbox_id), self.sandbox_dir(sandbox_id) / "run")
+        except FileNotFoundError as e:
+            raise cgroup_gone(sandbox_id, e) from e
 
     async def pause(self, sandbox_id: str) -> None:
         """Freeze every process of the sandbox (cgroup freezer)."""
@@ -447,13 +469,15 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress):
         if proc.returncode != 0:
             return False
         try:
-            return json.loads(out).get("status") == "running"
+            return json.loads(out).get("status") in ("running", "paused")   # paused: frozen, alive
         except ValueError:
             return False
 
     async def list_ids(self) -> dict[str, str]:
-        """Every container crun knows in this instance, with its status ('running', 'stopped' ...),
-        and sandbox dirs on disk that crun does not know ('leftover')."""
+        """Every container crun knows in this instance, with its status (RUNNING, PARKED,
+        'stopped' ...), and sandbox dirs on disk that crun does not know ('leftover'). Parked:
+        a finished park's marker (frozen without it: a park or pack_diff the edge did not finish,
+        reported RUNNING and thawed by recover())."""
         proc = await asyncio.create_subprocess_exec(
             *self._crun("list", "--format", "json"), stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
@@ -462,6 +486,9 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress):
             known = {c["id"]: c.get("status", "") for c in json.loads(out or b"[]")}
         except (ValueError, KeyError, TypeError):
             known = {}
+        for sid, status in known.items():
+            if status in ("running", "paused"):
+                known[sid] = PARKED if (self.sandbox_dir(sid) / "run" / PARKED_MARKER).exists() else RUNNING
         on_disk = {p.name for p in self.paths.sandboxes.iterdir()} if self.paths.sandboxes.exists() else set()
         return {**{d: "leftover" for d in on_disk}, **known}
 

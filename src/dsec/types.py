@@ -324,6 +324,9 @@ class ContainerArgs(_Strict):
                         Field(max_length=32, description="toolkit layers above the workspace, in order: the last is topmost")
                         ] = Field(default_factory=list)
     cpu_cores: Annotated[float, Field(gt=0, le=64, description="CPU limit in cores (CFS quota)")] = 1.0
+    cpu_class: Annotated[Literal["latency", "batch"], Field(
+        description="CPU QoS class. latency: CPU weight proportional to cpu_cores; batch = best effort: "
+                    "runs only on CPU that latency sandboxes leave idle (SCHED_IDLE, minimum weight)")] = "latency"
     memory_mb: Annotated[int, Field(ge=16, le=256 * 1024, description="memory limit, MiB")] = 512
     pids_limit: Annotated[int, Field(ge=8, le=65536)] = 1024
     disk_mb: Annotated[int, Field(ge=64, le=1024 * 1024,
@@ -332,6 +335,10 @@ class ContainerArgs(_Strict):
     max_file_mb: Annotated[int | None, Field(ge=1, le=1024 * 1024,
                                              description="largest file a command may write (RLIMIT_FSIZE); None: no limit")] = None
     ttl_idle_s: IdleTtl = 600
+    suspend_idle_s: Annotated[int | None, Field(gt=0, le=MAX_TTL_S,
+                                                description="park the sandbox after this long without a request "
+                                                            "(frozen, memory pushed to compressed swap; the next "
+                                                            "request resumes it); None: never")] = None
     lifetime_s: Lifetime = None
     idempotency_key: IdempotencyKey = None
     user: SandboxUser = None
@@ -454,8 +461,28 @@ class SandboxInfo(BaseModel):
     labels: dict[str, str] = Field(default_factory=dict)
     network: NetworkPolicy | None = Field(None, description="current egress policy (container sandboxes)")
     accel: str | None = Field(None, description="VM sandboxes: the accelerator in use, 'kvm' or 'tcg'")
-    host_pss_mb: float | None = Field(None, description="VM sandboxes: host memory the VM costs now "
-                                                        "(PSS of its QEMU: shared pages counted in part)")
+    host_swap_mb: float | None = Field(None, description="container sandboxes: its memory in (compressed) swap, "
+                                                         "uncompressed size (a parked one's memory is there)")
+    host_pss_mb: float | None = Field(None, description="host memory the sandbox costs now: containers, what its "
+                                                        "memory cgroup is charged; VMs, the PSS of its "
+                                                        "QEMU (shared pages counted in part)")
+
+
+class BulkSelector(_Strict):
+    """Which sandboxes a bulk call acts on: the caller's sandboxes carrying all these labels."""
+
+    labels: Annotated[Labels, Field(min_length=1, description="e.g. {'job': 'run-17'}: every one of the caller's "
+                                                              "sandboxes with all of these labels")]
+
+
+class BulkItem(BaseModel):
+    id: str
+    state: SandboxState | None = None
+    error: str | None = Field(None, description="why this one did not change (the others did)")
+
+
+class BulkResult(BaseModel):
+    sandboxes: list[BulkItem]
 
 
 class SnapshotInfo(BaseModel):

@@ -31,7 +31,7 @@ from dsec.types import ErrorBody, InternalError
 from dsec.types import FnCallRequest
 from dsec.types import ImageInfo, PackDiffRequest
 from dsec.types import MicroVMArgs, SandboxArgs, SnapshotInfo, SnapshotList, VMArgs, node_of_snapshot
-from dsec.types import ExecInfo, ExecList, SignalRequest, TimeoutRequest
+from dsec.types import BulkItem, BulkResult, BulkSelector, ExecInfo, ExecList, SignalRequest, TimeoutRequest
 
 log = logging.getLogger("dsec.apiserver")
 
@@ -276,9 +276,31 @@ def create_app(ctx: ApiContext) -> FastAPI:
         edge = await owned(sandbox_id, who)
         return Response(await edge.console(sandbox_id, tail), media_type="text/plain; charset=utf-8")
 
+    # before /v1/sandboxes/{sandbox_id}/...: "bulk" is not a sandbox id
+    async def bulk(sel: BulkSelector, who: Principal, verb: str) -> BulkResult:
+        """The caller's sandboxes with all of sel.labels, on every node, through each edge's bulk verb."""
+        out: list[BulkItem] = []
+        for edge in ctx.edges.values():
+            ids = [s.id for s in await edge.list(None) if ctx.iam.can_access(who, s.project)
+                   and all(s.labels.get(k) == v for k, v in sel.labels.items())]
+            if ids:
+                out += await getattr(edge, verb)(ids)
+        return BulkResult(sandboxes=out)
+
+    @app.post("/v1/sandboxes/bulk/suspend", response_model=BulkResult)
+    async def suspend_many(sel: BulkSelector, who: Who) -> BulkResult:
+        """Park every one of the caller's sandboxes that has all these labels (e.g. a trainer's
+        job, on preemption); each one's outcome. Parked ones resume on their next request."""
+        return await bulk(sel, who, "suspend_many")
+
+    @app.post("/v1/sandboxes/bulk/resume", response_model=BulkResult)
+    async def resume_many(sel: BulkSelector, who: Who) -> BulkResult:
+        return await bulk(sel, who, "resume_many")
+
     @app.post("/v1/sandboxes/{sandbox_id}/suspend", response_model=SandboxInfo)
     async def suspend(sandbox_id: str, who: Who) -> SandboxInfo:
-        """Park a VM on disk (its memory is freed); the next request to it resumes it."""
+        """Park the sandbox (a VM saved to disk, a container frozen with its memory pushed to
+        compressed swap); the next request to it resumes it."""
         edge = await owned(sandbox_id, who)
         return await edge.suspend(sandbox_id)
 

@@ -209,6 +209,10 @@ class MemoryUsage(ABC):
     @abstractmethod
     def pss(self, sandbox_id: str) -> int | None: ...
 
+    def swapped(self, sandbox_id: str) -> int | None:
+        """Bytes of the sandbox in swap (a parked container's memory), if the backend knows."""
+        return None
+
 
 class LivenessWatched(ABC):
     """Sandboxes whose death the edge must notice between requests (a VM's QEMU exits, a

@@ -39,7 +39,7 @@ from dsec.edge.records import EdgeRecords, SandboxRecord
 from dsec.images.service import ImageService
 from dsec.images.stacks import Stacks
 from dsec.security.users import resolve_user
-from dsec.types import (DEFAULT_SCRUB, Conflict, DsecError, ExecEvent, ExecInfo, ExecRequest, ExecResult, FileEntry, ImageInfo,
+from dsec.types import (DEFAULT_SCRUB, BulkItem, Conflict, DsecError, ExecEvent, ExecInfo, ExecRequest, ExecResult, FileEntry, ImageInfo,
                         InvalidArgument, NetworkPolicy, NodeStatus, NotFound, PackDiffRequest, SandboxArgs,
                         SandboxFailed, SandboxInfo, SandboxState, SnapshotInfo, Unavailable, make_sandbox_id,
                         make_snapshot_id)
@@ -48,12 +48,13 @@ log = logging.getLogger("dsec.edge")
 
 LIVE = (SandboxState.creating, SandboxState.running, SandboxState.suspended, SandboxState.stopping)
 DISK_POLL_S = float(os.environ.get("DSEC_DISK_POLL_S", "10"))   # fallback quota check interval
+BULK_PARALLEL = 16        # parks/resumes of one bulk call at a time (each reclaims memory: I/O- and CPU-bound)
 PURGE_EVERY_S = 60.0      # ended records and what they left are forgotten at most this often
 
 
 def _park_after(rec: SandboxRecord) -> int | None:
-    """Idle seconds after which the sandbox is parked (arguments that have suspend_idle_s)."""
-    return getattr(rec.args, "suspend_idle_s", None) if "suspend_idle_s" in type(rec.args).model_fields else None
+    """Idle seconds after which the sandbox is parked (None: never)."""
+    return rec.args.suspend_idle_s
 Cap = TypeVar("Cap")
 
 
@@ -322,9 +323,11 @@ class Edge:
         rec = self._record(sandbox_id)
         info = rec.info(self.node_id)
         live = self._live.get(sandbox_id)
-        if usage and live is not None and rec.state == SandboxState.running and isinstance(live.backend, MemoryUsage):
-            pss = await asyncio.to_thread(live.backend.pss, rec.id)
-            info.host_pss_mb = round(pss / (1 << 20), 1) if pss is not None else None
+        if (usage and live is not None and rec.state in (SandboxState.running, SandboxState.suspended)
+                and isinstance(live.backend, MemoryUsage)):
+            mib = lambda n: round(n / (1 << 20), 1) if n is not None else None  # noqa: E731
+            info.host_pss_mb = mib(await asyncio.to_thread(live.backend.pss, rec.id))
+            info.host_swap_mb = mib(await asyncio.to_thread(live.backend.swapped, rec.id))
         return info
 
     async def list(self, project: str | None = None, include_ended: bool = False) -> builtins.list[SandboxInfo]:
@@ -530,6 +533,26 @@ class Edge:
                 log.info("sandbox resumed", extra={"sandbox": rec.id, "seconds": round(time.monotonic() - t0, 3)})
         self._touch(rec)
         return rec.info(self.node_id)
+
+    async def suspend_many(self, sandbox_ids: builtins.list[str]) -> builtins.list[BulkItem]:
+        """Park many at once (trainer preemption), BULK_PARALLEL at a time; each one's outcome."""
+        return await self._bulk(sandbox_ids, self.suspend)
+
+    async def resume_many(self, sandbox_ids: builtins.list[str]) -> builtins.list[BulkItem]:
+        return await self._bulk(sandbox_ids, self.resume)
+
+    async def _bulk(self, sandbox_ids: builtins.list[str], verb: Any) -> builtins.list[BulkItem]:
+        slots = asyncio.Semaphore(BULK_PARALLEL)
+
+        async def one(sid: str) -> BulkItem:
+            async with slots:
+                try:
+                    info = await verb(sid)
+                    return BulkItem(id=sid, state=info.state)
+                except DsecError as e:
+                    return BulkItem(id=sid, state=self._record(sid).state if sid in self._live else None,
+                                    error=e.message)
+        return builtins.list(await asyncio.gather(*(one(s) for s in sandbox_ids)))
 
     async def console(self, sandbox_id: str, tail: int = 65536) -> bytes:
         """The end of a sandbox's console log (kept while the record is, failed ones included)."""

@@ -23,7 +23,7 @@ import httpx
 
 from dsec.config import DEFAULT_PORT, SERVER_INSTALL, Paths, server_installed
 from dsec.types import FnCallBatch, FnCallBatchItem, FnCallRequest, FnCallResult, FnCallStatus
-from dsec.types import ExecInfo, ExecList, PackDiffRequest
+from dsec.types import BulkItem, BulkResult, ExecInfo, ExecList, PackDiffRequest
 from dsec.types import MicroVMArgs, SandboxArgs, SnapshotInfo, SnapshotList, VMArgs
 from dsec.types import (ERRORS_BY_CODE, ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult,
                         FileEntry, FileList, ImageInfo, ImageList, NetworkPolicy, NodeStatus, SandboxInfo, SandboxList,
@@ -190,6 +190,18 @@ class Client:
             for done in await asyncio.gather(*tasks, return_exceptions=True):
                 if isinstance(done, Created) and done.index not in handed_out and done.sandbox:
                     await done.sandbox.stop()
+
+    async def suspend_all(self, labels: dict[str, str]) -> builtins.list[BulkItem]:
+        """Park every one of your sandboxes that has all of `labels` (e.g. on trainer
+        preemption); each one's outcome. They resume on their next request, or resume_all()."""
+        resp = await self._request("POST", "/v1/sandboxes/bulk/suspend", content=json.dumps({"labels": labels}),
+                                   headers=JSON)
+        return BulkResult.model_validate_json(resp.content).sandboxes
+
+    async def resume_all(self, labels: dict[str, str]) -> builtins.list[BulkItem]:
+        resp = await self._request("POST", "/v1/sandboxes/bulk/resume", content=json.dumps({"labels": labels}),
+                                   headers=JSON)
+        return BulkResult.model_validate_json(resp.content).sandboxes
 
     async def get(self, sandbox_id: str) -> "Sandbox":
         resp = await self._request("GET", f"/v1/sandboxes/{sandbox_id}")

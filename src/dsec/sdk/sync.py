@@ -21,9 +21,9 @@ from typing import Any, cast
 
 from dsec.sdk import _sync
 from dsec.sdk.client import Client, Created, Files, Sandbox
-from dsec.types import (ContainerArgs, DsecError, ExecEvent, ExecInfo, ExecResult, FileEntry, FnCallRequest,
-                        FnCallResult, ImageInfo, MicroVMArgs, NetworkPolicy, NodeStatus, SandboxArgs,
-                        SandboxInfo, SnapshotInfo, VMArgs)
+from dsec.types import (BulkItem, ContainerArgs, DsecError, ExecEvent, ExecInfo, ExecResult, FileEntry,
+                        FnCallRequest, FnCallResult, ImageInfo, MicroVMArgs, NetworkPolicy, NodeStatus,
+                        SandboxArgs, SandboxInfo, SnapshotInfo, VMArgs)
 
 __all__ = ["SyncClient", "SyncCreated", "SyncSandbox", "SyncFiles"]
 
@@ -81,6 +81,15 @@ class SyncClient(_sync.Synchronized):
         """
         return cast("Iterator[SyncCreated]", _sync.call(self, "create_many", n, args,
                                                         concurrency=concurrency))
+
+    def suspend_all(self, labels: dict[str, str]) -> builtins.list[BulkItem]:
+        """Park every one of your sandboxes that has all of `labels` (e.g. on trainer
+        preemption); each one's outcome. They resume on their next request, or resume_all().
+        """
+        return cast("builtins.list[BulkItem]", _sync.call(self, "suspend_all", labels))
+
+    def resume_all(self, labels: dict[str, str]) -> builtins.list[BulkItem]:
+        return cast("builtins.list[BulkItem]", _sync.call(self, "resume_all", labels))
 
     def get(self, sandbox_id: str) -> SyncSandbox:
         return cast("SyncSandbox", _sync.call(self, "get", sandbox_id))

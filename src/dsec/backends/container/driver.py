@@ -27,8 +27,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from dsec.backends.base import (PARKED, RUNNING, Backend, Egress, ImageStacks, LayerDiff, Parking, PortIngress,
-                                Prepared, UpperView)
+from dsec.backends.base import (PARKED, RUNNING, Backend, Egress, ImageStacks, LayerDiff, MemoryUsage, Parking,
+                                PortIngress, Prepared, UpperView)
 from dsec.backends.container import cgroups
 from dsec.backends.container.disk import open_quotas
 from dsec.backends.container.idmap import IdRanges, host_to_sandbox
@@ -69,7 +69,7 @@ class _ExitWatch:
     status: int | None = None     # wait status once it exited (None: unknown)
 
 
-class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking):
+class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, MemoryUsage):
     kinds = ("container",)
     instead = {"snapshot": "use pack_diff to save a container's changes as a layer",
                "console": "read a container's output from its commands"}
@@ -346,6 +346,19 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking):
             await asyncio.to_thread(self.parking.unpark, cgroup_path(sandbox_id), self.sandbox_dir(sandbox_id) / "run")
         except FileNotFoundError as e:
             raise cgroup_gone(sandbox_id, e) from e
+
+    def pss(self, sandbox_id: str) -> int | None:
+        """Memory charged to the sandbox's cgroup now (its processes, page cache, kernel memory)."""
+        try:
+            return self.parking.memory(cgroup_path(sandbox_id)).resident
+        except (OSError, ValueError):
+            return None
+
+    def swapped(self, sandbox_id: str) -> int | None:
+        try:
+            return self.parking.memory(cgroup_path(sandbox_id)).swapped
+        except (OSError, ValueError):
+            return None
 
     async def pause(self, sandbox_id: str) -> None:
         """Freeze every process of the sandbox (cgroup freezer)."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from pydantic import BaseModel
 
 from dsec.config import DEFAULT_PORT, SERVER_INSTALL, Paths, server_installed
 from dsec.types import FnCallBatch, FnCallBatchItem, FnCallRequest, FnCallResult, FnCallStatus
@@ -44,6 +45,16 @@ def _raise_for(resp: httpx.Response, body: bytes) -> None:
         raise cls(err.get("message", "error"), field=err.get("field"), fix=err.get("fix"))
     except (ValueError, KeyError, TypeError):
         raise DsecError(f"HTTP {resp.status_code}: {body[:500].decode(errors='replace')}") from None
+
+
+def wire(model: BaseModel) -> str:
+    """A request body: only what differs from the defaults, and always the backend tag. A field
+    a newer client has and the caller left alone then never reaches an older server (which
+    refuses unknown fields): client and server can be upgraded one after the other."""
+    body = model.model_dump(mode="json", exclude_defaults=True)
+    if "backend" in type(model).model_fields:
+        body["backend"] = getattr(model, "backend")
+    return json.dumps(body)
 
 
 class ExecFailed(DsecError):
@@ -151,7 +162,7 @@ class Client:
 
     async def create(self, args: SandboxArgs) -> "Sandbox":
         """Create a sandbox of the backend its argument type names."""
-        resp = await self._request("POST", "/v1/sandboxes", content=args.model_dump_json(), headers=JSON)
+        resp = await self._request("POST", "/v1/sandboxes", content=wire(args), headers=JSON)
         return Sandbox(self, SandboxInfo.model_validate_json(resp.content))
 
     async def create_many(self, n: int, args: SandboxArgs, *, concurrency: int = 32
@@ -250,7 +261,7 @@ class Client:
         """
         req = code if isinstance(code, FnCallRequest) else fncall_request(
             code, language, stdin=stdin, files=files, timeout_s=timeout_s, memory_mb=memory_mb, **kwargs)
-        resp = await self._request("POST", "/v1/fncall", content=req.model_dump_json(), headers=JSON)
+        resp = await self._request("POST", "/v1/fncall", content=wire(req), headers=JSON)
         return FnCallResult.model_validate_json(resp.content)
 
     async def fncall_pools(self) -> builtins.list[dict[str, Any]]:
@@ -281,7 +292,7 @@ class Client:
 
         async def stream_chunks() -> None:
             for chunk in chunks:
-                body = FnCallBatch(calls=[reqs[i] for i in chunk]).model_dump_json()
+                body = wire(FnCallBatch(calls=[reqs[i] for i in chunk]))
                 try:
                     await self._ensure_ready()
                     async with self._http.stream("POST", "/v1/fncall/batch", content=body, headers=JSON) as resp:
@@ -351,7 +362,7 @@ class Sandbox:
         runs once."""
         req = ExecRequest(cmd=cmd, session=session, timeout_s=timeout_s, cwd=cwd, env=env or {},
                           stdin=stdin, user=user, output_cap_bytes=output_cap_bytes, idempotency_key=idempotency_key)
-        resp = await self._c._request("POST", f"{self._base}/exec", content=req.model_dump_json(), headers=JSON)
+        resp = await self._c._request("POST", f"{self._base}/exec", content=wire(req), headers=JSON)
         result = ExecResult.model_validate_json(resp.content)
         if check and result.exit_code != 0:
             raise ExecFailed(result)
@@ -364,7 +375,7 @@ class Sandbox:
         """Yield ExecEvents as the command produces output; the last one has type 'exit' and .result."""
         req = ExecRequest(cmd=cmd, session=session, timeout_s=timeout_s, cwd=cwd, env=env or {},
                           stdin=stdin, user=user, output_cap_bytes=output_cap_bytes, idempotency_key=idempotency_key)
-        async for ev in self._ndjson("POST", f"{self._base}/exec/stream", req.model_dump_json()):
+        async for ev in self._ndjson("POST", f"{self._base}/exec/stream", wire(req)):
             yield ev
 
     async def _ndjson(self, method: str, path: str, content: str | None = None) -> AsyncIterator[ExecEvent]:
@@ -392,7 +403,7 @@ class Sandbox:
         req = ExecRequest(cmd=cmd, session=session, timeout_s=timeout_s, cwd=cwd, env=env or {}, stdin=stdin,
                           keep_stdin=keep_stdin, tag=tag, user=user, output_cap_bytes=output_cap_bytes,
                           idempotency_key=idempotency_key)
-        resp = await self._c._request("POST", f"{self._base}/execs", content=req.model_dump_json(), headers=JSON)
+        resp = await self._c._request("POST", f"{self._base}/execs", content=wire(req), headers=JSON)
         return ExecInfo.model_validate_json(resp.content)
 
     async def follow(self, exec_id: str) -> AsyncIterator[ExecEvent]:
@@ -444,7 +455,7 @@ class Sandbox:
             policy = NetworkPolicy(**kwargs)
         elif isinstance(policy, dict):
             policy = NetworkPolicy.model_validate(policy)
-        resp = await self._c._request("PUT", f"{self._base}/network", content=policy.model_dump_json(), headers=JSON)
+        resp = await self._c._request("PUT", f"{self._base}/network", content=wire(policy), headers=JSON)
         self.info = SandboxInfo.model_validate_json(resp.content)
         return self.info
 
@@ -455,7 +466,7 @@ class Sandbox:
         left out (default dsec.types.DEFAULT_SCRUB: /tmp, caches, shell history)."""
         req = PackDiffRequest(name=name, scrub=scrub, replace=replace)
         resp = await self._c._request("POST", f"{self._base}/pack_diff",
-                                      content=req.model_dump_json(), headers=JSON)
+                                      content=wire(req), headers=JSON)
         return ImageInfo.model_validate_json(resp.content)
 
     async def console(self, tail: int = 65536) -> str:

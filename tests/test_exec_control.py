@@ -13,7 +13,7 @@ import pytest
 from dsec import Client, ContainerArgs
 from dsec.config import Paths
 from dsec.iam import IAM
-from dsec.types import Conflict, DsecError, NotFound
+from dsec.types import Conflict, NotFound
 
 
 @pytest.fixture

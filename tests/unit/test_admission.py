@@ -120,6 +120,8 @@ def test_the_ceilings_still_refuse_beyond_their_ratio(env, proc, clock) -> None:
 def test_pressure_refuses_naming_the_resource_value_limit_and_setting(
         env, proc, clock, resource: str, kind: str, value: float, setting: str, field: str | None) -> None:
     some, full = CALM[resource]
+    if setting == "DSEC_ADMIT_PSI_CPU_SOME":
+        env.setenv(setting, "90")              # off by default (throttled tiny quotas read as pressure)
     proc.psi(resource, some=value if kind == "some" else some, full=value if kind == "full" else full)
     adm = two_core_node(proc, clock)
     with pytest.raises(PressureHigh) as e:
@@ -136,7 +138,7 @@ def test_pressure_refuses_naming_the_resource_value_limit_and_setting(
 def test_pressure_limits_are_set_by_their_variables(env) -> None:
     env.setenv("DSEC_ADMIT_PSI_MEMORY_FULL", "2.5")
     limits = {(p.resource, p.kind): p.limit for p in psi_limits_from_env(os.environ)}
-    assert limits == {("cpu", "some"): 90, ("memory", "some"): 20, ("memory", "full"): 2.5, ("io", "full"): 20}
+    assert limits == {("cpu", "some"): 100, ("memory", "some"): 20, ("memory", "full"): 2.5, ("io", "full"): 20}
 
 
 def test_memavailable_must_cover_the_reserve_and_a_new_sandboxs_need(env, proc, clock) -> None:

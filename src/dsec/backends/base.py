@@ -8,7 +8,7 @@ place (`Edge._capability`), so a sandbox whose backend lacks one gets "backend X
 with the backend's own advice, never a per-verb branch on backend names.
 
     SDK -> apiserver -> Edge -> Backend.prepare/create/wait_agent -> agent (in the sandbox)
-                             \-> capabilities: Snapshots, Parking, LayerDiff, Egress,
+                             \-> capabilities: Snapshots, Parking, Reclaim, LayerDiff, Egress,
                                  Console, MemoryUsage, LivenessWatched
 
 The composition root (`dsec.embedded`) is the only place that names concrete backends.
@@ -159,6 +159,16 @@ class Parking(ABC):
 
     @abstractmethod
     async def unpark(self, sandbox_id: str) -> None: ...
+
+
+class Reclaim(ABC):
+    """Push a running sandbox's memory out of RAM (page cache dropped, anonymous memory to
+    swap) while it keeps running: what the edge does to sandboxes idle for a while
+    (edge/reclaim.py). Must not stop, throttle or OOM-kill anything of the sandbox."""
+
+    @abstractmethod
+    async def reclaim(self, sandbox_id: str) -> int:
+        """Returns the bytes that left RAM (what its tasks touch again comes back)."""
 
 
 @dataclass(frozen=True)

@@ -426,6 +426,31 @@ def bench_fncall(n_python: int = 3000, n_c: int = 300, n_sandbox: int = 30, n_la
                      concurrency=concurrency, sandbox_parallel=sandbox_parallel, out=out)
 
 
+@bench_app.command("density")
+def bench_density(
+        n: Annotated[int, typer.Option(help="idle sandboxes to create (stops earlier at the first refusal)")] = 3200,
+        image: str = "debian-python",
+        cpu: Annotated[float, typer.Option(help="cpu_cores of each idle sandbox")] = 0.005,
+        memory_mb: Annotated[int, typer.Option(help="memory_mb of each idle sandbox")] = 48,
+        park: Annotated[Optional[int], typer.Option(help="sandboxes to park and resume [default: min(1000, n)]")] = None,
+        concurrency: Annotated[int, typer.Option(help="creations/suspends/resumes/stops in flight (and raw crun "
+                                                      "runs in parallel)")] = 8,
+        raw_n: Annotated[int, typer.Option(help="raw crun containers of the baseline")] = 200,
+        burst: Annotated[int, typer.Option(help="concurrent create -> first output, of each")] = 50,
+        exec_sample: Annotated[int, typer.Option(help="sandboxes sampled for `exec true` latency")] = 200,
+        pressure_retries: Annotated[int, typer.Option(help="PSI pressure refusals waited out (10 s each) before "
+                                                           "the node counts as full")] = 0,
+        json_path: Annotated[Optional[Path], typer.Option("--json", help="save the raw numbers here")] = None,
+        record: Annotated[bool, typer.Option(help="append the summary to --out")] = True,
+        out: Path = Path("docs/benchmarks.md")) -> None:
+    """Most idle sandboxes the node holds, host memory per idle and parked sandbox, bulk park/resume,
+    burst create -> first output; side by side with raw crun."""
+    from dsec.bench.density import Opts, run_density_bench
+    run_density_bench(Opts(n=n, image=image, cpu=cpu, memory_mb=memory_mb, park=park, concurrency=concurrency,
+                           raw_n=raw_n, burst=burst, exec_sample=exec_sample, pressure_retries=pressure_retries),
+                      out=out if record else None, json_path=json_path)
+
+
 @bench_app.command("vm")
 def bench_vm(n: Annotated[int, typer.Option(help="clones and cold boots, one at a time, of each")] = 10,
              burst: Annotated[int, typer.Option(help="VMs started in parallel, of each")] = 4,
@@ -439,6 +464,21 @@ def bench_vm(n: Annotated[int, typer.Option(help="clones and cold boots, one at 
     from dsec.bench.vm import Opts, run_vm_bench
     run_vm_bench(Opts(n=n, burst=burst, n_idle=n_idle, idle_s=idle_s, n_exec=n_exec, n_vm=n_vm,
                       memory_mb=memory_mb, vcpus=vcpus, image=image), out=out)
+
+
+@bench_app.command("qos")
+def bench_qos(steps: Annotated[int, typer.Option(help="agent steps per mode per round")] = 25,
+              rounds: Annotated[int, typer.Option(help="rounds of alone / unprotected / protected, interleaved")] = 20,
+              step_ms: Annotated[float, typer.Option(help="CPU work of one step alone (calibrated)")] = 20.0,
+              gap_ms: Annotated[float, typer.Option(help="sleep before each step")] = 10.0,
+              busy_ms: Annotated[float, typer.Option(help="load worker: CPU time per cycle")] = 10.0,
+              idle_ms: Annotated[float, typer.Option(help="load worker: sleep per cycle")] = 10.0,
+              load_sandboxes: Annotated[int, typer.Option(help="load sandboxes per class (0: one per core)")] = 0,
+              out: Path = Path("docs/benchmarks.md")) -> None:
+    """CPU QoS classes: a latency sandbox's step latency alone, beside 50% load of the same class, beside batch load."""
+    from dsec.bench.qos import Opts, run_qos_bench
+    run_qos_bench(Opts(steps=steps, rounds=rounds, step_ms=step_ms, gap_ms=gap_ms, busy_ms=busy_ms,
+                       idle_ms=idle_ms, load_sandboxes=load_sandboxes), out=out)
 
 
 @bench_app.command("images")

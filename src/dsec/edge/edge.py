@@ -35,6 +35,7 @@ from dsec.edge.deadlines import Deadlines
 from dsec.edge.exec_tracker import TrackedExec, now_utc
 from dsec.edge.live import LiveSandbox
 from dsec.edge.load import NodeLoad
+from dsec.edge.reclaim import Reclaimer
 from dsec.edge.records import EdgeRecords, SandboxRecord
 from dsec.images.service import ImageService
 from dsec.images.stacks import Stacks
@@ -91,6 +92,7 @@ class Edge:
         self._load = NodeLoad()                # committed CPU/memory of the live sandboxes, as running totals
         self._deadlines = Deadlines()          # when the reaper looks at each sandbox next (O(due) ticks)
         self._purge_next = 0.0                 # monotonic: ended records are purged once a minute
+        self._reclaimer = Reclaimer.from_env(self._live, self.admission.probe)   # idle memory out (reclaim.py)
 
     # -- lifecycle of the edge itself ----------------------------------------------------
     async def start(self) -> None:
@@ -103,6 +105,7 @@ class Edge:
         if self._reaper:
             self._reaper.cancel()
             await asyncio.gather(self._reaper, return_exceptions=True)
+        await self._reclaimer.close()
         for live in self._live.values():
             live.backend.unwatch_exit(live.id)
         for task in list(self._exit_tasks):
@@ -914,6 +917,7 @@ class Edge:
             await asyncio.sleep(self.settings.reap_interval_s)
             try:
                 await self.reap_once()
+                self._reclaimer.tick()          # starts idle reclaims in the background
                 await self._poll_disk()
                 await self._check_liveness()
             except Exception:  # the reaper must outlive any single bad sandbox
@@ -975,6 +979,7 @@ class Edge:
         parking and absolute lifetime (activity moves them later; the reaper re-reads them)."""
         if rec.state not in (SandboxState.running, SandboxState.suspended):
             return
+        self._reclaimer.watch(rec)
         when = rec.last_active_at + rec.ttl_idle_s
         if rec.expires_at is not None:
             when = min(when, rec.expires_at)

@@ -15,7 +15,8 @@ Fault injection for tests:
 - `create_delay_s`: every create waits this long first.
 
 `ParkingFakeBackend` adds the Parking capability (park = the stub stops listening, its
-commands carry on; unpark = it listens again).
+commands carry on; unpark = it listens again). `ReclaimFakeBackend` adds Reclaim to that
+(idle reclaim, edge/reclaim.py): it records the call and reports RECLAIM_BYTES.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 from dsec.agent.client import AgentClient
-from dsec.backends.base import PARKED, RUNNING, Backend, ImageStacks, Parking, Prepared
+from dsec.backends.base import PARKED, RUNNING, Backend, ImageStacks, Parking, Prepared, Reclaim
 from dsec.types import SandboxArgs
 
 from .agent_stub import AgentStub
@@ -185,3 +186,32 @@ class ParkingFakeBackend(FakeBackend, Parking):
         if sandbox_id in self.parked and sandbox_id in self.stubs:
             return PARKED
         return super()._state(sandbox_id)
+
+
+class ReclaimFakeBackend(ParkingFakeBackend, Reclaim):
+    """Parking and Reclaim (containers' capabilities): reclaim records the call, waits
+    `reclaim_delay_s` and reports RECLAIM_BYTES; `max_reclaiming` is how many ran at once."""
+
+    RECLAIM_BYTES = 64 << 20
+
+    def __init__(self, root: Path | None = None, kinds: Iterable[str] = ("container",), **kw: int):
+        super().__init__(root, kinds, **kw)
+        self.reclaim_delay_s = 0.0
+        self.reclaiming = 0
+        self.max_reclaiming = 0
+
+    async def reclaim(self, sandbox_id: str) -> int:
+        self.calls.append(("reclaim", sandbox_id))
+        if sandbox_id in self.parked or sandbox_id not in self.stubs:
+            raise AssertionError(f"reclaim of a parked or gone sandbox {sandbox_id}")
+        self.reclaiming += 1
+        self.max_reclaiming = max(self.max_reclaiming, self.reclaiming)
+        try:
+            await asyncio.sleep(self.reclaim_delay_s)
+        finally:
+            self.reclaiming -= 1
+        return self.RECLAIM_BYTES
+
+    def reclaimed(self) -> list[str]:
+        """The sandboxes reclaimed so far, in call order."""
+        return [sid for verb, sid in self.calls if verb == "reclaim"]

@@ -28,8 +28,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dsec.backends.base import (PARKED, RUNNING, Backend, Egress, ImageStacks, LayerDiff, MemoryUsage, Parking,
-                                PortIngress, Prepared, UpperView)
-from dsec.backends.container import cgroups
+                                PortIngress, Prepared, Reclaim, UpperView)
+from dsec.backends.container import cgroups, qos
 from dsec.backends.container.disk import open_quotas
 from dsec.backends.container.idmap import IdRanges, host_to_sandbox
 from dsec.backends.container.network import SandboxNetworks
@@ -69,7 +69,7 @@ class _ExitWatch:
     status: int | None = None     # wait status once it exited (None: unknown)
 
 
-class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, MemoryUsage):
+class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, MemoryUsage, Reclaim):
     kinds = ("container",)
     instead = {"snapshot": "use pack_diff to save a container's changes as a layer",
                "console": "read a container's output from its commands"}
@@ -119,7 +119,8 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, MemoryUs
         spec = ContainerSpec(sandbox_id=sandbox_id, lower_dirs=lower, cpu_cores=args.cpu_cores,
                              memory_mb=args.memory_mb, pids_limit=args.pids_limit, uid=prepared.uid,
                              gid=prepared.gid, workdir=args.workdir, network=tuple(prepared.allows),
-                             disk_mb=args.disk_mb, nofile=args.nofile, max_file_mb=args.max_file_mb)
+                             disk_mb=args.disk_mb, nofile=args.nofile, max_file_mb=args.max_file_mb,
+                             cpu_class=args.cpu_class)
         await self._start(sandbox_id, spec)
 
     async def _start(self, sandbox_id: str, spec: ContainerSpec) -> None:
@@ -209,6 +210,8 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, MemoryUs
             raise SandboxFailed(f"crun could not start sandbox {sandbox_id} (exit {rc}): {tail}",
                                 fix="check the image and limits; see the edge log")
         self._protect_agent(d)
+        # CPU QoS class (qos.py): set on the agent before any command, inherited by all of them
+        qos.apply(spec.cpu_class, self._pid(sandbox_id), cgroup_path(sandbox_id), v2=self.cgroup_v2)
 
     @staticmethod
     def _protect_agent(d: Path) -> None:
@@ -344,6 +347,14 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, MemoryUs
     async def unpark(self, sandbox_id: str) -> None:
         try:
             await asyncio.to_thread(self.parking.unpark, cgroup_path(sandbox_id), self.sandbox_dir(sandbox_id) / "run")
+        except FileNotFoundError as e:
+            raise cgroup_gone(sandbox_id, e) from e
+
+    async def reclaim(self, sandbox_id: str) -> int:
+        """Push a running sandbox's memory out without freezing it (idle reclaim; parking.py)."""
+        try:
+            return await asyncio.to_thread(self.parking.reclaim, cgroup_path(sandbox_id),
+                                           self.sandbox_dir(sandbox_id) / "run")
         except FileNotFoundError as e:
             raise cgroup_gone(sandbox_id, e) from e
 

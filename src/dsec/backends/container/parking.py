@@ -14,8 +14,12 @@ The settings a park changes on the way (v1 memory.swappiness, v2 memory.swap.max
 sets to 0 for running sandboxes) are saved in `run/parking.json` first and restored after, or
 by `settle()` when the edge died in between.
 
-Files in the sandbox's run dir: `parking.json` (a park is under way), `parked` (parked: what
-list_ids reports as PARKED across edge restarts; removed after the thaw).
+`reclaim()` is the same push-out without the freeze, for a running sandbox nobody used for a
+while (the edge's idle reclaim, edge/reclaim.py, D26): what its tasks touch comes back at once,
+so only cold memory stays out; bounded in time, and it never freezes, throttles or kills.
+
+Files in the sandbox's run dir: `parking.json` (a park or reclaim is under way), `parked`
+(parked: what list_ids reports as PARKED across edge restarts; removed after the thaw).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import errno
 import json
 import logging
 import os
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +39,10 @@ from dsec.types import SandboxFailed, Unavailable
 log = logging.getLogger("dsec.backends.container")
 
 FREEZE_TIMEOUT_S = 10.0      # a task in uninterruptible sleep (a hung FUSE read) delays freezing
+# a reclaim of a running sandbox ends after this (plus RECLAIM_S_PER_MIB of what it holds): a
+# task that keeps allocating could keep the kernel's force_empty loop going
+RECLAIM_TIMEOUT_S = 5.0
+RECLAIM_S_PER_MIB = 0.01     # ~3x the measured ~3 ms per MiB
 PARKING_STATE = "parking.json"
 PARKED_MARKER = "parked"
 
@@ -112,6 +121,19 @@ class CgroupParking:
         self.thaw(rel)
         (run_dir / PARKED_MARKER).unlink(missing_ok=True)
 
+    def reclaim(self, rel: str, run_dir: Path) -> int:
+        """Push a running sandbox's memory out without freezing it: page cache (the writable
+        layer's, and layer pages it touched first) is dropped, anonymous memory goes to swap.
+        Its tasks run on; what they touch comes back at once, so mostly cold memory stays out.
+        The settings changed on the way are saved and put back as for a park (settle() after a
+        crash). Returns the bytes that left RAM; 0 for a parked sandbox or one whose park is
+        under way (the edge holds its park lock, this is the backstop). Blocking: in a thread."""
+        if (run_dir / PARKED_MARKER).exists() or (run_dir / PARKING_STATE).exists():
+            return 0
+        before = self.memory(rel).resident
+        self._push_out(rel, run_dir, timeout_s=RECLAIM_TIMEOUT_S + RECLAIM_S_PER_MIB * (before >> 20))
+        return max(0, before - self.memory(rel).resident)
+
     def settle(self, rel: str, run_dir: Path) -> None:
         """A park that did not finish (it failed, or the edge died mid-way): put back what it
         changed and thaw. A finished park (the `parked` marker) is left as it is."""
@@ -125,7 +147,9 @@ class CgroupParking:
         if not (run_dir / PARKED_MARKER).exists() and self.frozen(rel):
             self.thaw(rel)
 
-    def _push_out(self, rel: str, run_dir: Path) -> None:
+    def _push_out(self, rel: str, run_dir: Path, timeout_s: float | None = None) -> None:
+        """Reclaim everything the cgroup lets go. timeout_s (a running sandbox): at most that
+        long, and never a throttling fallback."""
         d = self._mem(rel)
         saved: dict[str, str] = {}
         if self.v2:
@@ -139,18 +163,21 @@ class CgroupParking:
         os.replace(tmp, run_dir / PARKING_STATE)
         try:
             if self.v2:
-                self._reclaim_v2(d)
+                self._reclaim_v2(d, throttle=timeout_s is None)
             else:
                 # swappiness 0 (inherited from a host's vm.swappiness=0) would keep anon in RAM
                 (d / "memory.swappiness").write_text("100")
                 # reclaims until nothing more can go (page cache dropped, anon swapped);
                 # the limit is not touched, so nothing can be OOM-killed
-                (d / "memory.force_empty").write_text("0")
+                if timeout_s is None:
+                    (d / "memory.force_empty").write_text("0")
+                else:
+                    _force_empty_bounded(d / "memory.force_empty", timeout_s)
         finally:
             self._restore(rel, saved)
             (run_dir / PARKING_STATE).unlink(missing_ok=True)
 
-    def _reclaim_v2(self, d: Path) -> None:
+    def _reclaim_v2(self, d: Path, throttle: bool = True) -> None:
         if (d / "memory.swap.max").exists():
             (d / "memory.swap.max").write_text("max")       # crun's 0: no swap while running
         want = int((d / "memory.current").read_text())
@@ -164,6 +191,8 @@ class CgroupParking:
                         return
                     if e.errno != errno.EINVAL:
                         raise
+        if not throttle:         # a running sandbox: no memory.high 0, even for a moment
+            return
         # kernels before 5.19: a memory.high below the usage reclaims in the write (and only
         # throttles, never kills); put back at once
         high = (d / "memory.high").read_text().strip()
@@ -180,6 +209,24 @@ class CgroupParking:
             except OSError as e:
                 log.warning("could not restore a cgroup setting after parking",
                             extra={"cgroup": rel, "file": name, "error": str(e)})
+
+
+def _force_empty_bounded(path: Path, timeout_s: float) -> None:
+    """memory.force_empty written by a child process, killed after timeout_s: the kernel loops
+    while reclaim makes progress, which a running task that keeps allocating can prolong; a
+    fatal signal ends the loop (what left RAM by then stays out). Measured here: a sleeping
+    task's 64 MiB leave in ~160 ms; a task touching its pages all the time keeps them (~75 ms)."""
+    try:
+        r = subprocess.run(["/bin/sh", "-c", 'echo 0 > "$0"', str(path)], capture_output=True, text=True,
+                           timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        log.warning("memory.force_empty of a running sandbox took too long: stopped",
+                    extra={"cgroup": str(path.parent), "seconds": timeout_s})
+        return
+    if r.returncode != 0:
+        if not path.exists():
+            raise FileNotFoundError(errno.ENOENT, "the sandbox's memory cgroup is gone", str(path))
+        raise OSError(errno.EIO, f"memory.force_empty failed: {r.stderr.strip()}", str(path))
 
 
 def cgroup_gone(sandbox_id: str, e: OSError) -> SandboxFailed:

@@ -9,6 +9,7 @@ import resource
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsec.backends.container import qos
 from dsec.security.profile import CAPABILITIES, MASKED_PATHS, READONLY_PATHS
 from dsec.security.seccomp import seccomp_profile
 
@@ -37,6 +38,7 @@ class ContainerSpec:
     id_base: int | None = None      # host uid/gid of root inside (own user namespace); None: no userns
     id_count: int = 65536           # ids mapped: 0..id_count-1 inside -> id_base.. on the host
     userns_path: str | None = None  # the user namespace to join (made by nsexec.c, owned by id_base)
+    cpu_class: str = "latency"      # CPU QoS class (qos.py): 'latency' or 'batch' (best effort)
 
 
 def cgroup_path(sandbox_id: str) -> str:
@@ -120,7 +122,7 @@ def build_config(spec: ContainerSpec, agent_binary: Path, *, cgroup_v2: bool) ->
             "cwd": "/",
             "capabilities": {k: list(CAPABILITIES) for k in ("bounding", "effective", "permitted")},
             "rlimits": [{"type": "RLIMIT_NOFILE", "hard": nofile, "soft": nofile},
-                        {"type": "RLIMIT_CORE", "hard": 0, "soft": 0}],
+                        {"type": "RLIMIT_CORE", "hard": 0, "soft": 0}, *qos.rlimits(spec.cpu_class)],
             "noNewPrivileges": True,
         },
         "root": {"path": "rootfs", "readonly": False},
@@ -150,7 +152,7 @@ def build_config(spec: ContainerSpec, agent_binary: Path, *, cgroup_v2: bool) ->
                 "memory": {"limit": mem, "swap": mem,
                            **({} if cgroup_v2 else {"kernelTCP": tcp_mem_bytes(spec.memory_mb)})},
                 "cpu": {"quota": max(1000, int(spec.cpu_cores * CPU_PERIOD_US)), "period": CPU_PERIOD_US,
-                        "shares": max(2, int(1024 * spec.cpu_cores))},
+                        "shares": qos.cpu_shares(spec.cpu_class, spec.cpu_cores)},
                 "pids": {"limit": spec.pids_limit},
             },
             "sysctl": dict(SOCKET_SYSCTLS),    # written by crun in the sandbox's own netns

@@ -1,0 +1,180 @@
+"""Idle reclaim scheduling (edge/reclaim.py) on fake backends: a sandbox idle past the threshold
+is reclaimed once per idle period, again after it was used; busy, parked and incapable ones are
+skipped; memory pressure lowers the threshold; 0 turns it off (no root)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from dsec.edge import reclaim as reclaim_module
+from dsec.edge.admission import Admission
+from dsec.edge.edge import Edge
+from dsec.edge.pressure import HostProbe
+from dsec.images.service import ImageService
+from dsec.testing.fake_backend import ParkingFakeBackend, ReclaimFakeBackend
+from dsec.types import ContainerArgs, ExecRequest, MicroVMArgs, NodeCapacity, SandboxState
+
+from ._helpers import Clock, Node
+
+IDLE = 60
+PRESSED = 10
+
+
+@pytest.fixture
+def rclock(clock: Clock, monkeypatch: pytest.MonkeyPatch) -> Clock:
+    """The edge's hand-moved clock, seen by the reclaimer too."""
+    monkeypatch.setattr(reclaim_module, "time", clock)
+    return clock
+
+
+@pytest.fixture
+def proc(short_tmp: Path) -> Path:
+    """A fake /proc whose memory pressure the tests set (pressure())."""
+    (short_tmp / "proc/pressure").mkdir(parents=True)
+    (short_tmp / "proc/meminfo").write_text("MemTotal: 8388608 kB\nMemAvailable: 8000000 kB\n")
+    pressure(short_tmp / "proc", 0.0)
+    return short_tmp / "proc"
+
+
+def pressure(proc: Path, some_avg10: float) -> None:
+    (proc / "pressure/memory").write_text(f"some avg10={some_avg10:.2f} avg60=0.00 avg300=0.00 total=1\n"
+                                          "full avg10=0.00 avg60=0.00 avg300=0.00 total=1\n")
+
+
+@pytest.fixture
+async def rfake(short_tmp: Path) -> AsyncIterator[ReclaimFakeBackend]:
+    b = ReclaimFakeBackend(short_tmp / "rc")
+    yield b
+    await b.close()
+
+
+@pytest.fixture
+async def rnode(image_service: ImageService, rfake: ReclaimFakeBackend, parking: ParkingFakeBackend,
+                monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Node]:
+    monkeypatch.setenv("DSEC_RECLAIM_IDLE_S", str(IDLE))
+    monkeypatch.setenv("DSEC_RECLAIM_PRESSED_IDLE_S", str(PRESSED))
+    monkeypatch.setenv("DSEC_RECLAIM_PSI", "5")
+    monkeypatch.setenv("DSEC_RECLAIM_PER_TICK", "4")
+    n = Node(image_service.paths, image_service, [rfake, parking])   # containers reclaim, microvms cannot
+    yield n
+    await n.stop_edge()
+
+
+async def start(node: Node, proc: Path) -> Edge:
+    probe = HostProbe(proc=proc, ttl_s=0)
+    return await node.start(admission=Admission(NodeCapacity(cpu_cores=64, memory_mb=1 << 20, max_sandboxes=100),
+                                                mem_reserve_mb=0, probe=probe))
+
+
+async def run(edge: Edge, sandbox_id: str, cmd: str = "true") -> None:
+    events = [ev async for ev in edge.exec_stream(sandbox_id, ExecRequest(cmd=cmd))]
+    assert events[-1].result is not None and events[-1].result.exit_code == 0
+
+
+async def container(edge: Edge) -> str:
+    return (await edge.create("p", ContainerArgs(image="busybox", ttl_idle_s=3600))).id
+
+
+async def test_reclaimed_once_per_idle_period_and_again_after_use(rnode: Node, proc: Path, rfake: ReclaimFakeBackend,
+                                                                  rclock: Clock):
+    edge = await start(rnode, proc)
+    sb = await container(edge)
+    rclock.advance(IDLE - 5)
+    assert await edge._reclaimer.run_once() == []
+    rclock.advance(6)
+    assert await edge._reclaimer.run_once() == [(sb, ReclaimFakeBackend.RECLAIM_BYTES)]
+    assert (await edge.get(sb)).state == SandboxState.running           # it runs on
+    for _ in range(3):                                                  # not again while it stays idle
+        rclock.advance(IDLE + 1)
+        assert await edge._reclaimer.run_once() == []
+    assert rfake.reclaimed() == [sb]
+
+    await run(edge, sb)                                                 # used again
+    rclock.advance(IDLE - 5)
+    assert await edge._reclaimer.run_once() == []
+    rclock.advance(6)
+    assert await edge._reclaimer.run_once() == [(sb, ReclaimFakeBackend.RECLAIM_BYTES)]
+    assert rfake.reclaimed() == [sb, sb]
+    assert edge._reclaimer.reclaims == 2 and edge._reclaimer.reclaimed_bytes == 2 * ReclaimFakeBackend.RECLAIM_BYTES
+
+
+async def test_busy_parked_and_incapable_sandboxes_are_skipped(rnode: Node, proc: Path, rfake: ReclaimFakeBackend,
+                                                               rclock: Clock):
+    edge = await start(rnode, proc)
+    idle, busy, parked = await container(edge), await container(edge), await container(edge)
+    vm = (await edge.create("p", MicroVMArgs(image="busybox", ttl_idle_s=3600))).id    # no Reclaim capability
+    await edge.suspend(parked)
+    stream = edge.exec_stream(busy, ExecRequest(cmd="while [ ! -e go ]; do sleep 0.02; done"))
+    assert (await anext(stream)).type == "start"                        # a request in flight
+    rclock.advance(IDLE + 1)
+    assert [sid for sid, _ in await edge._reclaimer.run_once()] == [idle]
+    assert vm not in rfake.reclaimed()
+
+    rclock.advance(IDLE + 1)                                            # still busy: still skipped
+    assert await edge._reclaimer.run_once() == []
+    (rfake.fs(busy) / "work/go").touch()
+    assert [ev async for ev in stream][-1].result is not None           # the command's end is activity
+    await edge.resume(parked)                                           # so is a resume
+    rclock.advance(IDLE + 1)
+    assert sorted(sid for sid, _ in await edge._reclaimer.run_once()) == sorted([busy, parked])
+    assert sorted(rfake.reclaimed()) == sorted([idle, busy, parked])
+
+
+async def test_memory_pressure_lowers_the_threshold(rnode: Node, proc: Path, rfake: ReclaimFakeBackend,
+                                                    rclock: Clock):
+    edge = await start(rnode, proc)
+    sb = await container(edge)
+    rclock.advance(PRESSED + 1)
+    assert await edge._reclaimer.run_once() == []                       # 0% pressure: 60 s apply
+    pressure(proc, 12.5)                                                # above DSEC_RECLAIM_PSI=5
+    assert edge._reclaimer.threshold() == PRESSED
+    assert [sid for sid, _ in await edge._reclaimer.run_once()] == [sb]
+    await run(edge, sb)
+    pressure(proc, 4.0)                                                 # below again
+    rclock.advance(PRESSED + 1)
+    assert await edge._reclaimer.run_once() == []
+    rclock.advance(IDLE)
+    assert [sid for sid, _ in await edge._reclaimer.run_once()] == [sb]
+
+
+async def test_at_most_per_tick_one_at_a_time(rnode: Node, proc: Path, rfake: ReclaimFakeBackend, rclock: Clock):
+    edge = await start(rnode, proc)
+    ids = [await container(edge) for _ in range(6)]
+    rfake.reclaim_delay_s = 0.05
+    rclock.advance(IDLE + 1)
+    task = edge._reclaimer.tick()
+    assert task is not None and edge._reclaimer.tick() is None          # a batch runs: no second one
+    first = await task
+    assert len(first) == 4 and rfake.max_reclaiming == 1
+    rest = await edge._reclaimer.run_once()
+    assert sorted(sid for sid, _ in first + rest) == sorted(ids)
+    assert await edge._reclaimer.run_once() == []
+
+
+async def test_a_suspend_waits_for_a_reclaim_under_way(rnode: Node, proc: Path, rfake: ReclaimFakeBackend,
+                                                       rclock: Clock):
+    edge = await start(rnode, proc)
+    sb = await container(edge)
+    rfake.reclaim_delay_s = 0.2
+    rclock.advance(IDLE + 1)
+    task = edge._reclaimer.tick()
+    assert task is not None
+    await asyncio.sleep(0.05)                                           # the reclaim is under way
+    info = await edge.suspend(sb)                                       # waits for it (park lock)
+    assert info.state == SandboxState.suspended and rfake.calls[-2:] == [("reclaim", sb), ("park", sb)]
+    assert [sid for sid, _ in await task] == [sb]
+
+
+async def test_zero_turns_it_off(rnode: Node, proc: Path, rfake: ReclaimFakeBackend, rclock: Clock,
+                                 monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("DSEC_RECLAIM_IDLE_S", "0")
+    edge = await start(rnode, proc)
+    await container(edge)
+    pressure(proc, 50.0)
+    rclock.advance(10 * IDLE)
+    assert not edge._reclaimer.enabled and await edge._reclaimer.run_once() == []
+    assert await edge.reap_once() == [] and rfake.reclaimed() == []

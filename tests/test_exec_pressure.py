@@ -13,7 +13,6 @@ import httpx
 
 from dsec.backends.container import cgroups
 from dsec.backends.container.spec import cgroup_path
-from dsec.types import CapacityExceeded
 
 MB = 1_000_000
 

@@ -12,7 +12,6 @@ import time
 
 import pytest
 
-from dsec import ContainerArgs
 
 IMAGE = "debian-python"
 # capability bits that would undo the isolation below: CAP_SYS_PTRACE (ptrace anything the

@@ -10,7 +10,6 @@ import os
 import socket
 from pathlib import Path
 
-import pytest
 
 from dsec.types import ContainerArgs
 

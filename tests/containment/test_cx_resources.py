@@ -12,7 +12,7 @@ import pytest
 
 from dsec.types import ContainerArgs
 
-from containment._util import cgroup_file, mem_available_mb, py, rss_mb, sh
+from containment._util import cgroup_file, mem_available_mb, rss_mb, sh
 
 HAS_DISK_QUOTA = "disk_mb" in ContainerArgs.model_fields
 

@@ -6,9 +6,11 @@ the debootstrap download cache is shared between sessions so debian-python build
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -80,6 +82,40 @@ def server(dsec_home, images):
     srv.start()
     yield srv
     srv.kill(signal.SIGTERM)
+
+
+@pytest.fixture(scope="module")
+def e2b_env(server):
+    """The stock e2b SDKs pointed at the server: E2B_API_URL and E2B_SANDBOX_URL at its /e2b
+    prefix, E2B_API_KEY a dsec key (docs/e2b.md). Yields that URL."""
+    mp = pytest.MonkeyPatch()
+    url = f"{server.url}/e2b"
+    for k, v in {"E2B_API_URL": url, "E2B_SANDBOX_URL": url, "E2B_API_KEY": server.key,
+                 "E2B_DOMAIN": "dsec.invalid"}.items():
+        mp.setenv(k, v)
+    mp.delenv("E2B_DEBUG", raising=False)
+    yield url
+    mp.undo()
+
+
+def stranger_key(server: ServerProcess, prefix: str) -> str:
+    """An API key of a new project beside the root's own (not an ancestor or a descendant of
+    the root key's sandboxes' project): what another tenant holds."""
+    from dsec.iam import IAM
+    with IAM(server.paths.iam_db) as iam:
+        return iam.create_key(iam.create_project(f"{prefix}-{os.urandom(4).hex()}", iam.root().id).id)
+
+
+async def wait_file(sb, path: str, timeout_s: float = 30) -> str:
+    """The contents of `path` in the sandbox once it is there and not empty (a background
+    process inside signals readiness by writing it)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        r = await sb.run(f"cat {path} 2>/dev/null")
+        if r.exit_code == 0 and r.stdout:
+            return r.stdout
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{path} did not appear in the sandbox")
 
 
 @pytest.fixture

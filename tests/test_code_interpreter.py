@@ -273,44 +273,8 @@ async def test_contexts_are_separate_kernels(ci_sb):
 # ---------------------------------------------------------------------------------------
 
 
-def _e2b_missing() -> str | None:
-    """Why the e2b_code_interpreter test cannot run in this build (None: it can)."""
-    try:
-        import e2b_code_interpreter  # noqa: F401
-    except ImportError:
-        return "e2b_code_interpreter is not installed: pip install e2b-code-interpreter==2.11.5"
-    try:
-        import dsec.apiserver.e2b  # noqa: F401
-    except ImportError:
-        return "dsec's E2B layer (dsec.apiserver.e2b) is missing"
-    try:
-        from dsec.apiserver import ports
-    except ImportError as e:
-        return f"dsec's port ingress (apiserver/ports.py) does not import: {e}"
-    if getattr(ports, "proxy_http", None) is None:
-        return "dsec's port ingress (apiserver/ports.py proxy_http) is missing"
-    return None
-
-
 @pytest.fixture(scope="module")
-def e2b_env(server, ci_image):
-    """E2B_API_URL and E2B_SANDBOX_URL at the server's /e2b prefix, E2B_API_KEY a dsec key
-    (as tests/test_e2b.py does)."""
-    why = _e2b_missing()
-    if why:
-        pytest.skip(why)
-    mp = pytest.MonkeyPatch()
-    url = f"{server.url}/e2b"
-    for k, v in {"E2B_API_URL": url, "E2B_SANDBOX_URL": url, "E2B_API_KEY": server.key,
-                 "E2B_DOMAIN": "dsec.invalid"}.items():
-        mp.setenv(k, v)
-    mp.delenv("E2B_DEBUG", raising=False)
-    yield url
-    mp.undo()
-
-
-@pytest.fixture(scope="module")
-def e2b_sbx(e2b_env):
+def e2b_sbx(e2b_env, ci_image):
     """An e2b_code_interpreter Sandbox of the image (the E2B layer starts its server)."""
     from e2b_code_interpreter import Sandbox
     sbx = Sandbox.create(IMAGE, timeout=600)
@@ -356,7 +320,7 @@ def test_e2b_code_contexts(e2b_sbx):
     assert ctx.id not in [c.id for c in sbx.list_code_contexts()]
 
 
-def test_e2b_code_interpreter_drop_in_needs_no_start(e2b_env):
+def test_e2b_code_interpreter_drop_in_needs_no_start(e2b_env, ci_image):
     """Sandbox.create() + run_code() with nothing else, as with E2B's own template (no template
     named: the SDK asks for code-interpreter-v1, which is dsec's code-interpreter image)."""
     from e2b_code_interpreter import Sandbox

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from test_lifecycle import assert_freed
 
+from conftest import wait_file
 from dsec.backends.container import cgroups
 from dsec.backends.container.parking import CgroupParking
 from dsec.backends.container.spec import cgroup_path
@@ -58,16 +59,6 @@ def _swap_free() -> int:
     return 0
 
 
-async def _wait_file(sb, path: str, timeout_s: float = 30) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        r = await sb.run(f"cat {path} 2>/dev/null")
-        if r.exit_code == 0 and r.stdout:
-            return r.stdout
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"{path} did not appear in the sandbox")
-
-
 async def test_parked_container_keeps_processes_memory_execs_sessions_files(client, server):
     sb = await client.create_container(image="debian-python", memory_mb=512)
     rel = cgroup_path(sb.id)
@@ -78,7 +69,7 @@ async def test_parked_container_keeps_processes_memory_execs_sessions_files(clie
         policy = {"rules": [{"cidr": "10.0.0.5", "ports": [443], "protocol": "tcp"}]}
         await sb.set_network(policy)
         job = await sb.start("python3 /work/hold.py", tag="hold")       # a running detached exec
-        pid, digest = (await _wait_file(sb, "/work/ready")).split()
+        pid, digest = (await wait_file(sb, "/work/ready")).split()
         await asyncio.sleep(0.3)                                         # idle after the checks
 
         before = _parking().memory(rel)
@@ -109,7 +100,7 @@ async def test_parked_container_keeps_processes_memory_execs_sessions_files(clie
         # the same process, its memory intact after the round trip through swap
         assert (await sb.run(f"kill -0 {pid}")).exit_code == 0
         await sb.run("touch /work/check")
-        assert (await _wait_file(sb, "/work/checked")) == digest
+        assert (await wait_file(sb, "/work/checked")) == digest
         # the detached exec ran on and its output is complete
         assert job.exec_id in {e.exec_id for e in await sb.execs()}
         await sb.run("touch /work/stop")
@@ -129,7 +120,7 @@ async def test_parked_container_cannot_run(client):
     try:
         await sb.files.write("/work/ticks.py", TICKS.encode())
         await sb.start("python3 /work/ticks.py")
-        await _wait_file(sb, "/work/ticks")
+        await wait_file(sb, "/work/ticks")
         await asyncio.sleep(0.3)
         await sb.suspend()
         parked_at = time.time()

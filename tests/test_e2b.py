@@ -8,6 +8,7 @@ import time
 
 import httpx
 import pytest
+from conftest import stranger_key
 
 pytest.importorskip("e2b", reason="the e2b SDK is not installed: pip install 'dsec[e2b]'")
 
@@ -15,22 +16,8 @@ from e2b import AsyncSandbox, CommandExitException, Sandbox, SandboxQuery, Sandb
 from e2b.exceptions import (AuthenticationException, FileNotFoundException, InvalidArgumentException,
                             NotFoundException, SandboxException, SandboxNotRunningException)
 
-from dsec.iam import IAM
 
 TEMPLATE = "debian-python"
-
-
-@pytest.fixture(scope="module")
-def e2b_env(server):
-    """E2B_API_URL and E2B_SANDBOX_URL at the server's /e2b prefix, E2B_API_KEY a dsec key."""
-    mp = pytest.MonkeyPatch()
-    url = f"{server.url}/e2b"
-    for k, v in {"E2B_API_URL": url, "E2B_SANDBOX_URL": url, "E2B_API_KEY": server.key,
-                 "E2B_DOMAIN": "dsec.invalid"}.items():
-        mp.setenv(k, v)
-    mp.delenv("E2B_DEBUG", raising=False)
-    yield url
-    mp.undo()
 
 
 @pytest.fixture(scope="module")
@@ -214,9 +201,7 @@ def test_wrong_key_is_401(e2b_env):
 
 
 def test_another_projects_sandbox_is_not_reachable(server, sbx, e2b_env):
-    with IAM(server.paths.iam_db) as iam:
-        other = iam.create_project(f"e2b-other-{secrets.token_hex(3)}", iam.root().id)
-        key = iam.create_key(other.id)
+    key = stranger_key(server, "e2b-other")
     assert sbx.sandbox_id not in [s.sandbox_id for s in Sandbox.list(api_key=key).next_items()]
     with pytest.raises(NotFoundException):
         Sandbox.get_info(sbx.sandbox_id, api_key=key)

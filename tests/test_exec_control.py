@@ -9,10 +9,9 @@ import time
 
 import httpx
 import pytest
+from conftest import stranger_key
 
 from dsec import Client, ContainerArgs
-from dsec.config import Paths
-from dsec.iam import IAM
 from dsec.types import Conflict, NotFound
 
 
@@ -132,11 +131,7 @@ async def test_idempotent_create_returns_the_same_sandbox(client):
 
 
 async def test_idempotency_keys_are_per_project(client, server):
-    iam = IAM(Paths(server.home).iam_db)
-    try:
-        other = iam.create_key(iam.create_project(f"idem-{secrets.token_hex(4)}", iam.root().id).id)
-    finally:
-        iam.close()
+    other = stranger_key(server, "idem")
     key = f"c-{secrets.token_hex(4)}"
     mine = await client.create(ContainerArgs(image="busybox", idempotency_key=key))
     try:

@@ -10,8 +10,7 @@ from __future__ import annotations
 import secrets
 import time
 
-from dsec.config import Paths
-from dsec.iam.store import IAM
+from conftest import stranger_key
 from dsec.sdk.client import Client
 
 # __DATE__ follows SOURCE_DATE_EPOCH (gcc >= 7): the env reaches the binary
@@ -36,12 +35,7 @@ async def test_a_different_env_is_not_a_cache_hit_and_takes_effect(client):
 
 
 async def test_projects_never_share_a_compile_cache_entry(client, server):
-    iam = IAM(Paths(server.home).iam_db)
-    try:
-        child = iam.create_project(f"cache-{secrets.token_hex(4)}", iam.root().id)
-        key = iam.create_key(child.id)
-    finally:
-        iam.close()
+    key = stranger_key(server, "cache")
     code = '#include <stdio.h>\n/* %s */\nint main(void){puts("hi"); return 0;}\n' % secrets.token_hex(8)
     mine = await client.fncall(code, "c")
     assert (await client.fncall(code, "c")).compile.cached          # the root project's own entry

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from dsec import ContainerArgs
+from conftest import wait_file
 from dsec.backends.container import cgroups
 from dsec.backends.container.spec import cgroup_path
 
@@ -72,14 +73,14 @@ def _reclaims(server: ServerProc, sandbox_id: str) -> list[dict]:
     return out
 
 
-async def _wait_file(sb, path: str, timeout_s: float = 30) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        r = await sb.run(f"cat {path} 2>/dev/null")
-        if r.exit_code == 0 and r.stdout:
-            return r.stdout
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"{path} did not appear in the sandbox")
+async def _one_reclaim(server: ServerProc, sandbox_id: str) -> list[dict]:
+    """Wait (up to 30 s) for the sandbox's reclaim in the server log; exactly one must be there."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not _reclaims(server, sandbox_id):
+        await asyncio.sleep(0.5)
+    entries = _reclaims(server, sandbox_id)
+    assert len(entries) == 1, server.log_tail()
+    return entries
 
 
 async def test_idle_sandbox_memory_is_pushed_out_and_comes_back_intact(reclaim_server):
@@ -90,20 +91,16 @@ async def test_idle_sandbox_memory_is_pushed_out_and_comes_back_intact(reclaim_s
             # in the background, not an exec the edge follows: the sandbox is idle once it ends
             r = await sb.run("setsid python3 /work/hold.py </dev/null >/work/hold.log 2>&1 &")
             assert r.exit_code == 0, r
-            pid = (await _wait_file(sb, "/work/ready")).strip()
-            digest = await _wait_file(sb, "/work/digest")
+            pid = (await wait_file(sb, "/work/ready")).strip()
+            digest = await wait_file(sb, "/work/digest")
             # 16 MiB written to the writable layer: page cache charged to the sandbox
             assert (await sb.run("head -c 16777216 /dev/urandom > /work/blob && echo ok")).stdout == "ok\n"
             before = await sb.refresh()            # GET reports usage; it is no activity
             assert before.host_pss_mb is not None and before.host_pss_mb >= 75, before
             swap_before = before.host_swap_mb or 0.0
 
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and not _reclaims(reclaim_server, sb.id):
-                await asyncio.sleep(0.5)
+            entries = await _one_reclaim(reclaim_server, sb.id)
             after = await sb.refresh()
-            entries = _reclaims(reclaim_server, sb.id)
-            assert len(entries) == 1, reclaim_server.log_tail()
             print(f"\nreclaimed {entries[0]['mib']} MiB in {entries[0]['ms']} ms after {entries[0]['idle_s']} s idle; "
                   f"resident {before.host_pss_mb} -> {after.host_pss_mb} MiB, "
                   f"swap {swap_before} -> {after.host_swap_mb} MiB")
@@ -122,7 +119,7 @@ async def test_idle_sandbox_memory_is_pushed_out_and_comes_back_intact(reclaim_s
             # the process lives on, its memory intact; nothing was OOM-killed; execs work
             assert (await sb.run(f"kill -0 {pid} && echo alive")).stdout == "alive\n"
             assert (await sb.run("echo go > /work/wake")).exit_code == 0
-            assert await _wait_file(sb, "/work/checked") == digest
+            assert await wait_file(sb, "/work/checked") == digest
             assert (await sb.run("wc -c < /work/blob")).stdout.strip() == "16777216"
             assert _oom_kills(sb.id) == 0
 
@@ -162,12 +159,8 @@ async def test_plain_idle_sandbox_is_reclaimed_and_answers_after(reclaim_server)
         try:
             assert (await sb.run("python3 -c 'import json, sqlite3, email' && echo ok")).stdout == "ok\n"
             before = await sb.refresh()
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and not _reclaims(reclaim_server, sb.id):
-                await asyncio.sleep(0.5)
+            entries = await _one_reclaim(reclaim_server, sb.id)
             after = await sb.refresh()
-            entries = _reclaims(reclaim_server, sb.id)
-            assert len(entries) == 1, reclaim_server.log_tail()
             print(f"\nplain idle sandbox: reclaimed {entries[0]['mib']} MiB in {entries[0]['ms']} ms; "
                   f"resident {before.host_pss_mb} -> {after.host_pss_mb} MiB, swap {after.host_swap_mb} MiB")
             t0 = time.monotonic()

@@ -9,10 +9,9 @@ import time
 
 import httpx
 import pytest
+from conftest import stranger_key
 
 from dsec import Client, ContainerArgs
-from dsec.config import Paths
-from dsec.iam import IAM
 
 
 def _swap_on() -> bool:
@@ -42,11 +41,7 @@ async def test_bulk_suspend_and_resume_by_label(client):
 
 
 async def test_bulk_calls_never_reach_other_projects(client, server):
-    iam = IAM(Paths(server.home).iam_db)
-    try:
-        key = iam.create_key(iam.create_project(f"bulk-{secrets.token_hex(3)}", iam.root().id).id)
-    finally:
-        iam.close()
+    key = stranger_key(server, "bulk")
     label = {"job": f"shared-{secrets.token_hex(3)}"}
     root_sb = await client.create_container(ContainerArgs(image="busybox", labels=label))
     try:

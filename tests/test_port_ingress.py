@@ -15,9 +15,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import stranger_key
 
 from dsec import Client
-from dsec.iam import IAM
 
 try:   # the [server] extra's WebSocket library (the server relays WebSockets with it too)
     from wsproto import ConnectionType, WSConnection
@@ -199,11 +199,9 @@ async def http():
 
 
 @pytest.fixture(scope="module")
-def stranger_key(server) -> str:
+def stranger(server) -> str:
     """A key of another, unrelated project."""
-    with IAM(server.paths.iam_db) as iam:
-        p = iam.create_project(f"ports-other-{os.urandom(3).hex()}", iam.root().id)
-        return iam.create_key(p.id)
+    return stranger_key(server, "ports-other")
 
 
 # -- HTTP -------------------------------------------------------------------------------------
@@ -286,10 +284,10 @@ async def test_bad_ports_are_422(server, sb, http, port):
     assert r.json()["error"]["field"] == "port"
 
 
-async def test_needs_a_key_and_the_callers_own_sandbox(server, sb, http, stranger_key):
+async def test_needs_a_key_and_the_callers_own_sandbox(server, sb, http, stranger):
     r = await http.get(_url(server, sb.id, FILES, "hi.txt"))
     assert r.status_code == 401 and "hello" not in r.text
-    r = await http.get(_url(server, sb.id, FILES, "hi.txt"), headers={"Authorization": f"Bearer {stranger_key}"})
+    r = await http.get(_url(server, sb.id, FILES, "hi.txt"), headers={"Authorization": f"Bearer {stranger}"})
     assert r.status_code == 404, r.text
     assert r.json()["error"]["field"] == "sandbox_id" and "hello" not in r.text
 
@@ -414,11 +412,11 @@ async def test_websocket_echo_both_ways_and_close_codes(server, sb, http):
 
 
 @needs_wsproto
-async def test_websocket_refusals_close_with_a_reason(server, sb, stranger_key):
+async def test_websocket_refusals_close_with_a_reason(server, sb, stranger):
     """Refused before the relay starts: accepted, then closed with a code and the reason
     (1008: the caller's request; 1011: the sandbox's side)."""
     cases = [(WS, "ws", {}, 1008, "API key"),
-             (WS, "ws", {"Authorization": f"Bearer {stranger_key}"}, 1008, "no sandbox"),
+             (WS, "ws", {"Authorization": f"Bearer {stranger}"}, 1008, "no sandbox"),
              (70000, "ws", _auth(server), 1008, "port 70000"),
              (9, "ws", _auth(server), 1011, "nothing listens on port 9"),
              (EVIL, "line", _auth(server), 1011, "invalid WebSocket handshake")]   # endless head

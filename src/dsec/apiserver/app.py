@@ -187,7 +187,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
         return JSONResponse(err.to_body(), status_code=err.status)
 
     async def owned(sandbox_id: str, who: Principal) -> EdgeHandle:
-        return (await control.owned(ctx, sandbox_id, who))[0]
+        return await control.owned_edge(ctx, sandbox_id, who)
 
     async def owned_snapshot(snapshot_id: str, who: Principal, field: str = "snapshot_id") -> EdgeHandle:
         """The edge holding a snapshot the caller's project (or an ancestor) took."""

@@ -24,6 +24,11 @@ async def owned(ctx: ApiContext, sandbox_id: str, who: Principal,
     return edge, info
 
 
+async def owned_edge(ctx: ApiContext, sandbox_id: str, who: Principal) -> EdgeHandle:
+    """The edge of a sandbox the caller's project (or an ancestor) owns; others' look missing."""
+    return (await owned(ctx, sandbox_id, who))[0]
+
+
 async def create_sandbox(ctx: ApiContext, who: Principal, args: SandboxArgs) -> SandboxInfo:
     """Create on the least-loaded node that admits it, bounded by the project's policy; other
     projects' layers look missing. (A restore from a snapshot goes to the snapshot's node:
@@ -56,9 +61,19 @@ async def create_sandbox(ctx: ApiContext, who: Principal, args: SandboxArgs) -> 
     raise last
 
 
-async def check_exec(ctx: ApiContext, edge: EdgeHandle, sandbox_id: str, req: ExecRequest) -> None:
-    """Per-command loosening (root, a larger output cap) is bounded like create. Looked up
-    only when a command asks for one, so plain execs cost no IAM query."""
-    if is_root(req.user) or req.output_cap_bytes is not None:
-        project = (await edge.get(sandbox_id)).project
+def loosens(req: ExecRequest) -> bool:
+    """The command asks for more than a sandbox's default (root, a larger output cap)."""
+    return is_root(req.user) or req.output_cap_bytes is not None
+
+
+def check_exec_in(ctx: ApiContext, project: str, req: ExecRequest) -> None:
+    """Per-command loosening is bounded by the project's policy, like create."""
+    if loosens(req):
         check_create(ctx.iam.effective_policy(project), req, project)
+
+
+async def check_exec(ctx: ApiContext, edge: EdgeHandle, sandbox_id: str, req: ExecRequest) -> None:
+    """check_exec_in, the sandbox's project looked up only when the command loosens something,
+    so plain execs cost no IAM query."""
+    if loosens(req):
+        check_exec_in(ctx, (await edge.get(sandbox_id)).project, req)

@@ -38,7 +38,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
-from dsec.apiserver import control
+from dsec.apiserver.control import owned_edge
 from dsec.apiserver.context import ApiContext, EdgeHandle
 from dsec.apiserver.guard import principal_of, request_key
 from dsec.iam import Principal
@@ -447,11 +447,6 @@ Who = Annotated[Principal, Depends(_principal)]
 Port = Annotated[int, PathParam(ge=1, le=65535, description="a TCP port inside the sandbox")]
 
 
-async def owned_edge(ctx: ApiContext, sandbox_id: str, who: Principal) -> EdgeHandle:
-    """The edge of a sandbox the caller's project (or an ancestor) owns; others' look missing."""
-    return (await control.owned(ctx, sandbox_id, who))[0]
-
-
 def _ws_principal(ctx: ApiContext, websocket: WebSocket) -> Principal:
     """The guard only looks at HTTP requests: a WebSocket's key (Authorization: Bearer) is
     checked here."""
@@ -496,4 +491,4 @@ def add_port_routes(app: FastAPI, ctx: ApiContext) -> None:
         log.warning("wsproto is not installed: port ingress serves no WebSocket", extra={"fix": SERVER_FIX})
 
 
-__all__ = ["add_port_routes", "proxy_http", "proxy_websocket", "BadGateway", "GatewayTimeout", "owned_edge"]
+__all__ = ["add_port_routes", "proxy_http", "proxy_websocket"]

@@ -27,7 +27,6 @@ import json
 import os
 import platform
 import random
-import statistics
 import subprocess
 import sys
 import time
@@ -42,7 +41,7 @@ from rich.table import Table
 from dsec.backends.container import cgroups
 from dsec.backends.container.spec import cgroup_path
 from dsec.bench.core import RawCrun, _pct
-from dsec.bench.hostmem import mem_available_mib
+from dsec.bench.hostmem import meminfo_mib, settled_mem_available_mib
 from dsec.bench.server import BenchServer
 from dsec.config import Paths
 from dsec.images.service import ImageService
@@ -124,15 +123,6 @@ def _cgroup_mem_mib(rel: str) -> float | None:
 def _mean(xs: list[float | None]) -> float | None:
     ys = [x for x in xs if x is not None]
     return sum(ys) / len(ys) if ys else None
-
-
-def settled_mem_available_mib(reads: int = 5) -> float:
-    """MemAvailable, median of `reads` reads a second apart (a neighbour's spikes drop out)."""
-    vals = []
-    for _ in range(reads):
-        time.sleep(1.0)
-        vals.append(mem_available_mib())
-    return statistics.median(vals)
 
 
 def _rss_mib(pid: int | None) -> float | None:
@@ -581,7 +571,7 @@ async def bench(c: Client, paths: Paths, o: Opts, progress: Progress | None = No
         b = Bench(c, paths, o, progress, server_pid)
         b.res["load1_before"] = _load1()
         b.res["host"] = {"cores": os.cpu_count(), "kernel": platform.release(),
-                         "mem_total_mib": _meminfo("MemTotal"), "swap_total_mib": _meminfo("SwapTotal")}
+                         "mem_total_mib": meminfo_mib("MemTotal"), "swap_total_mib": meminfo_mib("SwapTotal")}
         try:
             await b.raw_baseline()
             await b.create_fleet()
@@ -595,14 +585,6 @@ async def bench(c: Client, paths: Paths, o: Opts, progress: Progress | None = No
     b.res["seconds"] = time.perf_counter() - t0
     b.res["finished_utc"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return b.res
-
-
-def _meminfo(key: str) -> float | None:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024
-    return None
 
 
 # -- report ------------------------------------------------------------------------------------

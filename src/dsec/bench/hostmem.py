@@ -6,18 +6,27 @@ import statistics
 import time
 
 
-def mem_available_mib() -> float:
+def meminfo_mib(key: str) -> float | None:
+    """A /proc/meminfo value in MiB (None: the kernel has no such line)."""
     with open("/proc/meminfo") as f:
         for line in f:
-            if line.startswith("MemAvailable:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) / 1024
-    raise RuntimeError("no MemAvailable in /proc/meminfo")
+    return None
 
 
-def settled_mem_available_mib() -> float:
-    """MemAvailable after the kernel had a moment to settle (median of three reads, 1 s apart)."""
+def mem_available_mib() -> float:
+    mib = meminfo_mib("MemAvailable")
+    if mib is None:
+        raise RuntimeError("no MemAvailable in /proc/meminfo")
+    return mib
+
+
+def settled_mem_available_mib(reads: int = 3) -> float:
+    """MemAvailable after the kernel had a moment to settle (median of `reads` reads, 1 s apart:
+    a neighbour's spikes drop out)."""
     vals = []
-    for _ in range(3):
+    for _ in range(reads):
         time.sleep(1.0)
         vals.append(mem_available_mib())
     return statistics.median(vals)

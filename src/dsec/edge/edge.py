@@ -17,8 +17,8 @@ import errno
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, TypeVar
@@ -328,9 +328,10 @@ class Edge:
         live = self._live.get(sandbox_id)
         if (usage and live is not None and rec.state in (SandboxState.running, SandboxState.suspended)
                 and isinstance(live.backend, MemoryUsage)):
+            b = live.backend
+            pss, swapped = await asyncio.to_thread(lambda: (b.pss(rec.id), b.swapped(rec.id)))
             mib = lambda n: round(n / (1 << 20), 1) if n is not None else None  # noqa: E731
-            info.host_pss_mb = mib(await asyncio.to_thread(live.backend.pss, rec.id))
-            info.host_swap_mb = mib(await asyncio.to_thread(live.backend.swapped, rec.id))
+            info.host_pss_mb, info.host_swap_mb = mib(pss), mib(swapped)
         return info
 
     async def list(self, project: str | None = None, include_ended: bool = False) -> builtins.list[SandboxInfo]:
@@ -553,8 +554,8 @@ class Edge:
                     info = await verb(sid)
                     return BulkItem(id=sid, state=info.state)
                 except DsecError as e:
-                    return BulkItem(id=sid, state=self._record(sid).state if sid in self._live else None,
-                                    error=e.message)
+                    live = self._live.get(sid)
+                    return BulkItem(id=sid, state=live.rec.state if live is not None else None, error=e.message)
         return builtins.list(await asyncio.gather(*(one(s) for s in sandbox_ids)))
 
     async def console(self, sandbox_id: str, tail: int = 65536) -> bytes:
@@ -591,27 +592,32 @@ class Edge:
     async def _use(self, sandbox_id: str) -> AsyncIterator[tuple[LiveSandbox, AgentClient]]:
         """An agent for a running sandbox; marks activity; turns a dead channel into a failure.
         A parked sandbox is resumed first: callers never see `suspended`."""
-        if self._record(sandbox_id).state == SandboxState.suspended:
-            await self.resume(sandbox_id)
-        live = self._running(sandbox_id)
-        rec = live.rec
+        live = await self._live_resumed(sandbox_id)
+        with self._busy(live.rec):
+            try:
+                try:
+                    agent = await live.connect()
+                except (OSError, AgentDisconnected, asyncio.TimeoutError) as e:
+                    await self._check_alive(live, e)
+                    raise
+                yield live, agent
+            except AgentDisconnected as e:
+                await self._check_alive(live, e)
+                # a dying sandbox closes the channel a moment before its runtime is seen to exit (exit
+                # watch, crun state): look again shortly, so the caller gets the real reason
+                await asyncio.sleep(0.3)
+                await self._check_alive(live, e)
+                raise SandboxFailed(f"lost the channel to sandbox {sandbox_id}'s agent; retry the request",
+                                    fix="retry; if it persists the sandbox is marked failed") from e
+
+    @contextmanager
+    def _busy(self, rec: SandboxRecord) -> Iterator[None]:
+        """The sandbox is in use meanwhile: never idle-reaped, parked or reclaimed; activity marked
+        at both ends."""
         rec.in_flight += 1
         self._touch(rec)
         try:
-            try:
-                agent = await live.connect()
-            except (OSError, AgentDisconnected, asyncio.TimeoutError) as e:
-                await self._check_alive(live, e)
-                raise
-            yield live, agent
-        except AgentDisconnected as e:
-            await self._check_alive(live, e)
-            # a dying sandbox closes the channel a moment before its runtime is seen to exit (exit
-            # watch, crun state): look again shortly, so the caller gets the real reason
-            await asyncio.sleep(0.3)
-            await self._check_alive(live, e)
-            raise SandboxFailed(f"lost the channel to sandbox {sandbox_id}'s agent; retry the request",
-                                fix="retry; if it persists the sandbox is marked failed") from e
+            yield
         finally:
             rec.in_flight -= 1
             self._touch(rec)
@@ -705,9 +711,7 @@ class Edge:
     async def _start_tracked(self, sandbox_id: str, req: ExecRequest, detached: bool) -> TrackedExec:
         """Start a command the edge follows itself (or find the one an earlier request with the
         same idempotency key started); returns once it runs (errors starting it are raised)."""
-        if self._record(sandbox_id).state == SandboxState.suspended:
-            await self.resume(sandbox_id)
-        live = self._running(sandbox_id)
+        live = await self._live_resumed(sandbox_id)
         key = req.idempotency_key
         tracked = live.commands.by_key.get(key) if key is not None else None
         if tracked is None:
@@ -736,6 +740,7 @@ class Edge:
         return chan
 
     async def _live_resumed(self, sandbox_id: str) -> LiveSandbox:
+        """A running sandbox; a parked one is resumed first (callers never see `suspended`)."""
         if self._record(sandbox_id).state == SandboxState.suspended:
             await self.resume(sandbox_id)
         return self._running(sandbox_id)
@@ -882,14 +887,9 @@ class Edge:
         is resumed first. Closed on exit."""
         if not 0 < port < 65536:
             raise InvalidArgument(f"port {port} is not a TCP port", field="port", fix="use 1..65535")
-        if self._record(sandbox_id).state == SandboxState.suspended:
-            await self.resume(sandbox_id)
-        live = self._running(sandbox_id)
+        live = await self._live_resumed(sandbox_id)
         ingress = self._capability(live.rec, PortIngress, "reach its ports")
-        rec = live.rec
-        rec.in_flight += 1
-        self._touch(rec)
-        try:
+        with self._busy(live.rec):
             try:
                 reader, writer = await ingress.open_port(sandbox_id, port)
             except ConnectionRefusedError:
@@ -907,9 +907,6 @@ class Edge:
                     await writer.wait_closed()
                 except OSError:
                     pass
-        finally:
-            rec.in_flight -= 1
-            self._touch(rec)
 
     # -- reaping -----------------------------------------------------------------------------
     async def _reap_loop(self) -> None:

@@ -8,7 +8,6 @@ import logging
 from dsec.apiserver import control
 from dsec.apiserver.context import ApiContext, EdgeHandle
 from dsec.iam import Principal
-from dsec.iam.policy import check_create, is_root
 from dsec.types import DsecError, ExecRequest, NotFound, SandboxArgs, SandboxInfo
 
 log = logging.getLogger("dsec.apiserver.e2b")
@@ -37,11 +36,9 @@ async def create(ctx: ApiContext, who: Principal, args: SandboxArgs) -> SandboxI
                        fix=e.fix) from None
 
 
-def check_exec(ctx: ApiContext, project: str, req: ExecRequest) -> None:
-    """Root commands are bounded by the project's policy, like POST .../exec (the project is
-    known here already: no lookup)."""
-    if is_root(req.user) or req.output_cap_bytes is not None:
-        check_create(ctx.iam.effective_policy(project), req, project)
+# root commands are bounded by the project's policy, like POST .../exec (the project is known
+# here already: no lookup)
+check_exec = control.check_exec_in
 
 
 async def start_template_services(ctx: ApiContext, info: SandboxInfo) -> None:

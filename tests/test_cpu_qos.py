@@ -185,3 +185,29 @@ def test_spec_of_each_class():
     limits = {r["type"]: (r["soft"], r["hard"]) for r in bat["process"]["rlimits"]}
     assert limits["RLIMIT_NICE"] == (0, 0) and limits["RLIMIT_RTPRIO"] == (0, 0)
     assert "RLIMIT_NICE" not in {r["type"] for r in lat["process"]["rlimits"]}
+
+
+async def test_tiny_request_gets_the_quota_floor_and_a_proportional_weight(client):
+    """cpu_cores=0.005: the weight stays the request's (5 shares), the quota is the node's floor
+    (0.1 core = 10 ms per period), so one `exec true` is not stretched over several periods."""
+    sb = await client.create_container(image="busybox", cpu_cores=0.005, memory_mb=48)
+    try:
+        if not cgroups.is_unified():
+            assert _cpu_file(sb.id, "cpu.shares") == "5"
+            assert _cpu_file(sb.id, "cpu.cfs_quota_us") == "10000"
+            assert _cpu_file(sb.id, "cpu.cfs_period_us") == "100000"
+        assert (await sb.run("true")).exit_code == 0
+    finally:
+        await sb.stop()
+
+
+def test_quota_floor_is_an_operator_setting(monkeypatch):
+    from dsec.types import InvalidArgument
+    monkeypatch.setenv("DSEC_CPU_QUOTA_FLOOR_CORES", "0.02")
+    assert qos.cpu_quota_us(0.005) == 2000 and qos.cpu_quota_us(1.5) == 150000
+    monkeypatch.setenv("DSEC_CPU_QUOTA_FLOOR_CORES", "0")
+    assert qos.cpu_quota_us(0.005) == 1000          # the kernel's minimum
+    monkeypatch.setenv("DSEC_CPU_QUOTA_FLOOR_CORES", "lots")
+    with pytest.raises(InvalidArgument) as e:
+        qos.cpu_quota_us(0.5)
+    assert e.value.field == "DSEC_CPU_QUOTA_FLOOR_CORES" and "0.1" in (e.value.fix or "")

@@ -8,19 +8,28 @@ echo "== Debian packages"
 apt-get update -qq
 apt-get install -y -qq --no-install-recommends crun erofs-utils debootstrap busybox-static musl-tools \
   gcc libc6-dev zstd tar util-linux iproute2 procps ca-certificates sqlite3 \
-  clang libbpf1 linux-libc-dev nftables bpftool git btrfs-progs python3-pyfuse3 fuse3 \
-  skopeo docker-registry qemu-system-x86 qemu-utils >/dev/null
+  clang libbpf1 linux-libc-dev nftables bpftool git btrfs-progs python3-pyfuse3 fuse3 python3-botocore \
+  skopeo docker-registry qemu-system-x86 qemu-utils postgresql buildah >/dev/null
 echo "== host setup"
 bash scripts/host-setup.sh
 echo "== Python environment (.venv)"
 python3 -m venv .venv
 .venv/bin/pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/pip install -q -e '.[server,test]'    # client + server + test tools
+# Harbor (dsec.adapters.harbor, tests/test_harbor_adapter.py) needs Python >= 3.12: its own venv
+PY312="$(command -v python3.12 || ls /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -1 || true)"
+if [ -n "$PY312" ]; then
+  [ -x .venv-harbor/bin/python ] || "$PY312" -m venv .venv-harbor
+  .venv-harbor/bin/pip install -q -e '.[harbor]' || echo "warning: .venv-harbor: pip install failed (Harbor tests will skip)"
+else
+  echo "note: no python3.12 found: the Harbor adapter's tests will skip"
+fi
 echo "== built-in images (busybox, debian-python, fncall-python via debootstrap; cached after the first run)"
 .venv/bin/dsec image build busybox --builtin
 .venv/bin/dsec image build debian-python --builtin
 .venv/bin/dsec image build fncall-python --builtin    # FnCall pool image: python3, gcc, g++, numpy
 .venv/bin/dsec image build code-interpreter --builtin    # E2B code interpreter: ipykernel + dsec-code-interpreter
+.venv/bin/dsec image build fncall-polyglot --builtin    # SandboxFusion languages: go, java/junit, node/ts, rust, C#, php, ruby, lua, pytest
 # full-VM test image (own kernel + systemd; tests/test_vm_disk.py): ~90 s the first time, ~5 s cached
 .venv/bin/dsec image build debian-vm --builtin
 echo "== VM guest: kernel (linux-image-cloud-amd64, unpacked, not installed) + initramfs (cached)"

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from dsec.testing.isolated import ServerProcess, cleanup_home, link_node_downloads
+from dsec.testing.postgres import pg_cluster, pg_dsn  # noqa: F401 - fixtures: a real throwaway PostgreSQL
 from dsec.config import Paths
 
 # Reuse the install step's debootstrap cache (scripts/install.sh builds the same images there).

@@ -120,12 +120,17 @@ async def test_idempotent_exec_survives_a_dropped_client(sb, server):
 async def test_idempotent_create_returns_the_same_sandbox(client):
     key = f"c-{secrets.token_hex(4)}"
     args = ContainerArgs(image="busybox", idempotency_key=key)
+    root = (await client.projects())[0].id
+    before = (await client.quota(root)).used.sandboxes
     a, b = await asyncio.gather(client.create(args), client.create(args))
     try:
         assert a.id == b.id
+        held = before + 1
         assert (await client.create(args)).id == a.id
         mine = [s for s in await client.list() if s.id == a.id]
         assert len(mine) == 1
+        # the retries' quota reservations were given back: one sandbox, counted once
+        assert (await client.quota(root)).used.sandboxes == held
     finally:
         await a.stop()
 

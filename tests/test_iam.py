@@ -1,6 +1,8 @@
+import os
 import sqlite3
 import stat
 import threading
+import time
 
 import pytest
 
@@ -8,13 +10,29 @@ from dsec.iam import IAM, KEY_PREFIX, ROOT_PROJECT
 from dsec.types import Conflict, Forbidden, InvalidArgument, NotFound, Unauthorized
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def new_dsn(request, tmp_path):
+    """A factory of fresh databases of one engine: SQLite files, or databases on a real
+    PostgreSQL server (dsec.testing.postgres)."""
+    if request.param == "sqlite":
+        n = iter(range(100))
+        return lambda: tmp_path / f"iam{next(n)}.db"
+    cluster = request.getfixturevalue("pg_cluster")
+    return lambda: cluster.create_database(f"iam_{os.getpid()}_{time.monotonic_ns()}")
+
+
 @pytest.fixture
-def iam(tmp_path):
-    with IAM(tmp_path / "iam.db") as i:
+def dsn(new_dsn):
+    return new_dsn()
+
+
+@pytest.fixture
+def iam(dsn):
+    with IAM(dsn) as i:
         yield i
 
 
-def test_bootstrap_writes_private_key_file_and_is_idempotent(tmp_path, iam):
+def test_bootstrap_writes_private_key_file_and_is_idempotent(tmp_path, dsn, iam):
     key_file = tmp_path / "admin.key"
     key = iam.bootstrap(key_file)
     assert key.startswith(KEY_PREFIX)
@@ -23,7 +41,7 @@ def test_bootstrap_writes_private_key_file_and_is_idempotent(tmp_path, iam):
 
     assert iam.bootstrap(key_file) == key
     # A second process / restart on the same files gets the same root and key.
-    with IAM(tmp_path / "iam.db") as again:
+    with IAM(dsn) as again:
         assert again.bootstrap(key_file) == key
         assert again.root().id == iam.root().id
     p = iam.authenticate(key)
@@ -31,11 +49,11 @@ def test_bootstrap_writes_private_key_file_and_is_idempotent(tmp_path, iam):
     assert len(iam.list_keys(iam.root().id)) == 1
 
 
-def test_bootstrap_readopts_key_when_db_is_recreated(tmp_path):
+def test_bootstrap_readopts_key_when_db_is_recreated(tmp_path, new_dsn):
     key_file = tmp_path / "admin.key"
-    with IAM(tmp_path / "a.db") as first:
+    with IAM(new_dsn()) as first:
         key = first.bootstrap(key_file)
-    with IAM(tmp_path / "b.db") as fresh:
+    with IAM(new_dsn()) as fresh:
         assert fresh.bootstrap(key_file) == key
         assert fresh.authenticate(key).project_name == ROOT_PROJECT
 
@@ -49,9 +67,11 @@ def test_bootstrap_refuses_revoked_admin_key(tmp_path, iam):
     assert "delete" in ei.value.fix
 
 
-def test_db_uses_wal_and_stores_only_hashes(tmp_path, iam):
+def test_db_uses_wal_and_stores_only_hashes(tmp_path, dsn, iam):
+    if not isinstance(dsn, os.PathLike):
+        pytest.skip("SQLite file layout only (WAL, iterdump); PostgreSQL stores the same rows")
     key = iam.bootstrap(tmp_path / "admin.key")
-    db = sqlite3.connect(tmp_path / "iam.db")
+    db = sqlite3.connect(dsn)
     assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     dump = "\n".join(db.iterdump())
     assert key not in dump

@@ -110,6 +110,7 @@ async def test_pack_diff_round_trip_with_deletions_and_scrub(client, layers):
         # same content again: same digest, no conflict; a custom scrub list changes it
         assert (await sb.pack_diff("snap@1")).digest == info.digest
         custom = await sb.pack_diff("snap-custom@1", scrub=["/work/secret.key"])
+        assert custom.digest != info.digest     # another scrub list packs another layer
         # changed afterwards and packed under the same name: 409, replace=True moves it
         await _sh(sb, "echo later > /work/later")
         with pytest.raises(Conflict) as e:

@@ -1,6 +1,6 @@
 """Masked directories (/proc/acpi, /sys/firmware, /sys/kernel/{debug,security}, ...): empty,
 read-only and fixed even for root in the sandbox, and not a superblock per sandbox each
-(every superblock grows every memory cgroup's shrinker map; D28b)."""
+(every superblock grows every memory cgroup's shrinker map; D35)."""
 
 from __future__ import annotations
 

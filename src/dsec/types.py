@@ -75,6 +75,14 @@ class Unavailable(DsecError):
     status, code = 503, "unavailable"
 
 
+class NodeUnreachable(Unavailable):
+    """A node's edge did not answer. `delivered` False: the request never reached it (the
+    connection was refused or not made), so placement may try another node; True: it may have
+    taken effect there."""
+
+    delivered: bool = True
+
+
 class PayloadTooLarge(DsecError):
     """The request body is larger than its route accepts (the apiserver's body limits)."""
 
@@ -323,7 +331,7 @@ class ContainerArgs(_Strict):
     toolkits: Annotated[list[Annotated[str, Field(pattern=NAME_RE)]],
                         Field(max_length=32, description="toolkit layers above the workspace, in order: the last is topmost")
                         ] = Field(default_factory=list)
-    cpu_cores: Annotated[float, Field(gt=0, le=64, description="CPU limit in cores (CFS quota)")] = 1.0
+    cpu_cores: Annotated[float, Field(gt=0, le=64, description="CPU in cores: the cgroup weight under contention and the CFS quota ceiling (never below the node floor DSEC_CPU_QUOTA_FLOOR_CORES, default 0.1)")] = 1.0
     cpu_class: Annotated[Literal["latency", "batch"], Field(
         description="CPU QoS class. latency: CPU weight proportional to cpu_cores; batch = best effort: "
                     "runs only on CPU that latency sandboxes leave idle (SCHED_IDLE, minimum weight)")] = "latency"
@@ -641,6 +649,9 @@ class NodeStatus(BaseModel):
     sandboxes: int = 0
     reason: str | None = None
     pressure: float = 0.0   # highest PSI avg10 / its admission limit: 0 idle, >= 1 the edge refuses
+    # short keys (dsec.placement.locality.image_key) of images the node holds locally, most
+    # recently used at most 256: placement prefers these nodes while load allows (D34)
+    cached_images: frozenset[str] = frozenset()
 
     @property
     def load(self) -> float:
@@ -698,7 +709,7 @@ class PackDiffRequest(_Strict):
 # FnCall: short stateless code run in a warm pool container (dsec.fncall).
 # ---------------------------------------------------------------------------------------
 
-FNCALL_MAX_TIMEOUT_S = 300.0
+FNCALL_MAX_TIMEOUT_S = 3600.0     # SandboxFusion sets none; long builds and test suites need more than minutes
 FNCALL_MAX_BYTES = 16 * 1024 * 1024
 FNCALL_DEFAULT_IMAGE = "fncall-python"
 
@@ -830,3 +841,41 @@ class FnCallBatchItem(BaseModel):
 
     index: int
     result: FnCallResult
+
+
+# ---------------------------------------------------------------------------------------
+# Image builds from Dockerfiles, imports and pulls over HTTP (apiserver/image_routes.py)
+# ---------------------------------------------------------------------------------------
+
+class ImageConfig(BaseModel):
+    """How an image built from a Dockerfile runs (its OCI config: ENV, WORKDIR, USER, CMD...).
+    dsec applies none of it by itself: pass env/workdir to the sandbox (adapters do)."""
+
+    env: dict[str, str] = Field(default_factory=dict)
+    workdir: str | None = None
+    user: str | None = None
+    entrypoint: list[str] = Field(default_factory=list)
+    cmd: list[str] = Field(default_factory=list)
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+class ImageBuildResult(BaseModel):
+    image: ImageInfo
+    config: ImageConfig = Field(default_factory=ImageConfig)
+
+
+class ImageProgress(BaseModel):
+    """One NDJSON line of a build/import/pull: progress lines, then one with `result` or `error`."""
+
+    message: str = ""
+    fraction: float | None = None
+    result: ImageBuildResult | None = None
+    error: ErrorDetail | None = None
+
+
+class ImagePullRequest(_Strict):
+    name: Annotated[str, Field(pattern=NAME_RE, description="the dsec image name to register")]
+    ref: Annotated[str, Field(min_length=1, max_length=1024, description="docker://HOST[:PORT]/REPO[:TAG]")]
+    tls_verify: bool = True
+    creds: Annotated[str | None, Field(max_length=1024, description="USER:PASSWORD for the registry")] = None
+    replace: bool = False

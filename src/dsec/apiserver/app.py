@@ -219,7 +219,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
             # a snapshot lives on one node: the new sandbox is restored there
             check_create(ctx.iam.effective_policy(who.project_id), args, who.project_id)
             edge = await owned_snapshot(args.snapshot, who, field="snapshot")
-            return await edge.create(who.project_id, args)
+            return await control.create_on(ctx, edge, who, args)
         return await control.create_sandbox(ctx, who, args)
 
     @app.get("/v1/sandboxes", response_model=SandboxList)
@@ -237,7 +237,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
     @app.delete("/v1/sandboxes/{sandbox_id}", response_model=SandboxInfo)
     async def stop_sandbox(sandbox_id: str, who: Who) -> SandboxInfo:
         edge = await owned(sandbox_id, who)
-        return await edge.stop(sandbox_id)
+        return await control.stop_sandbox(ctx, edge, sandbox_id)
 
     @app.put("/v1/sandboxes/{sandbox_id}/network", response_model=SandboxInfo)
     async def set_network(sandbox_id: str, policy: NetworkPolicy, who: Who) -> SandboxInfo:
@@ -469,10 +469,20 @@ def create_app(ctx: ApiContext) -> FastAPI:
     add_port_routes(app, ctx)     # /v1/sandboxes/{id}/ports/{port}/...: HTTP and WebSocket into a sandbox
     from dsec.apiserver.e2b import add_e2b_routes
     add_e2b_routes(app, ctx)      # E2B's REST API and envd, for the stock e2b SDK
+    from dsec.apiserver.iam_routes import add_iam_routes
+    add_iam_routes(app, ctx)      # /v1/projects (nested, quotas) and /v1/keys
+    from dsec.apiserver.warm_pool_routes import add_warm_pool_routes
+    add_warm_pool_routes(app, ctx)   # admin: /v1/nodes/{node}/warm-pool (edge/warm_pool.py)
+    from dsec.apiserver.image_routes import add_image_routes
+    add_image_routes(app, ctx)    # /v1/images/build (Dockerfile), /import, /pull: NDJSON progress
 
     @app.get("/v1/nodes", response_model=list[NodeStatus])
-    async def nodes(_: Who) -> list[NodeStatus]:
-        return ctx.watcher.nodes()
+    async def nodes(who: Who) -> list[NodeStatus]:
+        views = ctx.watcher.nodes()
+        if who.project_id == ctx.iam.root().id:
+            return views
+        # which images a node holds hints at other projects' work: admins only (D34)
+        return [n.model_copy(update={"cached_images": frozenset()}) for n in views]
 
     @app.get("/v1/images", response_model=ImageList)
     async def images(who: Who) -> ImageList:

@@ -1,7 +1,9 @@
 """What the apiserver is given: IAM, the nodes' edges and FnCall services, watcher, placement.
 
 The handles are the boundary to the nodes: in-process objects in the embedded deployment,
-Ray actor proxies or HTTP clients in a cluster; the apiserver needs nothing else of a node.
+HTTP clients in a cluster (dsec.cluster.edge_client, whose wire format is derived from these
+protocols: a method added here is served by dsec.cluster.edge_service without more code, and
+needs one typed line in HttpEdge); the apiserver needs nothing else of a node.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dsec.watcher import Watcher
 
 
 class EdgeHandle(Protocol):
-    """What the apiserver needs of an edge (in-process object, Ray actor proxy or HTTP client)."""
+    """What the apiserver needs of an edge (in-process Edge, or HttpEdge in a cluster)."""
 
     async def status(self) -> NodeStatus: ...
     async def create(self, project: str, args: SandboxArgs) -> SandboxInfo: ...

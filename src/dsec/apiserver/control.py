@@ -1,16 +1,23 @@
 """The control-plane steps every API front (dsec's own routes, the E2B routes) shares: which
-sandboxes a caller may reach, creation bounded by the project's policy and placed on a node,
-and the policy check of commands that loosen something."""
+sandboxes a caller may reach, creation bounded by the project's policy and quota and placed on
+a node, and the policy check of commands that loosen something."""
 
 from __future__ import annotations
 
+import logging
+
+from dsec.apiserver import quotas
 from dsec.apiserver.context import ApiContext, EdgeHandle
 from dsec.apiserver.tenancy import check_usable
 from dsec.iam import Principal
 from dsec.iam.policy import check_create, is_root
-from dsec.types import CapacityExceeded, DsecError, ExecRequest, NotFound, SandboxArgs, SandboxInfo
+from dsec.types import (CapacityExceeded, DsecError, ExecRequest, NodeUnreachable, NotFound, SandboxArgs,
+                        SandboxInfo)
 
 PLACEMENT_TRIES = 3
+
+
+log = logging.getLogger("dsec.apiserver")
 
 
 async def owned(ctx: ApiContext, sandbox_id: str, who: Principal,
@@ -30,18 +37,37 @@ async def owned_edge(ctx: ApiContext, sandbox_id: str, who: Principal) -> EdgeHa
 
 
 async def create_sandbox(ctx: ApiContext, who: Principal, args: SandboxArgs) -> SandboxInfo:
-    """Create on the least-loaded node that admits it, bounded by the project's policy; other
-    projects' layers look missing. (A restore from a snapshot goes to the snapshot's node:
-    the caller handles it.)"""
+    """Create on the least-loaded node that admits it, bounded by the project's policy and
+    its (and every ancestor's) quota; other projects' layers look missing. (A restore from a
+    snapshot goes to the snapshot's node: the caller runs it through create_on.)"""
     check_create(ctx.iam.effective_policy(who.project_id), args, who.project_id)
+    image: str | None = None      # its digest: placement prefers nodes that hold it (D34)
     if ctx.images is not None:
         check_usable(ctx.iam, ctx.images, who, args)
+        if getattr(args, "image", None):
+            image = ctx.images.get(args.image, "image").digest
+    return await quotas.with_quota(ctx, who.project_id, args, lambda: _place(ctx, who, args, image))
+
+
+async def create_on(ctx: ApiContext, edge: EdgeHandle, who: Principal, args: SandboxArgs) -> SandboxInfo:
+    """Create on a given edge (a snapshot's node), holding the project's quota for it."""
+    return await quotas.with_quota(ctx, who.project_id, args, lambda: edge.create(who.project_id, args))
+
+
+async def stop_sandbox(ctx: ApiContext, edge: EdgeHandle, sandbox_id: str) -> SandboxInfo:
+    """Stop it and give its quota back at once (reconcile would find it later)."""
+    info = await edge.stop(sandbox_id)
+    await quotas.ended(ctx, sandbox_id)
+    return info
+
+
+async def _place(ctx: ApiContext, who: Principal, args: SandboxArgs, image: str | None = None) -> SandboxInfo:
     excluded: set[str] = set()
     last: DsecError | None = None
     for _ in range(PLACEMENT_TRIES):
         try:
             node = ctx.placer.choose(ctx.watcher.nodes(), args.backend, args.cpu_cores, args.memory_mb,
-                                     exclude=excluded)
+                                     exclude=excluded, image=image)
         except DsecError:
             if last is not None:   # every node refused: the last edge's reason names what is short
                 raise last from None
@@ -53,6 +79,13 @@ async def create_sandbox(ctx: ApiContext, who: Principal, args: SandboxArgs) -> 
         except CapacityExceeded as e:   # the edge's own final check: place elsewhere
             ctx.placer.release(node, args.cpu_cores, args.memory_mb)
             excluded.add(node)
+            last = e
+        except NodeUnreachable as e:
+            ctx.placer.release(node, args.cpu_cores, args.memory_mb)
+            if e.delivered:         # it may exist there: a second one elsewhere would be a duplicate
+                raise
+            log.warning("node unreachable at create, placing elsewhere", extra={"node": node})
+            excluded.add(node)      # gone since the watcher's last poll: the next node
             last = e
         except BaseException:
             ctx.placer.release(node, args.cpu_cores, args.memory_mb)

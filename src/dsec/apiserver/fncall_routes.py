@@ -6,7 +6,11 @@
                             and status strings), so verl's sandbox_fusion tool and reward code
                             switch to dsec by changing their URL. Those clients send no
                             Authorization header, so the key may also come as ?api_key=...
-                            (e.g. http://host:7620/run_code?api_key=dsk_...).
+                            (e.g. http://host:7620/run_code?api_key=dsk_...) or in the path:
+                            http://host:7620/sf/dsk_.../run_code (sf_keypath.py), for clients
+                            that append the route to a base URL (SkyRL, sandbox-fusion).
+    POST /run_jupyter       SandboxFusion's RunJupyterRequest -> RunJupyterResponse (sf_jupyter.py)
+    GET  /v1/ping           SandboxFusion's liveness check: "pong"
 
 Placement: every node offering "fncall" can serve a call; calls of one (image, language) go to
 the same node (rendezvous hashing) so they land on its warm pool instead of warming pools on
@@ -30,9 +34,13 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from dsec.apiserver.guard import RUN_CODE_AUTH_FIX, principal_of, request_key
+from dsec.apiserver.sf_jupyter import RunJupyterRequest, RunJupyterResponse, run_jupyter
+from dsec.apiserver.sf_jupyter import sandbox_error as jupyter_sandbox_error
+from dsec.apiserver.sf_keypath import PathKeyMiddleware
 from dsec.apiserver.tenancy import visible
+from dsec.fncall import languages
 from dsec.iam import Principal
-from dsec.types import (DsecError, FnCallBatch, FnCallBatchItem, FnCallRequest, FnCallResult,
+from dsec.types import (FNCALL_DEFAULT_IMAGE, FNCALL_MAX_TIMEOUT_S, DsecError, FnCallBatch, FnCallBatchItem, FnCallRequest, FnCallResult,
                         FnCallStatus, InvalidArgument, NotFound, Unauthorized, Unavailable)
 
 if TYPE_CHECKING:
@@ -71,13 +79,15 @@ class RunCodeRequest(BaseModel):
 
     code: str = Field(description="the code to run")
     language: str = Field(description="python, cpp, bash, ... (SandboxFusion names)")
-    compile_timeout: float = Field(10, gt=0, le=300)
-    run_timeout: float = Field(10, gt=0, le=300)
+    compile_timeout: float = Field(10, gt=0, le=FNCALL_MAX_TIMEOUT_S)
+    run_timeout: float = Field(10, gt=0, le=FNCALL_MAX_TIMEOUT_S)
     memory_limit_MB: int = Field(-1, description="-1: dsec's default")
     stdin: Optional[str] = None
     files: dict[str, Optional[str]] = Field(default_factory=dict, description="path -> base64 content")
     fetch_files: list[str] = Field(default_factory=list)
     args: list[str] = Field(default_factory=list, description="command-line arguments of the program")
+    # dsec's own: SandboxFusion clients send none, and get fncall-python or fncall-polyglot by language
+    image: Optional[str] = Field(None, description="pool image (default: by language)")
 
 
 class RunCodeResponse(BaseModel):
@@ -102,7 +112,8 @@ def to_fncall_request(req: RunCodeRequest) -> FnCallRequest:
         files_b64[path[2:] if path.startswith("./") else path] = content
     fields: dict = {"code": req.code, "language": req.language, "stdin": req.stdin,
                     "files_b64": files_b64, "fetch_files": req.fetch_files, "args": req.args,
-                    "timeout_s": req.run_timeout, "compile_timeout_s": req.compile_timeout}
+                    "timeout_s": req.run_timeout, "compile_timeout_s": req.compile_timeout,
+                    "image": req.image or languages.image_for(req.language, FNCALL_DEFAULT_IMAGE)}
     if req.memory_limit_MB > 0:
         fields["memory_mb"] = max(16, min(req.memory_limit_MB, 4096))
     try:
@@ -146,6 +157,10 @@ def _rendezvous(nodes: list[str], key: str) -> list[str]:
 
 
 def add_fncall_routes(app: FastAPI, ctx: "ApiContext") -> None:
+    # added after RequestGuard (create_app), so it runs before it: the guard only ever sees
+    # /run_code with a Bearer key, never a key in the path
+    app.add_middleware(PathKeyMiddleware)
+
     def principal(request: Request) -> Principal:
         # the guard (guard.py) authenticated it before the body was read; the key may be ?api_key=
         return principal_of(request) or ctx.iam.authenticate(request_key(request))
@@ -216,6 +231,23 @@ def add_fncall_routes(app: FastAPI, ctx: "ApiContext") -> None:
             out += [{"node": node, **p} for p in await service.pool_stats()]
         return out
 
+    @app.post("/run_jupyter", response_model=RunJupyterResponse, tags=["fncall"])
+    async def run_jupyter_route(req: RunJupyterRequest, request: Request) -> RunJupyterResponse:
+        """SandboxFusion-compatible: cells run in order in one Jupyter kernel of a fresh sandbox."""
+        who = principal(request)
+        try:
+            return await run_jupyter(ctx, who, req)
+        except InvalidArgument:
+            raise
+        except DsecError as e:
+            return jupyter_sandbox_error(e)
+
+    @app.get("/v1/ping", tags=["fncall"])
+    async def ping(request: Request) -> str:
+        """SandboxFusion's liveness check."""
+        principal(request)
+        return "pong"
+
     @app.post("/run_code", response_model=RunCodeResponse, tags=["fncall"])
     async def run_code(req: RunCodeRequest, request: Request) -> RunCodeResponse:
         """SandboxFusion-compatible: what verl's sandbox_fusion tool and reward code call."""
@@ -229,6 +261,9 @@ def add_fncall_routes(app: FastAPI, ctx: "ApiContext") -> None:
         except InvalidArgument:
             raise
         except DsecError as e:
-            return RunCodeResponse(status=RunStatus.SandboxError, message=e.message,
+            missing_image = isinstance(e, NotFound) and e.field == "image"
+            return RunCodeResponse(status=RunStatus.SandboxError,
+                                   message=e.message + (f"; fix: dsec image build {fc.image} --builtin"
+                                                        if missing_image else ""),
                                    executor_pod_name=os.environ.get("MY_POD_NAME"))
         return to_run_code_response(res)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ MAX_FILE_BYTES = 64 * MiB          # PUT .../files: one file per call
 EXEC_BODY_BYTES = 24 * MiB         # ExecRequest: cmd (1 MiB) + stdin (16 MiB) + env, JSON-escaped
 FNCALL_BODY_BYTES = 64 * MiB       # FnCallRequest: code, stdin, files, files_b64 (16 MiB each)
 DEFAULT_BODY_BYTES = 1 * MiB       # every other route: sandbox args, policies, pack_diff
+IMAGE_BODY_BYTES = int(os.environ.get("DSEC_IMAGE_UPLOAD_MAX_BYTES", str(16 * 1024 * MiB)))  # build context / image tar
 
 
 @dataclass(frozen=True)
@@ -61,8 +63,10 @@ BODY_LIMITS = (
               "split the file into parts of at most 64 MiB, or fetch or build it from inside the sandbox"),
     BodyLimit("POST", re.compile(r"^/v1/sandboxes/[^/]+/(exec(/stream)?|execs(/[0-9]+/stdin)?)$"), EXEC_BODY_BYTES,
               "write large input to a file first (files.write) and redirect it into the command"),
-    BodyLimit("POST", re.compile(r"^/(v1/fncall(/batch)?|run_code)$"), FNCALL_BODY_BYTES,
+    BodyLimit("POST", re.compile(r"^/(v1/fncall(/batch)?|run_code|run_jupyter)$"), FNCALL_BODY_BYTES,
               "send fewer calls per batch, or smaller code, stdin and files per call"),
+    BodyLimit("POST", re.compile(r"^/v1/images/(build|import)$"), IMAGE_BODY_BYTES,
+              "send a smaller build context (a .dockerignore'd copy) or image; or import on the node"),
     # E2B envd: file uploads, and stdin (one message, or a client stream over a command's life)
     BodyLimit("POST", re.compile(r"^/e2b/files$"), MAX_FILE_BYTES,
               "split the file into parts of at most 64 MiB, or fetch or build it from inside the sandbox"),

@@ -34,8 +34,12 @@ bench_app = typer.Typer(no_args_is_help=True, help="benchmarks, side by side wit
 app.add_typer(image_app, name="image")
 app.add_typer(sandbox_app, name="sandbox")
 app.add_typer(bench_app, name="bench")
-project_app = typer.Typer(no_args_is_help=True, help="project sandbox policy: what sandboxes may loosen")
+project_app = typer.Typer(no_args_is_help=True, help="projects: sub-projects, quotas, sandbox policy")
 app.add_typer(project_app, name="project")
+key_app = typer.Typer(no_args_is_help=True, help="API keys of a project: create, list, revoke")
+app.add_typer(key_app, name="key")
+from dsec.cluster.cli import cluster_app  # noqa: E402  (cluster mode on Ray; imports Ray only when run)
+app.add_typer(cluster_app, name="cluster")
 console = Console(width=None if sys.stdout.isatty() else 200)  # pipes get whole ids
 err_console = Console(stderr=True, soft_wrap=not sys.stderr.isatty())   # logs and pipes get whole lines
 
@@ -121,16 +125,26 @@ def image_build(name: str,
                 debootstrap: Annotated[Optional[str], typer.Option(help="Debian suite, e.g. bookworm")] = None,
                 include: Annotated[str, typer.Option(help="comma-separated packages for debootstrap")] = "",
                 builtin: Annotated[bool, typer.Option(help="build the built-in image NAME (busybox, debian-python, fncall-python)")] = False,
+                dockerfile: Annotated[Optional[Path], typer.Option(help="a build context dir with a Dockerfile (buildah; FROM names a dsec image)")] = None,
+                file: Annotated[str, typer.Option(help="the Dockerfile's name inside --dockerfile")] = "Dockerfile",
+                build_arg: Annotated[Optional[list[str]], typer.Option(help="KEY=VALUE for the Dockerfile's ARGs")] = None,
+                network: Annotated[bool, typer.Option(help="let RUN steps use the host's network (default: none)")] = False,
                 replace: bool = False) -> None:
     """Build an image (one EROFS layer) and register it under NAME."""
     from dsec.images.builtin import ensure_builtin
     svc = _images()
-    sources = [x for x in (from_dir, from_tar, debootstrap) if x] + ([True] if builtin else [])
+    sources = [x for x in (from_dir, from_tar, debootstrap, dockerfile) if x] + ([True] if builtin else [])
     if len(sources) != 1:
         _fail(DsecError("give exactly one source", field="source",
-                        fix="use one of --from-dir, --from-tar, --debootstrap, --builtin"))
+                        fix="use one of --from-dir, --from-tar, --debootstrap, --builtin, --dockerfile"))
     try:
-        if builtin:
+        if dockerfile:
+            from dsec.images.dockerfile import build_dockerfile, parse_build_args
+            from dsec.images.progress import rich_progress
+            with rich_progress(f"building {name}") as progress:
+                info = build_dockerfile(svc, name, dockerfile, dockerfile=file, network=network, replace=replace,
+                                        build_args=parse_build_args(build_arg or []), progress=progress).image
+        elif builtin:
             info = ensure_builtin(svc, name)
         elif from_dir:
             info = svc.build_from_dir(name, from_dir, replace=replace)
@@ -200,6 +214,18 @@ def image_gc() -> None:
     except DsecError as e:
         _fail(e)
     console.print(f"deleted {len(dead)} layer file(s)")
+
+
+@image_app.command("publish")
+def image_publish(name: str) -> None:
+    """Publish an image or layer of this node to the shared layer store (DSEC_LAYER_STORE);
+    builds publish by themselves, this is for ones made before the store was set."""
+    try:
+        svc = _images()
+        info = svc.publish(name)
+    except DsecError as e:
+        _fail(e)
+    console.print(f"{info.name} {info.digest} published to {svc.shared.url if svc.shared else '?'}")
 
 
 # -- named layers (workspaces, toolkits) -----------------------------------------------------
@@ -275,6 +301,93 @@ def project_policy_set(project_id: str,
     async def go() -> None:
         async with _client() as c:
             console.print_json(data=await c.set_policy(project_id, json.loads(policy)))
+    _run(go())
+
+
+QuotaOpt = typer.Option(help="omitted: inherit the parent's (create) or keep (quota)")
+
+
+@project_app.command("create")
+def project_create(name: str, parent: Annotated[Optional[str], typer.Option(help="parent project id (default: your key's)")] = None,
+                   max_sandboxes: Annotated[Optional[int], QuotaOpt] = None,
+                   max_cpu_cores: Annotated[Optional[float], QuotaOpt] = None,
+                   max_memory_mb: Annotated[Optional[int], QuotaOpt] = None) -> None:
+    """Create a sub-project with part of its parent's quota (never more than the parent holds)."""
+    async def go() -> None:
+        async with _client() as c:
+            p = await c.create_project(name, parent, max_sandboxes=max_sandboxes, max_cpu_cores=max_cpu_cores,
+                                       max_memory_mb=max_memory_mb)
+            console.print(p.id)
+    _run(go())
+
+
+@project_app.command("ls")
+def project_ls() -> None:
+    """Your project and every project below it."""
+    async def go() -> None:
+        async with _client() as c:
+            t = Table("id", "name", "parent", "max sandboxes", "max cores", "max MiB")
+            for p in await c.projects():
+                t.add_row(p.id, p.name, p.parent_id or "-", str(p.max_sandboxes), f"{p.max_cpu_cores:g}",
+                          str(p.max_memory_mb))
+            console.print(t)
+    _run(go())
+
+
+@project_app.command("rm")
+def project_rm(project_id: str) -> None:
+    """Remove an empty project (no sub-projects, no sandboxes) with its keys."""
+    async def go() -> None:
+        async with _client() as c:
+            await c.delete_project(project_id)
+    _run(go())
+
+
+@project_app.command("quota")
+def project_quota(project_id: str, max_sandboxes: Annotated[Optional[int], QuotaOpt] = None,
+                  max_cpu_cores: Annotated[Optional[float], QuotaOpt] = None,
+                  max_memory_mb: Annotated[Optional[int], QuotaOpt] = None) -> None:
+    """Show a project's quota and usage; with options, change it (needs a key of a parent)."""
+    async def go() -> None:
+        async with _client() as c:
+            if (max_sandboxes, max_cpu_cores, max_memory_mb) == (None, None, None):
+                q = await c.quota(project_id)
+            else:
+                q = await c.set_quota(project_id, max_sandboxes=max_sandboxes, max_cpu_cores=max_cpu_cores,
+                                      max_memory_mb=max_memory_mb)
+            t = Table("", "used", "max")
+            t.add_row("sandboxes", str(q.used.sandboxes), str(q.max_sandboxes))
+            t.add_row("cpu cores", f"{q.used.cpu_cores:g}", f"{q.max_cpu_cores:g}")
+            t.add_row("memory MiB", str(q.used.memory_mb), str(q.max_memory_mb))
+            console.print(t)
+    _run(go())
+
+
+@key_app.command("create")
+def key_create(project_id: str) -> None:
+    """Mint an API key of the project; prints the secret (shown this once)."""
+    async def go() -> None:
+        async with _client() as c:
+            console.print((await c.create_key(project_id)).key)
+    _run(go())
+
+
+@key_app.command("ls")
+def key_ls(project_id: str) -> None:
+    async def go() -> None:
+        async with _client() as c:
+            t = Table("id", "prefix", "created", "revoked")
+            for k in await c.keys(project_id):
+                t.add_row(k.id, k.prefix + "...", k.created_at.isoformat(timespec="seconds"), "yes" if k.revoked else "")
+            console.print(t)
+    _run(go())
+
+
+@key_app.command("revoke")
+def key_revoke(key_id: str) -> None:
+    async def go() -> None:
+        async with _client() as c:
+            await c.revoke_key(key_id)
     _run(go())
 
 
@@ -451,6 +564,18 @@ def bench_density(
                       out=out if record else None, json_path=json_path)
 
 
+@bench_app.command("warmpool")
+def bench_warmpool(
+        burst: Annotated[int, typer.Option(help="concurrent creates per burst, and the pool's size")] = 50,
+        serial: Annotated[int, typer.Option(help="one-at-a-time creates, cold and warm")] = 10,
+        image: str = "debian-python",
+        json_out: Annotated[Optional[Path], typer.Option("--json", help="write the raw results here")] = None,
+        out: Annotated[Optional[Path], typer.Option(help="append the markdown table here")] = None) -> None:
+    """Create -> first output with and without a warm pool, vs raw `crun run`, in one run."""
+    from dsec.bench.warmpool import Opts as WarmOpts, run_warmpool_bench
+    run_warmpool_bench(WarmOpts(burst=burst, serial=serial, image=image), out=out, json_out=json_out)
+
+
 @bench_app.command("vm")
 def bench_vm(n: Annotated[int, typer.Option(help="clones and cold boots, one at a time, of each")] = 10,
              burst: Annotated[int, typer.Option(help="VMs started in parallel, of each")] = 4,
@@ -479,6 +604,47 @@ def bench_qos(steps: Annotated[int, typer.Option(help="agent steps per mode per 
     from dsec.bench.qos import Opts, run_qos_bench
     run_qos_bench(Opts(steps=steps, rounds=rounds, step_ms=step_ms, gap_ms=gap_ms, busy_ms=busy_ms,
                        idle_ms=idle_ms, load_sandboxes=load_sandboxes), out=out)
+
+
+@bench_app.command("cluster")
+def bench_cluster(n: Annotated[int, typer.Option(help="sandboxes created per round, per arm")] = 60,
+                  concurrency: Annotated[int, typer.Option(help="creates in flight at once")] = 8,
+                  rounds: int = 2) -> None:
+    """Creations/s through 2 apiserver replicas and 3 edges (a local Ray cluster) vs one embedded server."""
+    from dsec.cluster.bench import main as bench_main
+    bench_main(n, concurrency, rounds)
+
+
+@bench_app.command("cluster-sim")
+def bench_cluster_sim(
+        nodes: int = 160, live: Annotated[int, typer.Option(help="live sandboxes at start (and kept near)")] = 380_000,
+        rate: Annotated[float, typer.Option(help="creations per second of simulated time")] = 5000.0,
+        duration: Annotated[float, typer.Option(help="simulated seconds per policy")] = 30.0,
+        poll: Annotated[float, typer.Option(help="watcher poll interval, simulated seconds")] = 1.0,
+        images: int = 2000, cache_images: Annotated[int, typer.Option(help="images each node keeps")] = 32,
+        hot_share: Annotated[float, typer.Option(help="share of creations for one new image")] = 0.2,
+        hot_nodes: Annotated[int, typer.Option(help="nodes that hold the new image at the start")] = 2,
+        fail_every: Annotated[float, typer.Option(help="a node dies every this many seconds")] = 10.0,
+        down: Annotated[float, typer.Option(help="seconds a dead node stays down")] = 15.0,
+        seed: int = 1,
+        policies: Annotated[str, typer.Option(help="comma-separated: random, p2-stale, p2, p3, p2+loc, "
+                                                   "p2+loc0.2, p2+local-first")]
+        = "random,p2-stale,p2,p2+loc,p2+local-first",
+        out: Annotated[Optional[Path], typer.Option(help="append the markdown report to this file")] = None) -> None:
+    """The real placer and watcher over simulated edges: decision latency, imbalance, rejects, locality (D34)."""
+    from dsec.bench.cluster_sim import Opts, report, run
+    o = Opts(nodes=nodes, live=live, rate=rate, duration_s=duration, poll_s=poll, images=images,
+             cache_images=cache_images, hot_share=hot_share, hot_nodes=hot_nodes, fail_every_s=fail_every,
+             down_s=down, seed=seed,
+             policies=tuple(p.strip() for p in policies.split(",") if p.strip()))
+    try:
+        text = report(o, run(o))
+    except DsecError as e:
+        _fail(e)
+    print(text)
+    if out is not None:
+        with out.open("a") as f:
+            f.write(f"\n## cluster-sim — {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC\n\n{text}\n")
 
 
 @bench_app.command("images")

@@ -17,7 +17,7 @@ import errno
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Hashable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -25,7 +25,8 @@ from typing import Any, TypeVar
 
 from dsec.agent.client import INTERNAL_CHAN_BASE, AgentClient, AgentDisconnected, AgentError, DirEntry, ExecLost
 from dsec.backends.base import (PARKED, RUNNING, Backend, Console, Egress, LayerDiff, LivenessWatched, MemoryUsage,
-                                Parking, PortIngress, Snapshots)
+                                Parking, PortIngress, Prepared, Reclaim, Snapshots)
+from dsec.backends.warm import WarmClaim
 from dsec.config import Paths
 from dsec.edge import output_budget
 from dsec.edge.admission import Admission
@@ -36,11 +37,14 @@ from dsec.edge.exec_tracker import TrackedExec, now_utc
 from dsec.edge.live import LiveSandbox
 from dsec.edge.load import NodeLoad
 from dsec.edge.reclaim import Reclaimer
+from dsec.edge.warm_pool import ENV as WARM_ENV
+from dsec.edge.warm_pool import PoolTarget, WarmPools, WarmSandbox, parallel_from_env, parse_targets
 from dsec.edge.records import EdgeRecords, SandboxRecord
 from dsec.images.service import ImageService
 from dsec.images.stacks import Stacks
+from dsec.placement.locality import CacheSummary
 from dsec.security.users import resolve_user
-from dsec.types import (DEFAULT_SCRUB, BulkItem, Conflict, DsecError, ExecEvent, ExecInfo, ExecRequest, ExecResult, FileEntry, ImageInfo,
+from dsec.types import (DEFAULT_SCRUB, MAX_TTL_S, BulkItem, Conflict, ContainerArgs, DsecError, ExecEvent, ExecInfo, ExecRequest, ExecResult, FileEntry, ImageInfo,
                         InvalidArgument, NetworkPolicy, NodeStatus, NotFound, PackDiffRequest, SandboxArgs,
                         SandboxFailed, SandboxInfo, SandboxState, SnapshotInfo, Unavailable, make_sandbox_id,
                         make_snapshot_id)
@@ -51,6 +55,15 @@ LIVE = (SandboxState.creating, SandboxState.running, SandboxState.suspended, San
 DISK_POLL_S = float(os.environ.get("DSEC_DISK_POLL_S", "10"))   # fallback quota check interval
 BULK_PARALLEL = 16        # parks/resumes of one bulk call at a time (each reclaims memory: I/O- and CPU-bound)
 PURGE_EVERY_S = 60.0      # ended records and what they left are forgotten at most this often
+# Warm pool sandboxes while they wait (warm_pool.py): the node's own, counted by admission at
+# this size; a claim gives them the claimer's limits.
+WARM_PROJECT = "system"
+WARM_LABEL = "dsec.warm-pool"
+WARM_CPU_CORES = 1.0
+WARM_MEMORY_MB = 256
+# Push a waiting one's memory to zram (~1 MiB: the agent) at the cost of its first command
+# faulting it back in; off by default: the pool exists for that first command's latency.
+WARM_RECLAIM = os.environ.get("DSEC_WARM_POOL_RECLAIM", "0") == "1"
 
 
 def _park_after(rec: SandboxRecord) -> int | None:
@@ -90,14 +103,19 @@ class Edge:
         self._disk_next = 0.0
         self._creating_keys: dict[tuple[str, str], asyncio.Task[SandboxInfo]] = {}   # idempotent creates under way
         self._load = NodeLoad()                # committed CPU/memory of the live sandboxes, as running totals
+        self._cached_images = CacheSummary()   # images this node holds: placement prefers it for them (D34)
         self._deadlines = Deadlines()          # when the reaper looks at each sandbox next (O(due) ticks)
         self._purge_next = 0.0                 # monotonic: ended records are purged once a minute
         self._reclaimer = Reclaimer.from_env(self._live, self.admission.probe)   # idle memory out (reclaim.py)
+        # warm pools of idle containers per environment, claimed by creates (warm_pool.py)
+        self._pools = WarmPools(parse_targets(os.environ.get(WARM_ENV, "")), self._warm_start, self._warm_key_of,
+                                self._warm_drop, parallel_from_env())
 
     # -- lifecycle of the edge itself ----------------------------------------------------
     async def start(self) -> None:
         await self._recover()
         self._reaper = asyncio.create_task(self._reap_loop(), name="edge-reaper")
+        self._pools.start()     # after recovery: the pool containers of an edge that died are gone
         log.info("edge started", extra={"node": self.node_id, "sandboxes": len(self._live)})
 
     async def close(self) -> None:
@@ -106,6 +124,7 @@ class Edge:
             self._reaper.cancel()
             await asyncio.gather(self._reaper, return_exceptions=True)
         await self._reclaimer.close()
+        await self._pools.close()    # a cache: idle pool sandboxes are destroyed, not kept
         for live in self._live.values():
             live.backend.unwatch_exit(live.id)
         for task in list(self._exit_tasks):
@@ -207,7 +226,8 @@ class Edge:
         return NodeStatus(node_id=self.node_id, healthy=problem is None, reason=problem,
                           backends=self.backends, capacity=self.admission.capacity,
                           committed_cpu_cores=self._load.cpu_cores, committed_memory_mb=self._load.memory_mb,
-                          sandboxes=self._load.sandboxes, pressure=self.admission.pressure())
+                          sandboxes=self._load.sandboxes, pressure=self.admission.pressure(),
+                          cached_images=self._cached_images.keys())
 
     # -- create / get / list / stop ------------------------------------------------------
     async def create(self, project: str, args: SandboxArgs) -> SandboxInfo:
@@ -233,29 +253,51 @@ class Edge:
 
     async def _create(self, project: str, args: SandboxArgs) -> SandboxInfo:
         """One path for every backend: prepare (validate, resolve), admit, record, create,
-        wait for the agent. A failure anywhere leaves a failed record and nothing else."""
+        wait for the agent. A failure anywhere leaves a failed record and nothing else. A
+        request that matches a warm pool (warm_pool.py) claims one of its idle sandboxes
+        instead of starting one: same record, same checks, its limits applied at claim."""
+        t0 = time.monotonic()
         backend = self._backend(args.backend)
         prepared = await backend.prepare(args, self.stacks)   # DsecErrors name the field
         args = prepared.args
-        self.admission.admit(await self.status(), args.cpu_cores, args.memory_mb)
+        warm = self._take_warm(backend, prepared)
+        if warm is not None:   # its share of the node passes to this sandbox
+            self._load.update(warm.rec, live=False)
+        try:
+            self.admission.admit(await self.status(), args.cpu_cores, args.memory_mb)
+        except BaseException:
+            self._give_back_warm(warm)
+            raise
         now = time.time()
-        rec = SandboxRecord(id=make_sandbox_id(self.node_id), project=project, backend=args.backend,
+        rec = SandboxRecord(id=warm.id if warm else make_sandbox_id(self.node_id), project=project,
+                            backend=args.backend,
                             state=SandboxState.creating, args=args, image=args.image,
                             image_digest=prepared.image_digest, uid=prepared.uid, gid=prepared.gid,
                             created_at=now, last_active_at=now,
                             expires_at=now + args.lifetime_s if args.lifetime_s is not None else None)
         live = LiveSandbox(rec, backend)
         try:
-            self.records.insert(rec)   # durable before anything exists on the host
+            self.records.insert(rec)   # durable before anything exists on the host (or is claimed)
         except Exception as e:     # e.g. "database or disk is full"
+            self._give_back_warm(warm)
             raise Unavailable(f"node {self.node_id} cannot record a new sandbox in {self.paths.edge_db}: {e}",
                               fix="free space on the DSEC_HOME filesystem, then retry") from e
         self._live[rec.id] = live
         self._load.update(rec, live=True)
+        if prepared.image_digest:   # its layers are pulled and mounted on this node from here on
+            self._cached_images.add(prepared.image_digest)
         try:
-            async with self._create_slots:   # a burst starts a few at a time
-                await backend.create(rec.id, prepared, self.stacks)
-            await self._adopt_agent(live)    # ready means the agent answers
+            if warm is None:
+                async with self._create_slots:   # a burst starts a few at a time
+                    await backend.create(rec.id, prepared, self.stacks)
+                await self._adopt_agent(live)    # ready means the agent answers
+            else:
+                # its connected agent, the sandbox's from here (its teardown closes it); no
+                # round trip: nothing ever ran in it (chan 1 is free), and a dead agent shows
+                # as a closed connection (_take_warm) or fails the first request (_check_alive)
+                live.agent = warm.agent
+                assert isinstance(backend, WarmClaim)
+                await backend.claim(rec.id, prepared)   # the caller's limits and network policy
         except BaseException as e:
             await asyncio.shield(self._abort_create(live, e))
             if isinstance(e, DsecError) or not isinstance(e, Exception):
@@ -270,8 +312,87 @@ class Edge:
         self._watch_exit(live)
         self._schedule(rec)
         log.info("sandbox created", extra={"sandbox": rec.id, "backend": args.backend, "image": args.image,
-                                           "project": project, "accel": getattr(args, "accel", None)})
+                                           "project": project, "accel": getattr(args, "accel", None),
+                                           "warm": warm is not None, "ms": round((time.monotonic() - t0) * 1000, 2)})
         return rec.info(self.node_id)
+
+    # -- warm pools (warm_pool.py, D28) ------------------------------------------------------
+    def _take_warm(self, backend: Backend, prepared: Prepared) -> WarmSandbox | None:
+        """An idle pool sandbox for this request (its agent still connected), or None."""
+        if not isinstance(backend, WarmClaim):
+            return None
+        key = backend.warm_key(prepared)
+        while (w := self._pools.take(key)) is not None:
+            if not w.agent.closed:
+                return w
+            task = asyncio.create_task(self._warm_drop(w), name=f"warm-drop-{w.id}")   # died while waiting
+            self._exit_tasks.add(task)
+            task.add_done_callback(self._exit_tasks.discard)
+        return None
+
+    def _give_back_warm(self, warm: WarmSandbox | None) -> None:
+        if warm is not None:
+            self._load.update(warm.rec, live=True)
+            self._pools.give_back(warm)
+
+    def _warm_args(self, t: PoolTarget) -> ContainerArgs:
+        # memory_mb 256: the agent's retained-output bound and /dev/shm are then those of any
+        # request of 256 MiB or more (claim.py); limits are the claimer's from the claim on
+        return ContainerArgs(image=t.image, cpu_cores=WARM_CPU_CORES, memory_mb=WARM_MEMORY_MB,
+                             ttl_idle_s=MAX_TTL_S, labels={WARM_LABEL: t.image})
+
+    async def _warm_prepared(self, t: PoolTarget) -> tuple[Backend, Prepared, Hashable | None]:
+        backend = self._backend("container")
+        prepared = await backend.prepare(self._warm_args(t), self.stacks)
+        key = backend.warm_key(prepared) if isinstance(backend, WarmClaim) else None
+        return backend, prepared, key
+
+    async def _warm_key_of(self, t: PoolTarget) -> Hashable | None:
+        return (await self._warm_prepared(t))[2]
+
+    async def _warm_start(self, t: PoolTarget) -> WarmSandbox:
+        """Start one idle pool sandbox: prepared, admitted and counted like any other (as the
+        node's own), no record (a cache: orphans after a crash, destroyed at the next start)."""
+        backend, prepared, key = await self._warm_prepared(t)
+        if key is None:
+            raise InvalidArgument(f"image {t.image!r} cannot have a warm pool on node {self.node_id}",
+                                  field=WARM_ENV, fix="use a container image")
+        args = prepared.args
+        self.admission.admit(await self.status(), args.cpu_cores, args.memory_mb)
+        now = time.time()
+        rec = SandboxRecord(id=make_sandbox_id(self.node_id), project=WARM_PROJECT, backend=args.backend,
+                            state=SandboxState.running, args=args, image=args.image,
+                            image_digest=prepared.image_digest, uid=prepared.uid, gid=prepared.gid,
+                            created_at=now, last_active_at=now)
+        self._load.update(rec, live=True)
+        try:
+            await backend.create(rec.id, prepared, self.stacks)
+            agent = await backend.wait_agent(rec.id)
+        except BaseException:
+            self._load.update(rec, live=False)
+            await asyncio.shield(backend.destroy(rec.id))
+            raise
+        if WARM_RECLAIM and isinstance(backend, Reclaim):   # cheap while it waits: what the agent touched goes to zram
+            try:
+                await backend.reclaim(rec.id)
+            except DsecError as e:
+                log.debug("could not reclaim a warm sandbox's memory", extra={"sandbox": rec.id, "error": e.message})
+        log.info("warm sandbox ready", extra={"sandbox": rec.id, "image": t.image})
+        return WarmSandbox(rec=rec, key=key, backend=backend, agent=agent)
+
+    async def _warm_drop(self, w: WarmSandbox) -> None:
+        self._load.update(w.rec, live=False)
+        await w.agent.close()
+        await w.backend.destroy(w.id)
+
+    async def warm_pools(self) -> dict[str, Any]:
+        """The node's warm pools: per image its size, idle and starting sandboxes, last error."""
+        return self._pools.status()
+
+    async def set_warm_pools(self, spec: str) -> dict[str, Any]:
+        """Reconfigure the pools ('image:size,...'; '' for none); refilled or drained in the background."""
+        self._pools.set_targets(parse_targets(spec, field="pools"))
+        return self._pools.status()
 
     async def _abort_create(self, live: LiveSandbox, error: BaseException) -> None:
         """A creation that failed leaves nothing: no agent channel, no runtime, a failed record

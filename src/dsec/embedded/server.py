@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import stat
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -53,8 +54,25 @@ class ServerOptions:
 async def embedded(paths: Paths, node_id: str = "local"):
     """Everything one machine needs, started and torn down in order."""
     paths.ensure()
-    iam = IAM(paths.iam_db)
+    iam = IAM(os.environ.get("DSEC_DB_URL") or paths.iam_db, home=paths.home)   # DSEC_DB_URL: PostgreSQL (D31)
     iam.bootstrap(paths.admin_key_file)
+    async with node_services(paths, node_id, system_project(iam)) as (edge, fncall):
+        watcher = Watcher({node_id: edge}, interval_s=1.0)
+        await watcher.poll_once()
+        await watcher.start()
+        try:
+            yield ApiContext(iam=iam, edges={node_id: edge}, watcher=watcher, placer=Placer(k=2),
+                             images=edge.images, fncall={node_id: fncall})
+        finally:
+            await watcher.stop()
+
+
+@asynccontextmanager
+async def node_services(paths: Paths, node_id: str, system_project_id: str
+                        ) -> AsyncIterator[tuple[Edge, FnCallService]]:
+    """One node's edge (its backends named here) and the FnCall service beside it: what the
+    embedded server runs in-process and a cluster node serves over HTTP (dsec.cluster)."""
+    paths.ensure()
     images = ImageService(paths)
     rulesets = Rulesets(paths.home / RULESETS_FILE)   # operator's named network rule sets
     backends: list[Backend] = [ContainerDriver(paths, agent_binary(paths.bin), rulesets)]
@@ -65,18 +83,15 @@ async def embedded(paths: Paths, node_id: str = "local"):
     edge = Edge(paths, images, backends, EdgeSettings(node_id=node_id, services=("fncall",)),
                 unavailable=unavailable)
     await edge.start()
-    # FnCall beside the edge: its warm pool containers are the system project's sandboxes
-    fncall = FnCallService(edge, system_project(iam))
-    await fncall.start()
-    watcher = Watcher({node_id: edge}, interval_s=1.0)
-    await watcher.poll_once()
-    await watcher.start()
     try:
-        yield ApiContext(iam=iam, edges={node_id: edge}, watcher=watcher, placer=Placer(k=2), images=images,
-                         fncall={node_id: fncall})
+        # FnCall beside the edge: its warm pool containers are the system project's sandboxes
+        fncall = FnCallService(edge, system_project_id)
+        await fncall.start()
+        try:
+            yield edge, fncall
+        finally:
+            await fncall.close()    # its pool containers are a cache: stopped, not kept
     finally:
-        await watcher.stop()
-        await fncall.close()    # its pool containers are a cache: stopped, not kept
         await edge.close()
 
 

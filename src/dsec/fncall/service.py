@@ -125,7 +125,7 @@ class FnCallService:
             raise InvalidArgument(f"language {lang.name!r} is not available in image {image!r}",
                                   field="language",
                                   fix=f"use one of {', '.join(sorted(available))}, or an image that has "
-                                      f"{', '.join(lang.needs)}")
+                                      f"{', '.join(lang.needs)} (the built-in {langs.POLYGLOT_IMAGE!r} has)")
 
     async def warm(self, image: str, language: str = "python") -> None:
         """Make sure the pool for (image, language) has a ready worker."""
@@ -195,24 +195,29 @@ def compile_cache_key(project: str | None, req: FnCallRequest, lang: langs.Langu
 
 def build_payload(req: FnCallRequest, lang: langs.Language, rid: int, *, project: str | None = None) -> dict:
     steps = []
+    src = langs.source_file(lang, req.code)
     if lang.compile:
-        steps.append({"name": "compile", "argv": langs.expand(lang.compile, lang, req.memory_mb),
+        # runtimes that reserve huge virtual ranges (javac's JVM, node) compile without RLIMIT_AS
+        steps.append({"name": "compile", "argv": langs.expand(lang.compile, lang, req.memory_mb, src),
                       "timeout_s": req.compile_timeout_s,
                       "memory_mb": max(lang.compile_memory_mb, req.memory_mb),
-                      "limit_address_space": True, "stdin": False})
-    run = None if lang.run is None else langs.expand(lang.run, lang, req.memory_mb) + list(req.args)
+                      "limit_address_space": lang.limit_address_space, "stdin": False})
+    run = None if lang.run is None else langs.expand(lang.run, lang, req.memory_mb, src) + list(req.args)
     steps.append({"name": "run", "argv": run, "timeout_s": req.timeout_s, "memory_mb": req.memory_mb,
                   "limit_address_space": lang.limit_address_space, "stdin": True})
     files = {k: base64.b64encode(v.encode()).decode() for k, v in req.files.items()}
     files.update(req.files_b64)
-    if lang.source in files:
-        raise InvalidArgument(f"files must not contain {lang.source!r}: the code goes there",
+    if src in files:
+        raise InvalidArgument(f"files must not contain {src!r}: the code goes there",
                               field="files", fix="pass the program as `code`")
     env = {**BASE_ENV, **lang.env, **req.env}
     key = None
     if lang.compile:   # same program, inputs and project: compiled once per container
         key = compile_cache_key(project, req, lang, steps[0]["argv"], env, files)
-    return {"id": rid, "source": lang.source, "code": req.code, "files": files,
+    code = req.code
+    if lang.code_prefix and lang.code_prefix not in code:
+        code = lang.code_prefix + "\n" + code
+    return {"id": rid, "source": src, "code": code, "files": files,
             "cache_key": key, "artifacts": list(lang.artifacts),
             "stdin": base64.b64encode(req.stdin.encode()).decode() if req.stdin is not None else None,
             "steps": steps, "env": env, "args": list(req.args),

@@ -1,8 +1,10 @@
-"""Projects and API keys in one SQLite file.
+"""Projects and API keys, on SQLite (one file, single machine) or PostgreSQL (a cluster).
 
-Projects form a tree (parent_id) so a later change can add quota delegation and per-project
-permissions without a schema rewrite: a principal acts for its own project and every project
-below it. Only SHA-256 hashes of API keys are stored; the plaintext is shown once.
+Projects form a tree (parent_id): a principal acts for its own project and every project below
+it. A project's quota caps what it and everything below it hold at once (iam/quota.py counts
+it at every level); a sub-project is never given more than its parent holds, and only a key of
+a strict ancestor changes a project's quota or policy (a project cannot raise its own). Only
+SHA-256 hashes of API keys are stored; the plaintext is shown once.
 """
 
 from __future__ import annotations
@@ -13,15 +15,17 @@ import logging
 import os
 import re
 import secrets
-import sqlite3
-import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from dsec.config import Paths
 from dsec.iam.policy import SandboxPolicy, check_narrows, narrow
+from dsec.iam.quota import QuotaLedger
+from dsec.store import Database, Tx, is_postgres_dsn, open_db
+from dsec.store.db import Row
 from dsec.types import Conflict, Forbidden, InvalidArgument, NotFound, Unauthorized
 
 log = logging.getLogger("dsec.iam")
@@ -34,43 +38,11 @@ PROJECT_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 ROOT_MAX_SANDBOXES = 1_000_000
 ROOT_MAX_CPU_CORES = 1_000_000.0
 ROOT_MAX_MEMORY_MB = 1 << 40
+QUOTA_FIELDS = ("max_sandboxes", "max_cpu_cores", "max_memory_mb")
 
 _AUTH_FIX = ("pass 'Authorization: Bearer <key>' (the SDK and CLI read DSEC_API_KEY); "
              "the admin key is in the server's admin.key file")
-
-_SCHEMA_VERSION = 1
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS projects (
-    id            TEXT PRIMARY KEY,
-    name          TEXT NOT NULL,
-    parent_id     TEXT REFERENCES projects(id) ON DELETE RESTRICT,
-    max_sandboxes INTEGER NOT NULL CHECK (max_sandboxes >= 0),
-    max_cpu_cores REAL    NOT NULL CHECK (max_cpu_cores >= 0),
-    max_memory_mb INTEGER NOT NULL CHECK (max_memory_mb >= 0),
-    created_at    REAL    NOT NULL,
-    UNIQUE (parent_id, name)
-);
--- UNIQUE(parent_id, name) does not cover NULL parents, so top-level names get their own index.
-CREATE UNIQUE INDEX IF NOT EXISTS projects_top_name ON projects(name) WHERE parent_id IS NULL;
-CREATE INDEX IF NOT EXISTS projects_parent ON projects(parent_id);
-
-CREATE TABLE IF NOT EXISTS api_keys (
-    id         TEXT PRIMARY KEY,
-    project_id TEXT NOT NULL REFERENCES projects(id) ON DELETE CASCADE,
-    prefix     TEXT NOT NULL,            -- first chars of the key, to recognise it in listings
-    hash       TEXT NOT NULL UNIQUE,     -- sha256 hex of the whole key
-    created_at REAL NOT NULL,
-    revoked    INTEGER NOT NULL DEFAULT 0
-);
-CREATE INDEX IF NOT EXISTS api_keys_project ON api_keys(project_id);
-
--- a project's own sandbox policy (iam/policy.py); absent: no restriction of its own
-CREATE TABLE IF NOT EXISTS project_policies (
-    project_id TEXT PRIMARY KEY REFERENCES projects(id) ON DELETE CASCADE,
-    policy     TEXT NOT NULL,            -- SandboxPolicy as JSON
-    updated_at REAL NOT NULL
-);
-"""
+_PROJECT_FIX = "use a project id from `dsec project ls` (GET /v1/projects)"
 
 
 class Project(BaseModel):
@@ -113,38 +85,47 @@ def _ts(t: float) -> datetime:
     return datetime.fromtimestamp(t, tz=timezone.utc)
 
 
-def _row_project(r: sqlite3.Row) -> Project:
+def _row_project(r: Row) -> Project:
     return Project(id=r["id"], name=r["name"], parent_id=r["parent_id"],
-                   max_sandboxes=r["max_sandboxes"], max_cpu_cores=r["max_cpu_cores"],
-                   max_memory_mb=r["max_memory_mb"], created_at=_ts(r["created_at"]))
+                   max_sandboxes=int(r["max_sandboxes"]), max_cpu_cores=float(r["max_cpu_cores"]),
+                   max_memory_mb=int(r["max_memory_mb"]), created_at=_ts(float(r["created_at"])))
+
+
+def _row_key(r: Row) -> ApiKeyInfo:
+    return ApiKeyInfo(id=r["id"], project_id=r["project_id"], prefix=r["prefix"],
+                      created_at=_ts(float(r["created_at"])), revoked=bool(r["revoked"]))
+
+
+_ANCESTORS = """WITH RECURSIVE up(id, parent_id, depth) AS (
+                    SELECT id, parent_id, 0 FROM projects WHERE id=?
+                    UNION ALL
+                    SELECT p.id, p.parent_id, up.depth + 1 FROM projects p JOIN up ON p.id = up.parent_id
+                ) SELECT id FROM up ORDER BY depth"""
+_SUBTREE = """WITH RECURSIVE down(id, depth) AS (
+                  SELECT id, 0 FROM projects WHERE id=?
+                  UNION ALL
+                  SELECT p.id, down.depth + 1 FROM projects p JOIN down ON p.parent_id = down.id
+              ) SELECT id FROM down ORDER BY depth, id"""
 
 
 class IAM:
-    """Thread-safe: one connection guarded by a lock (calls are short, single-row queries)."""
+    """Thread-safe. `dsn`: a SQLite file path, or postgresql://... (the schema is migrated on
+    open, store/schema.py). `home`: the server's state directory (defaults to the SQLite
+    file's), where secrets beside the database live."""
 
-    def __init__(self, db_path: Path | str):
-        self.db_path = Path(db_path)
-        self.db_path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.RLock()
-        # Autocommit mode; writes open explicit BEGIN IMMEDIATE transactions so that two
-        # apiserver processes sharing the file serialise instead of failing on upgrade.
-        self._db = sqlite3.connect(self.db_path, check_same_thread=False, timeout=10.0,
-                                   isolation_level=None)
-        self._db.row_factory = sqlite3.Row
-        with self._lock:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA foreign_keys=ON")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.executescript(_SCHEMA)
-            version = self._db.execute("PRAGMA user_version").fetchone()[0]
-            if version > _SCHEMA_VERSION:
-                raise RuntimeError(f"{self.db_path} has schema v{version}; this dsec knows "
-                                   f"v{_SCHEMA_VERSION}: upgrade dsec")
-            self._db.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
+    def __init__(self, dsn: Path | str, *, home: Path | str | None = None):
+        self.db: Database = open_db(dsn)
+        self.home = Path(home) if home is not None else (
+            Paths.from_env().home if is_postgres_dsn(dsn) else Path(dsn).parent)
+        self.quotas = QuotaLedger(self.db)
+
+    @property
+    def db_path(self) -> Path:
+        """The SQLite file (with PostgreSQL: where it would be, in `home`)."""
+        return Path(self.db.url) if self.db.dialect.name == "sqlite" else self.home / "iam.db"
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        self.db.close()
 
     def __enter__(self) -> "IAM":
         return self
@@ -179,28 +160,31 @@ class IAM:
         return key
 
     def _ensure_root(self) -> Project:
-        with self._lock, self._tx():
-            r = self._db.execute("SELECT * FROM projects WHERE parent_id IS NULL AND name=?",
-                                 (ROOT_PROJECT,)).fetchone()
+        def go(tx: Tx) -> Project:
+            r = tx.one("SELECT * FROM projects WHERE parent_id IS NULL AND name=?", (ROOT_PROJECT,))
             if r is not None:
                 return _row_project(r)
-            return self._insert_project(ROOT_PROJECT, None, ROOT_MAX_SANDBOXES,
+            return self._insert_project(tx, ROOT_PROJECT, None, ROOT_MAX_SANDBOXES,
                                         ROOT_MAX_CPU_CORES, ROOT_MAX_MEMORY_MB)
+        return self.db.run(go)
 
     def _adopt_key_file(self, path: Path, root: Project) -> str:
         key = path.read_text().strip()
         if not key.startswith(KEY_PREFIX):
             raise InvalidArgument(f"{path} does not hold a dsec key", field="admin_key_file",
                                   fix=f"delete {path} and restart the server to mint a new admin key")
-        with self._lock, self._tx():
-            r = self._db.execute("SELECT id, project_id, revoked FROM api_keys WHERE hash=?",
-                                 (_hash(key),)).fetchone()
+
+        def go(tx: Tx) -> Row | None:
+            r = tx.one("SELECT id, project_id, revoked FROM api_keys WHERE hash=?", (_hash(key),))
             if r is None:
                 # The file outlived the database: register its key again rather than
                 # silently handing out a different one.
-                self._insert_key(key, root.id)
-                log.warning("admin key from %s was not in %s; re-registered it", path, self.db_path)
-                return key
+                self._insert_key(tx, key, root.id)
+                log.warning("admin key from %s was not in %s; re-registered it", path, self.db.url)
+            return r
+        r = self.db.run(go)
+        if r is None:
+            return key
         if r["revoked"]:
             raise Unauthorized(f"the admin key in {path} was revoked", field="admin_key_file",
                                fix=f"delete {path} and restart the server to mint a new admin key")
@@ -214,71 +198,129 @@ class IAM:
 
     def create_project(self, name: str, parent_id: str | None = None, *,
                        max_sandboxes: int | None = None, max_cpu_cores: float | None = None,
-                       max_memory_mb: int | None = None) -> Project:
+                       max_memory_mb: int | None = None, by: Principal | None = None) -> Project:
         """Create a project. Omitted quotas inherit the parent's (root defaults at top level).
 
-        A child's quota may not exceed its parent's (Forbidden). Sibling quotas are not
-        summed yet; delegation accounting comes with nested quotas.
+        A child's quota may not exceed its parent's (Forbidden): the parent delegates part of
+        what it holds, never more. `by`: the caller, who must act for the parent (or above).
         """
         if not PROJECT_NAME_RE.match(name or ""):
             raise InvalidArgument(f"bad project name {name!r}", field="name",
                                   fix="use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
-        with self._lock, self._tx():
+        if by is not None and (parent_id is None or not self.can_access(by, parent_id)):
+            raise NotFound(f"no project {parent_id!r}", field="parent_id", fix=_PROJECT_FIX)
+
+        def go(tx: Tx) -> Project:
             if parent_id is None:
                 limits = (ROOT_MAX_SANDBOXES, ROOT_MAX_CPU_CORES, ROOT_MAX_MEMORY_MB)
             else:
-                parent = self._get_project(parent_id, field="parent_id")
+                parent = self._get_project(tx, parent_id, field="parent_id")
                 limits = (parent.max_sandboxes, parent.max_cpu_cores, parent.max_memory_mb)
             want = (limits[0] if max_sandboxes is None else max_sandboxes,
                     limits[1] if max_cpu_cores is None else max_cpu_cores,
                     limits[2] if max_memory_mb is None else max_memory_mb)
-            for field, value, limit in zip(("max_sandboxes", "max_cpu_cores", "max_memory_mb"),
-                                           want, limits):
-                if value < 0:
-                    raise InvalidArgument(f"{field} must be >= 0, got {value}", field=field,
-                                          fix=f"pass a {field} between 0 and {limit}")
-                if parent_id is not None and value > limit:
-                    raise Forbidden(f"{field}={value} exceeds the parent project's {limit}",
-                                    field=field,
-                                    fix=f"ask for at most {limit}, or raise the parent's quota first")
-            dup = self._db.execute(
-                "SELECT 1 FROM projects WHERE name=? AND parent_id IS ?", (name, parent_id)).fetchone()
-            if dup:
+            _check_quota(want, limits, parent_id)
+            if tx.one(f"SELECT 1 AS x FROM projects WHERE name=? AND {tx.dialect.is_('parent_id')}",
+                      (name, parent_id)):
                 raise Conflict(f"project {name!r} already exists here", field="name",
                                fix="pick another name or use the existing project")
-            p = self._insert_project(name, parent_id, int(want[0]), float(want[1]), int(want[2]))
+            return self._insert_project(tx, name, parent_id, int(want[0]), float(want[1]), int(want[2]))
+        p = self.db.run(go)
         log.info("created project %s (%s) under %s", p.id, name, parent_id)
         return p
 
+    def set_quota(self, project_id: str, *, max_sandboxes: int | None = None,
+                  max_cpu_cores: float | None = None, max_memory_mb: int | None = None,
+                  by: Principal | None = None) -> Project:
+        """Change a project's quota (omitted: unchanged). Within its parent's and at least every
+        sub-project's (delegated quota is taken back by lowering the sub-project first). `by`
+        must act for a strict ancestor (the root project sets its own). Lowering below what the
+        project holds now stops new sandboxes only; running ones keep going."""
+        def go(tx: Tx) -> Project:
+            p = self._get_project(tx, project_id, field="project_id")
+            if by is not None:
+                chain = self._ancestors(tx, project_id)
+                if by.project_id not in chain or (by.project_id == project_id and p.parent_id is not None):
+                    raise Forbidden(f"project {by.project_id} may not change the quota of {project_id}",
+                                    field="project_id",
+                                    fix="use a key of a parent project: a project's quota is set from above")
+            want = (p.max_sandboxes if max_sandboxes is None else max_sandboxes,
+                    p.max_cpu_cores if max_cpu_cores is None else max_cpu_cores,
+                    p.max_memory_mb if max_memory_mb is None else max_memory_mb)
+            if p.parent_id is not None:
+                parent = self._get_project(tx, p.parent_id, field="parent_id")
+                limits = (parent.max_sandboxes, parent.max_cpu_cores, parent.max_memory_mb)
+            else:
+                limits = (ROOT_MAX_SANDBOXES, ROOT_MAX_CPU_CORES, ROOT_MAX_MEMORY_MB)
+            _check_quota(want, limits, p.parent_id)
+            for c in tx.all("SELECT * FROM projects WHERE parent_id=?", (project_id,)):
+                child = _row_project(c)
+                for f, v in zip(QUOTA_FIELDS, want):
+                    if getattr(child, f) > v:
+                        raise Conflict(f"{f}={v} is below sub-project {child.name} ({child.id})'s "
+                                       f"{getattr(child, f)}", field=f,
+                                       fix=f"lower {child.id}'s {f} first (`dsec project quota {child.id} "
+                                           f"--{f.replace('_', '-')} N`), or ask for at least {getattr(child, f)}")
+            tx.execute("UPDATE projects SET max_sandboxes=?, max_cpu_cores=?, max_memory_mb=? WHERE id=?",
+                       (int(want[0]), float(want[1]), int(want[2]), project_id))
+            return p.model_copy(update=dict(zip(QUOTA_FIELDS, (int(want[0]), float(want[1]), int(want[2])))))
+        p = self.db.run(go)
+        log.info("set quota of project %s: %s", project_id, {f: getattr(p, f) for f in QUOTA_FIELDS})
+        return p
+
+    def delete_project(self, project_id: str, *, by: Principal | None = None) -> None:
+        """Remove an empty project (no sub-projects, no sandboxes holding quota) with its keys
+        and policy. `by` must act for a strict ancestor; the root project stays."""
+        def go(tx: Tx) -> None:
+            p = self._get_project(tx, project_id, field="project_id")
+            if p.parent_id is None:
+                raise Forbidden(f"project {project_id} is the root project", field="project_id",
+                                fix="the root project cannot be removed")
+            if by is not None and by.project_id not in self._ancestors(tx, p.parent_id):
+                raise Forbidden(f"project {by.project_id} may not remove {project_id}", field="project_id",
+                                fix="use a key of a parent project")
+            kids = tx.all("SELECT id FROM projects WHERE parent_id=?", (project_id,))
+            if kids:
+                raise Conflict(f"project {project_id} has {len(kids)} sub-project(s)", field="project_id",
+                               fix="remove its sub-projects first: " + ", ".join(k["id"] for k in kids[:5]))
+            held = tx.one("SELECT COUNT(*) AS n FROM quota_reservations WHERE project_id=?", (project_id,))
+            if held and held["n"]:
+                raise Conflict(f"project {project_id} has {held['n']} sandbox(es)", field="project_id",
+                               fix="stop its sandboxes first (`dsec sandbox ls`, `dsec sandbox rm`)")
+            tx.execute("DELETE FROM projects WHERE id=?", (project_id,))
+        self.db.run(go)
+        log.info("removed project %s", project_id)
+
     def project(self, project_id: str) -> Project:
-        with self._lock:
-            return self._get_project(project_id, field="project_id")
+        return self.db.run(lambda tx: self._get_project(tx, project_id, field="project_id"), write=False)
 
     def root(self) -> Project:
         """The root project created by bootstrap()."""
-        with self._lock:
-            r = self._db.execute("SELECT * FROM projects WHERE parent_id IS NULL AND name=?",
-                                 (ROOT_PROJECT,)).fetchone()
+        r = self.db.run(lambda tx: tx.one("SELECT * FROM projects WHERE parent_id IS NULL AND name=?",
+                                          (ROOT_PROJECT,)), write=False)
         if r is None:
             raise NotFound("IAM is not bootstrapped: no root project", fix="call IAM.bootstrap() first")
         return _row_project(r)
 
     def children(self, project_id: str) -> list[Project]:
-        with self._lock:
-            rows = self._db.execute("SELECT * FROM projects WHERE parent_id=? ORDER BY created_at",
-                                    (project_id,)).fetchall()
+        rows = self.db.run(lambda tx: tx.all("SELECT * FROM projects WHERE parent_id=? ORDER BY created_at, id",
+                                             (project_id,)), write=False)
         return [_row_project(r) for r in rows]
+
+    def subtree(self, project_id: str) -> list[Project]:
+        """The project and every project below it, top down."""
+        def go(tx: Tx) -> list[Project]:
+            ids = [r["id"] for r in tx.all(_SUBTREE, (project_id,))]
+            if not ids:
+                return []
+            rows = {r["id"]: r for r in tx.all(
+                f"SELECT * FROM projects WHERE id IN ({','.join('?' * len(ids))})", ids)}
+            return [_row_project(rows[i]) for i in ids if i in rows]
+        return self.db.run(go, write=False)
 
     def ancestors(self, project_id: str) -> list[str]:
         """Ids from project_id itself up to its top-level project (empty if unknown)."""
-        with self._lock:
-            rows = self._db.execute(
-                """WITH RECURSIVE up(id, parent_id, depth) AS (
-                       SELECT id, parent_id, 0 FROM projects WHERE id=?
-                       UNION ALL
-                       SELECT p.id, p.parent_id, up.depth + 1 FROM projects p JOIN up ON p.id = up.parent_id
-                   ) SELECT id FROM up ORDER BY depth""", (project_id,)).fetchall()
-        return [r["id"] for r in rows]
+        return self.db.run(lambda tx: self._ancestors(tx, project_id), write=False)
 
     def can_access(self, principal: Principal, project_id: str) -> bool:
         """True if the principal's project is project_id or one of its ancestors."""
@@ -287,21 +329,24 @@ class IAM:
     # ------------------------------------------------------------------ sandbox policy
 
     def own_policy(self, project_id: str) -> SandboxPolicy:
-        with self._lock:
-            self._get_project(project_id, field="project_id")
-            r = self._db.execute("SELECT policy FROM project_policies WHERE project_id=?", (project_id,)).fetchone()
+        def go(tx: Tx) -> Row | None:
+            self._get_project(tx, project_id, field="project_id")
+            return tx.one("SELECT policy FROM project_policies WHERE project_id=?", (project_id,))
+        r = self.db.run(go, write=False)
         return SandboxPolicy.model_validate_json(r["policy"]) if r else SandboxPolicy()
 
     def effective_policy(self, project_id: str) -> SandboxPolicy:
         """The project's policy narrowed by every ancestor's (what its sandboxes may loosen)."""
-        chain = self.ancestors(project_id)          # self first, top-level last
-        if not chain:
-            raise NotFound(f"no project {project_id!r}", field="project_id",
-                           fix="use a project id returned by create_project")
-        with self._lock:
+        def go(tx: Tx) -> tuple[list[str], dict[str, str]]:
+            chain = self._ancestors(tx, project_id)          # self first, top-level last
+            if not chain:
+                return chain, {}
             marks = ",".join("?" * len(chain))
-            rows = {r["project_id"]: r["policy"] for r in self._db.execute(
+            return chain, {r["project_id"]: r["policy"] for r in tx.all(
                 f"SELECT project_id, policy FROM project_policies WHERE project_id IN ({marks})", chain)}
+        chain, rows = self.db.run(go, write=False)
+        if not chain:
+            raise NotFound(f"no project {project_id!r}", field="project_id", fix=_PROJECT_FIX)
         eff = SandboxPolicy()
         for pid in reversed(chain):                  # from the top down
             if pid in rows:
@@ -321,44 +366,50 @@ class IAM:
                                 fix="use a key of a parent project: a project's policy is set from above")
         if project.parent_id is not None:
             check_narrows(self.effective_policy(project.parent_id), policy)
-        with self._lock, self._tx():
-            self._db.execute(
-                "INSERT INTO project_policies (project_id, policy, updated_at) VALUES (?,?,?) "
-                "ON CONFLICT(project_id) DO UPDATE SET policy=excluded.policy, updated_at=excluded.updated_at",
-                (project_id, policy.model_dump_json(exclude_none=True), time.time()))
+        self.db.run(lambda tx: tx.execute(
+            "INSERT INTO project_policies (project_id, policy, updated_at) VALUES (?,?,?) "
+            "ON CONFLICT(project_id) DO UPDATE SET policy=excluded.policy, updated_at=excluded.updated_at",
+            (project_id, policy.model_dump_json(exclude_none=True), time.time())))
         log.info("set sandbox policy of project %s: %s", project_id, policy.model_dump(exclude_none=True))
         return policy
 
     # ------------------------------------------------------------------ keys
 
-    def create_key(self, project_id: str) -> str:
-        """Mint a key for the project; the plaintext is returned once and never stored."""
+    def create_key(self, project_id: str, *, by: Principal | None = None) -> str:
+        """Mint a key for the project; the plaintext is returned once and never stored.
+        `by` must act for the project or an ancestor."""
+        if by is not None and not self.can_access(by, project_id):
+            raise NotFound(f"no project {project_id!r}", field="project_id", fix=_PROJECT_FIX)
         key, key_id = self._new_key(project_id)
         log.info("created api key %s for project %s", key_id, project_id)
         return key
 
     def _new_key(self, project_id: str) -> tuple[str, str]:
         key = KEY_PREFIX + secrets.token_urlsafe(32)
-        with self._lock, self._tx():
-            self._get_project(project_id, field="project_id")
-            key_id = self._insert_key(key, project_id)
-        return key, key_id
 
-    def revoke_key(self, key_id: str) -> None:
-        """Revoke a key by id (idempotent)."""
-        with self._lock, self._tx():
-            cur = self._db.execute("UPDATE api_keys SET revoked=1 WHERE id=?", (key_id,))
-            if cur.rowcount == 0:
-                raise NotFound(f"no api key {key_id!r}", field="key_id",
-                               fix="use a key id from list_keys()")
+        def go(tx: Tx) -> str:
+            self._get_project(tx, project_id, field="project_id")
+            return self._insert_key(tx, key, project_id)
+        return key, self.db.run(go)
+
+    def key_info(self, key_id: str) -> ApiKeyInfo:
+        r = self.db.run(lambda tx: tx.one("SELECT * FROM api_keys WHERE id=?", (key_id,)), write=False)
+        if r is None:
+            raise NotFound(f"no api key {key_id!r}", field="key_id", fix="use a key id from `dsec key ls`")
+        return _row_key(r)
+
+    def revoke_key(self, key_id: str, *, by: Principal | None = None) -> None:
+        """Revoke a key by id (idempotent). `by` must act for the key's project or an ancestor."""
+        if by is not None and not self.can_access(by, self.key_info(key_id).project_id):
+            raise NotFound(f"no api key {key_id!r}", field="key_id", fix="use a key id from `dsec key ls`")
+        if self.db.run(lambda tx: tx.execute("UPDATE api_keys SET revoked=1 WHERE id=?", (key_id,))) == 0:
+            raise NotFound(f"no api key {key_id!r}", field="key_id", fix="use a key id from list_keys()")
         log.info("revoked api key %s", key_id)
 
     def list_keys(self, project_id: str) -> list[ApiKeyInfo]:
-        with self._lock:
-            rows = self._db.execute("SELECT * FROM api_keys WHERE project_id=? ORDER BY created_at",
-                                    (project_id,)).fetchall()
-        return [ApiKeyInfo(id=r["id"], project_id=r["project_id"], prefix=r["prefix"],
-                           created_at=_ts(r["created_at"]), revoked=bool(r["revoked"])) for r in rows]
+        rows = self.db.run(lambda tx: tx.all(
+            "SELECT * FROM api_keys WHERE project_id=? ORDER BY created_at, id", (project_id,)), write=False)
+        return [_row_key(r) for r in rows]
 
     def authenticate(self, key: str | None) -> Principal:
         if not key:
@@ -369,10 +420,9 @@ class IAM:
                                field="authorization", fix=_AUTH_FIX)
         # Looking up by hash means no comparison ever runs over the secret itself.
         h = _hash(key)
-        with self._lock:
-            r = self._db.execute(
-                "SELECT k.id, k.hash, k.revoked, p.id AS pid, p.name FROM api_keys k "
-                "JOIN projects p ON p.id = k.project_id WHERE k.hash=?", (h,)).fetchone()
+        r = self.db.run(lambda tx: tx.one(
+            "SELECT k.id, k.hash, k.revoked, p.id AS pid, p.name FROM api_keys k "
+            "JOIN projects p ON p.id = k.project_id WHERE k.hash=?", (h,)), write=False)
         if r is None or not hmac.compare_digest(r["hash"], h):
             raise Unauthorized("unknown API key", field="authorization", fix=_AUTH_FIX)
         if r["revoked"]:
@@ -382,43 +432,40 @@ class IAM:
 
     # ------------------------------------------------------------------ internals
 
-    def _tx(self) -> "_Tx":
-        return _Tx(self._db)
+    def _ancestors(self, tx: Tx, project_id: str) -> list[str]:
+        return [r["id"] for r in tx.all(_ANCESTORS, (project_id,))]
 
-    def _get_project(self, project_id: str, *, field: str) -> Project:
-        r = self._db.execute("SELECT * FROM projects WHERE id=?", (project_id,)).fetchone()
+    def _get_project(self, tx: Tx, project_id: str, *, field: str) -> Project:
+        r = tx.one("SELECT * FROM projects WHERE id=?", (project_id,))
         if r is None:
-            raise NotFound(f"no project {project_id!r}", field=field,
-                           fix="use a project id returned by create_project")
+            raise NotFound(f"no project {project_id!r}", field=field, fix=_PROJECT_FIX)
         return _row_project(r)
 
-    def _insert_project(self, name: str, parent_id: str | None, max_sandboxes: int,
+    def _insert_project(self, tx: Tx, name: str, parent_id: str | None, max_sandboxes: int,
                         max_cpu_cores: float, max_memory_mb: int) -> Project:
         pid = "prj-" + secrets.token_hex(6)
         now = time.time()
-        self._db.execute(
-            "INSERT INTO projects (id, name, parent_id, max_sandboxes, max_cpu_cores, max_memory_mb,"
-            " created_at) VALUES (?,?,?,?,?,?,?)",
-            (pid, name, parent_id, max_sandboxes, max_cpu_cores, max_memory_mb, now))
+        tx.execute("INSERT INTO projects (id, name, parent_id, max_sandboxes, max_cpu_cores, max_memory_mb,"
+                   " created_at) VALUES (?,?,?,?,?,?,?)",
+                   (pid, name, parent_id, max_sandboxes, max_cpu_cores, max_memory_mb, now))
+        tx.execute("INSERT INTO quota_usage (project_id) VALUES (?)", (pid,))
         return Project(id=pid, name=name, parent_id=parent_id, max_sandboxes=max_sandboxes,
                        max_cpu_cores=max_cpu_cores, max_memory_mb=max_memory_mb, created_at=_ts(now))
 
-    def _insert_key(self, key: str, project_id: str) -> str:
+    def _insert_key(self, tx: Tx, key: str, project_id: str) -> str:
         key_id = "key-" + secrets.token_hex(6)
-        self._db.execute(
-            "INSERT INTO api_keys (id, project_id, prefix, hash, created_at) VALUES (?,?,?,?,?)",
-            (key_id, project_id, key[:len(KEY_PREFIX) + 6], _hash(key), time.time()))
+        tx.execute("INSERT INTO api_keys (id, project_id, prefix, hash, created_at) VALUES (?,?,?,?,?)",
+                   (key_id, project_id, key[:len(KEY_PREFIX) + 6], _hash(key), time.time()))
         return key_id
 
 
-class _Tx:
-    """BEGIN IMMEDIATE ... COMMIT/ROLLBACK; caller holds the IAM lock."""
-
-    def __init__(self, db: sqlite3.Connection):
-        self._db = db
-
-    def __enter__(self) -> None:
-        self._db.execute("BEGIN IMMEDIATE")
-
-    def __exit__(self, exc_type: object, *rest: object) -> None:
-        self._db.execute("ROLLBACK" if exc_type else "COMMIT")
+def _check_quota(want: tuple[int | float, ...], limits: tuple[int | float, ...], parent_id: str | None) -> None:
+    """A delegated quota is >= 0 and never more than the parent holds."""
+    for field, value, limit in zip(QUOTA_FIELDS, want, limits):
+        if value < 0:
+            raise InvalidArgument(f"{field} must be >= 0, got {value}", field=field,
+                                  fix=f"pass a {field} between 0 and {limit}")
+        if value > limit:
+            where = "the parent project's" if parent_id is not None else "the most a top-level project may hold,"
+            raise Forbidden(f"{field}={value} exceeds {where} {limit}", field=field,
+                            fix=f"ask for at most {limit}, or raise the parent's quota first")

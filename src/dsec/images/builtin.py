@@ -236,6 +236,24 @@ def _build_code_interpreter(service: ImageService, progress: Progress | None) ->
 
 
 # ---------------------------------------------------------------------------------------
+# fncall-polyglot: the FnCall pool image for SandboxFusion's other languages (D36)
+# ---------------------------------------------------------------------------------------
+
+# Debian's own toolchains, the smallest set that serves SandboxFusion's common languages:
+# go + go_test (golang-go), java + junit (default-jdk-headless; junit5 brings JUnit's console
+# launcher, as SandboxFusion uses), nodejs + typescript (node-typescript's compiler API),
+# rust (rustc), csharp (mono-mcs), php, ruby, lua, pytest; plus fncall-python's python/gcc/g++.
+FNCALL_POLYGLOT_PACKAGES = FNCALL_PYTHON_PACKAGES + (
+    "python3-pytest", "golang-go", "default-jdk-headless", "junit5", "nodejs", "node-typescript",
+    "rustc", "mono-mcs", "php-cli", "ruby", "lua5.4")
+
+
+def _build_fncall_polyglot(service: ImageService, progress: Progress | None) -> ImageInfo:
+    return service.build_debootstrap("fncall-polyglot", suite="bookworm", include=FNCALL_POLYGLOT_PACKAGES,
+                                     customize=add_sandbox_user, progress=progress)
+
+
+# ---------------------------------------------------------------------------------------
 # debian-vm: brings its own kernel and init (a bootable full-VM disk, dsec.backends.vm.disks)
 # ---------------------------------------------------------------------------------------
 
@@ -254,5 +272,6 @@ BUILTIN_IMAGES: dict[str, Callable[[ImageService, Progress | None], ImageInfo]] 
     "debian-python": _build_debian_python,
     "fncall-python": _build_fncall_python,
     "code-interpreter": _build_code_interpreter,
+    "fncall-polyglot": _build_fncall_polyglot,
     "debian-vm": _build_debian_vm,
 }

@@ -7,6 +7,10 @@ python3 with python3-pyfuse3) mounted at <home>/lazy/mnt, which exposes every la
 (<home>/lazy/cache, survives restarts), each chunk verified against the digest recorded at
 build time (<hex>.chunks.json next to the layer). EROFS is then mounted file-backed from that
 view. A failing or slow store turns into EIO for the reading process, never a hang.
+
+With a shared layer store (DSEC_LAYER_STORE, shared.py) the view also reads layers built on
+other nodes: their verified manifests are in the local store, their bytes are range-read
+from the shared store, chunk by chunk, into the same bounded cache.
 """
 
 from __future__ import annotations
@@ -119,7 +123,7 @@ class LazyView:
                  cache_bytes: int | None = None, latency_ms: float | None = None,
                  timeout_s: float | None = None, root: Path | None = None,
                  bandwidth_mbps: float | None = None, prefetch: bool | None = None,
-                 meta: bool = True):
+                 meta: bool = True, remote: str | None = None):
         self.paths = paths
         self.store = Path(store or paths.store)
         self.root = Path(root or paths.home / "lazy")
@@ -140,6 +144,8 @@ class LazyView:
         self.prefetch = prefetch if prefetch is not None else env.get(
             "DSEC_LAZY_PREFETCH", "1") not in ("0", "false", "no")
         self.meta = meta
+        # the shared layer store to range-read layers this node has no file of
+        self.remote = remote if remote is not None else (env.get("DSEC_LAYER_STORE") or None)
         self._lock = FileLock(self.root / ".lock")
 
     def is_mounted(self) -> bool:
@@ -148,14 +154,21 @@ class LazyView:
 
     def start(self) -> None:
         if self.is_mounted():
+            self._check_remote()
             return
         with self._lock:
             if self.is_mounted():
+                self._check_remote()
                 return
             if not os.path.exists(SYSTEM_PYTHON) or subprocess.run(
                     [SYSTEM_PYTHON, "-c", "import pyfuse3, trio"], capture_output=True).returncode:
                 raise Unavailable("the lazy layer view needs Debian's python3-pyfuse3",
                                   fix="apt-get install -y python3-pyfuse3 fuse3, or unset DSEC_LAZY")
+            if self.remote and self.remote.startswith("s3:") and subprocess.run(
+                    [SYSTEM_PYTHON, "-c", "import botocore"], capture_output=True).returncode:
+                raise Unavailable(f"the lazy layer view reads {self.remote} with botocore, which "
+                                  f"{SYSTEM_PYTHON} lacks", field=None,
+                                  fix="apt-get install -y python3-botocore")
             self.mnt.mkdir(parents=True, exist_ok=True)
             self.cache.mkdir(parents=True, exist_ok=True)
             try:                      # a daemon that died leaves "transport endpoint not connected"
@@ -169,11 +182,13 @@ class LazyView:
                  "--latency-ms", str(self.latency_ms), "--timeout-s", str(self.timeout_s),
                  "--bandwidth-mbps", str(self.bandwidth_mbps),
                  *([] if self.prefetch else ["--no-prefetch"]),
-                 *([] if self.meta else ["--no-meta"])],
+                 *([] if self.meta else ["--no-meta"]),
+                 *(["--remote", self.remote] if self.remote else [])],
                 stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True,
                 close_fds=True)
             logf.close()
             (self.root / "pid").write_text(str(proc.pid))
+            (self.root / "remote").write_text(self.remote or "")
             deadline = time.monotonic() + 20
             while not self.is_mounted():
                 if proc.poll() is not None or time.monotonic() > deadline:
@@ -184,6 +199,18 @@ class LazyView:
                 time.sleep(0.02)
             _no_readahead(self.mnt)
             log.info("lazy layer view of %s at %s (pid %d)", self.store, self.mnt, proc.pid)
+
+    def _check_remote(self) -> None:
+        """A view started with another shared store (or none) keeps serving until it is
+        restarted, which needs every layer mount on it gone: say so once."""
+        try:
+            running = (self.root / "remote").read_text()
+        except OSError:
+            running = ""
+        if running != (self.remote or "") and not getattr(self, "_warned", False):
+            self._warned = True
+            log.warning("the lazy view at %s reads shared store %r, not %r: stop dsec, then "
+                        "fusermount3 -u -z the view (layer mounts on it first) to switch", self.mnt, running or None, self.remote)
 
     def stop(self) -> None:
         """Unmount the view (the daemon exits). EROFS mounts still using it keep a reference
@@ -278,7 +305,12 @@ def _wait_gone(pid: int, wait_s: float) -> bool:
 
 
 def lazy_enabled() -> bool:
-    return os.environ.get("DSEC_LAZY", "") not in ("", "0", "false", "no")
+    """DSEC_LAZY=1; or unset with a shared layer store (DSEC_LAYER_STORE): a node then pulls
+    only the chunks its sandboxes read. DSEC_LAZY=0 there pulls whole layers instead."""
+    v = os.environ.get("DSEC_LAZY", "")
+    if v == "":
+        return bool(os.environ.get("DSEC_LAYER_STORE"))
+    return v not in ("0", "false", "no")
 
 
 __all__ = ["LazyView", "write_manifest", "manifest_file", "meta_file", "lazy_enabled"]

@@ -1,10 +1,11 @@
 """dsec-lazyfs: a read-only FUSE view of a layer store that fetches on demand.
 
-Run with Debian's python3 (python3-pyfuse3; stdlib + pyfuse3 + trio only, no dsec imports):
+Run with Debian's python3 (python3-pyfuse3; stdlib + pyfuse3 + trio only, no dsec imports;
+--remote s3:// adds python3-botocore, through the sibling layerstore.py):
 
     /usr/bin/python3 lazyfs.py --store DIR --cache DIR --mount DIR [--cache-bytes N]
                                [--latency-ms L] [--timeout-s T] [--bandwidth-mbps B]
-                               [--no-prefetch] [--no-meta]
+                               [--no-prefetch] [--no-meta] [--remote URL]
 
 The root lists `<hex>.erofs` for every layer of the store that has a chunk manifest
 `<hex>.chunks.json` ({"size", "chunk", "sha256": [per-chunk hex digests]}, written at build).
@@ -13,6 +14,12 @@ each against its digest, and keeps it in a bounded LRU chunk cache on local disk
 (`<cache>/<hex>/<idx>`, survives restarts; mtime = last use). A store that fails, returns
 bad bytes, or does not answer within --timeout-s makes the read fail with EIO: it never hangs
 and never returns unverified data. Counters go to `<cache>/stats.json` after every fetch.
+
+Shared store: with --remote (s3://BUCKET/PREFIX or file:///PATH, layerstore.py beside this
+file), a layer whose manifest is in --store but whose file is not (a layer built on another
+node) is read from the remote store by range: only the chunks a reader touches travel, each
+verified like a local one (the manifest itself was checked against the image record before
+it was written to --store).
 
 Metadata kept local: when the manifest has a "meta" section, the layer's EROFS metadata
 blocks are also in the store packed together (`<hex>.meta`, 256 KiB verified segments), and
@@ -50,8 +57,13 @@ TRACE = bool(os.environ.get("DSEC_LAZYFS_TRACE"))
 
 class LazyFS(pyfuse3.Operations):
     def __init__(self, store: str, cache: str, cache_bytes: int, latency_s: float, timeout_s: float,
-                 bandwidth_bps: float = 0.0, prefetch: bool = True, meta: bool = True):
+                 bandwidth_bps: float = 0.0, prefetch: bool = True, meta: bool = True,
+                 remote: str | None = None):
         super().__init__()
+        self.remote = None
+        if remote:
+            from layerstore import open_store          # the sibling file (stdlib + botocore)
+            self.remote = open_store(remote, timeout_s=max(1.0, min(timeout_s, 10.0)))
         self.store, self.cache = store, cache
         self.cache_bytes, self.latency_s, self.timeout_s = cache_bytes, latency_s, timeout_s
         self.bandwidth_bps, self.prefetch, self.use_meta = bandwidth_bps, prefetch, meta
@@ -68,7 +80,8 @@ class LazyFS(pyfuse3.Operations):
         self.nursery: trio.Nursery | None = None
         self.stats = {"fetched_bytes": 0, "fetched_chunks": 0, "cache_hits": 0, "errors": 0,
                       "evicted_chunks": 0, "fetch_s": 0.0, "meta_bytes": 0,
-                      "prefetched_bytes": 0, "requests": 0}
+                      "prefetched_bytes": 0, "requests": 0, "remote_bytes": 0,
+                      "remote_requests": 0}
         self.mtime_ns = time.time_ns()
         os.makedirs(cache, exist_ok=True)
         self._load_cache()
@@ -147,13 +160,19 @@ class LazyFS(pyfuse3.Operations):
                 self._bw_next = done = start + nbytes / self.bandwidth_bps
             time.sleep(max(0.0, done - time.monotonic()))
 
-    def _fetch_sync(self, info: dict, idx: int, count: int = 1) -> list[bytes]:
-        """Chunks idx..idx+count-1 of `info` in one request, each verified."""
+    def _fetch_sync(self, info: dict, idx: int, count: int = 1) -> tuple[list[bytes], bool]:
+        """Chunks idx..idx+count-1 of `info` in one request, each verified; and whether they
+        came from the remote store."""
         off = idx * info["chunk"]
         want = min(count * info["chunk"], info["size"] - off)
         self._transfer_delay(want)
-        with open(os.path.join(self.store, info["file"]), "rb", buffering=0) as f:
-            data = os.pread(f.fileno(), want, off)
+        local = os.path.join(self.store, info["file"])
+        remote = self.remote is not None and not os.path.exists(local)
+        if remote:
+            data = self.remote.get_range("layers/" + info["file"], off, want)
+        else:
+            with open(local, "rb", buffering=0) as f:
+                data = os.pread(f.fileno(), want, off)
         out = []
         for i in range(count):
             piece = data[i * info["chunk"]:(i + 1) * info["chunk"]]
@@ -162,7 +181,7 @@ class LazyFS(pyfuse3.Operations):
                 raise OSError(errno.EIO, f"chunk {idx + i} of {info['file'][:12]} failed "
                                          "verification")
             out.append(piece)
-        return out
+        return out, remote
 
     def _store_chunk(self, key: tuple[str, int], data: bytes) -> None:
         os.makedirs(os.path.join(self.cache, key[0]), exist_ok=True)
@@ -291,12 +310,16 @@ class LazyFS(pyfuse3.Operations):
             self.inflight[k] = (ev, prefetch)
         t0 = time.monotonic()
         try:
-            data = None
+            got = None
             with trio.move_on_after(self.timeout_s):
-                data = await trio.to_thread.run_sync(self._fetch_sync, info, keys[0][1], len(keys),
-                                                     cancellable=True)
-            if data is None:
+                got = await trio.to_thread.run_sync(self._fetch_sync, info, keys[0][1], len(keys),
+                                                    cancellable=True)
+            if got is None:
                 raise OSError(errno.ETIMEDOUT, f"store did not answer in {self.timeout_s}s")
+            data, remote = got
+            if remote:
+                self.stats["remote_bytes"] += sum(len(p) for p in data)
+                self.stats["remote_requests"] += 1
             for k, piece in zip(keys, data):
                 self._store_chunk(k, piece)
                 self.stats["fetched_bytes"] += len(piece)
@@ -452,17 +475,19 @@ def main() -> None:
     ap.add_argument("--bandwidth-mbps", type=float, default=0.0)
     ap.add_argument("--no-prefetch", action="store_true")
     ap.add_argument("--no-meta", action="store_true")
+    ap.add_argument("--remote", default=None)
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(message)s")
     fs = LazyFS(a.store, a.cache, a.cache_bytes, a.latency_ms / 1000, a.timeout_s,
                 bandwidth_bps=a.bandwidth_mbps * 1e6, prefetch=not a.no_prefetch,
-                meta=not a.no_meta)
+                meta=not a.no_meta, remote=a.remote)
     fs._refresh()
     opts = set(pyfuse3.default_options) | {"fsname=dsec-lazy", "subtype=dsec-lazy", "ro"}
     opts.discard("default_permissions")
     pyfuse3.init(fs, a.mount, opts)
-    log.info("serving %s at %s (cache %s, %d bytes)", a.store, a.mount, a.cache, a.cache_bytes)
+    log.info("serving %s%s at %s (cache %s, %d bytes)", a.store,
+             f" + remote {a.remote}" if a.remote else "", a.mount, a.cache, a.cache_bytes)
     try:
         trio.run(_serve, fs)
     finally:

@@ -2,7 +2,9 @@
 
 An image is an ordered list of EROFS layers, base first (for now every build makes a
 single-layer image). Layer files are content-addressed in Paths.store; the registry is
-SQLite at Paths.images_db; mounts are per node under Paths.layer_mounts.
+SQLite at Paths.images_db; mounts are per node under Paths.layer_mounts. With a layer store
+shared by all nodes (DSEC_LAYER_STORE, shared.py) builds are published to it, and a name this
+node does not know is looked up there.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
 
 from dsec.config import Paths
-from dsec.types import ImageInfo, InvalidArgument, LayerInfo, NotFound
+from dsec.types import NAME_RE, Conflict, DsecError, ImageInfo, InvalidArgument, LayerInfo, NotFound
 
 from .builder import (check_debootstrap_args, debootstrap_cached, default_mirror,
                       extract_tarball, safe_rmtree, scratch_dir, tree_size)
@@ -34,12 +36,14 @@ from .layers import _scrubbed, check_layer_name, chown_tree, copy_upper, git_arc
 from .mounts import LayerMounts, mounts_under
 from .progress import Progress, report
 from .pull import check_ref, pull_to_layout
+from .shared import SharedStore
 from .store import (DIGEST_RE, TMP_PREFIX, FileLock, Registry, check_digest, check_may_replace, check_name,
                     layer_file, now_utc)
 
 log = logging.getLogger("dsec.images")
 
 _LAYER_FILE_RE = re.compile(r"^[0-9a-f]{64}\.erofs$")
+_NAME_OK = re.compile(NAME_RE)
 SPARSE_CHUNK = 4096     # chunk size of layers holding sparse files (erofs.mkfs)
 STALE_TEMP_S = 24 * 3600
 T = TypeVar("T")
@@ -84,9 +88,15 @@ class ImageService:
         for d in (self.paths.home, self.paths.store, self.paths.layer_mounts):
             d.mkdir(parents=True, exist_ok=True)
         self.registry = Registry(self.paths.images_db)
-        # DSEC_LAZY=1: mount layers through the node's lazy FUSE view of the (shared) store
-        self.lazy = LazyView(self.paths) if lazy_enabled() else None
-        self.mounts = LayerMounts(self.paths, source=self.lazy.source if self.lazy else None)
+        # DSEC_LAYER_STORE: the layer store shared by all nodes (publish to it, fetch from it)
+        self.shared = SharedStore.from_env(self.paths)
+        self._fetch_lock = threading.Lock()
+        # DSEC_LAZY=1 (the default with a shared store): mount layers through the node's lazy
+        # FUSE view; without it a layer built elsewhere is pulled whole before its mount
+        self.lazy = LazyView(self.paths, remote=self.shared.url if self.shared else "") \
+            if lazy_enabled() else None
+        self.mounts = LayerMounts(self.paths, source=self._shared_source if self.shared else
+                                  self.lazy.source if self.lazy else None)
         self._store_lock = FileLock(self.paths.store / ".lock")
         self.heavy = HeavyWork()
         self._sweep_stale_temps()
@@ -330,7 +340,16 @@ class ImageService:
     def _commit(self, name: str, layers: Sequence[tuple[LayerInfo, Path | None]], *,
                 replace: bool, kind: str = "image", owner: str | None = None) -> ImageInfo:
         """Move new layer files into place and register the image, atomically: on any
-        failure the registry is unchanged and no new layer file is left in the store."""
+        failure the registry is unchanged and no new layer file is left in the store.
+        With a shared store the layers are published first (outside the store lock: uploads
+        take a while), the image record once the image is registered here."""
+        for lay, tmp in layers:
+            src = layer_file(self.paths, lay.digest)
+            src = src if src.exists() or tmp is None else tmp
+            if src.exists() and not manifest_file(src).exists():
+                write_manifest(src)      # per-chunk digests for lazy loading
+        pins = {lay.digest: self.shared.publish_layer(lay.digest, self._publish_source(lay.digest, tmp))
+                for lay, tmp in layers} if self.shared else {}
         added: list[Path] = []
         with self._store_lock:
             try:
@@ -342,10 +361,13 @@ class ImageService:
                             final = layer_file(self.paths, lay.digest)
                             if final.exists():
                                 continue          # dedup: same bytes already stored
+                            if tmp is None and self.shared is not None and manifest_file(final).exists():
+                                continue          # its bytes are in the shared store
                             if tmp is None:
                                 raise NotFound(f"layer {lay.digest} is not in the store",
                                                field="layer", fix="build the layer first")
-                            write_manifest(tmp)      # per-chunk digests for lazy loading
+                            if not manifest_file(tmp).exists():
+                                write_manifest(tmp)
                             os.replace(tmp, final)
                             added.append(final)
                             added.append(manifest_file(final))
@@ -364,7 +386,80 @@ class ImageService:
                 self.gc()                    # layers a replaced image no longer needs
             else:
                 log.info("image %s already registered with digest %s", name, image.digest)
-            return image
+        if self.shared:
+            self.shared.publish_image(image, pins)
+        return image
+
+    def _publish_source(self, digest: str, tmp: Path | None) -> Path:
+        final = layer_file(self.paths, digest)
+        if final.exists() or manifest_file(final).exists() or tmp is None:
+            return final
+        return tmp
+
+    def publish(self, name: str) -> ImageInfo:
+        """Publish image `name` (built on this node, e.g. before DSEC_LAYER_STORE was set) to the
+        shared layer store; idempotent."""
+        if self.shared is None:
+            raise InvalidArgument("no shared layer store is configured", field="DSEC_LAYER_STORE",
+                                  fix="set DSEC_LAYER_STORE=s3://BUCKET/PREFIX or file:///SHARED/PATH")
+        image = self.get(name)
+        pins = {}
+        for lay in image.layers:
+            final = layer_file(self.paths, lay.digest)
+            if final.exists() and not manifest_file(final).exists():
+                write_manifest(final)
+            if not manifest_file(final).exists():
+                raise NotFound(f"layer {lay.digest} of {name!r} has no file or manifest on this node",
+                               field="layer", fix="rebuild the image on this node")
+            pins[lay.digest] = self.shared.publish_layer(lay.digest, final)
+        self.shared.publish_image(image, pins)
+        return image
+
+    def _fetch_shared(self, name: str) -> ImageInfo | None:
+        """Look `name` up in the shared store; register it here (manifests checked and copied
+        to the local store, bytes left in the shared store). None if the store lacks it."""
+        assert self.shared is not None
+        with self._fetch_lock:       # a burst of creations asks once, not once per sandbox
+            known = self.registry.get_image(name)
+            return known if known is not None else self._fetch_shared_locked(name)
+
+    def _fetch_shared_locked(self, name: str) -> ImageInfo | None:
+        assert self.shared is not None
+        got = self.shared.fetch_record(name)
+        if got is None:
+            return None
+        rec, layers, pins = got
+        for lay in layers:
+            final = layer_file(self.paths, lay.digest)
+            if not manifest_file(final).exists():
+                self.shared.fetch_manifest(lay.digest, pins[lay.digest])
+        with self._store_lock:
+            try:
+                with self.registry.transaction() as db:
+                    image, _ = self.registry.put_image(db, name, layers, replace=False,
+                                                       kind=rec.get("kind", "image"), owner=rec.get("owner"))
+            except Conflict:            # registered meanwhile (a build here, another fetch)
+                return self.registry.get_image(name)
+        log.info("fetched image %s (%s, %d layer(s)) from %s", name, image.digest[:19],
+                 len(image.layers), self.shared.url)
+        return image
+
+    def _shared_source(self, digest: str) -> Path:
+        """With a shared store: a layer this node has the file of (it built it, or pulled it)
+        is mounted from that file; any other through the lazy view (or pulled whole)."""
+        local = layer_file(self.paths, digest)
+        if local.is_file():
+            return local
+        return self.lazy.source(digest) if self.lazy else self._local_layer(digest)
+
+    def _local_layer(self, digest: str) -> Path:
+        """The layer's file in the local store, pulled whole from the shared store if missing."""
+        path = layer_file(self.paths, digest)
+        if not path.is_file() and self.shared is not None:
+            with FileLock(self.paths.store / f".pull-{digest[7:23]}.lock"):
+                if not path.is_file():
+                    self.shared.pull_layer(digest)
+        return path
 
     # ---- lookup ----------------------------------------------------------------------
 
@@ -375,6 +470,8 @@ class ImageService:
                 info = self.registry.get_image_by_digest(name_or_digest)
             else:
                 info = self.registry.get_image(name_or_digest)
+                if info is None and self.shared is not None and _NAME_OK.match(name_or_digest):
+                    info = self._fetch_shared(name_or_digest)
         if info is None:
             what = {"image": "image", "name": "image or layer", "workspace": "workspace layer"
                     }.get(field, "toolkit layer")
@@ -412,7 +509,16 @@ class ImageService:
     def mount_image(self, name_or_digest: str) -> list[Path]:
         """Mount every layer of the image (once per node); returns the dirs, base first."""
         info = self.get(name_or_digest)
-        return [self.mounts.ensure_mounted(lay.digest) for lay in info.layers]
+        out = []
+        for lay in info.layers:
+            try:
+                out.append(self.mounts.ensure_mounted(lay.digest))
+            except DsecError:
+                # a layer read from the shared store: say so if that store is what failed
+                if self.shared is not None and not layer_file(self.paths, lay.digest).exists():
+                    self.shared.check_reachable()
+                raise
+        return out
 
     # ---- removal ---------------------------------------------------------------------
 

@@ -7,6 +7,8 @@ Files here are copied or compiled into sandboxes; none of them is imported by th
 - vm-init.sh        a microVM's initramfs /init (busybox sh): overlay of the layers, then the agent
 - code_interpreter_server.py  E2B's code-interpreter protocol on port 49999 over Jupyter kernels
                     (stdlib + jupyter_client), installed in the `code-interpreter` image
+- sf_jupyter_driver.py  SandboxFusion's run_jupyter over that server (stdlib), written into each
+                    run_jupyter sandbox (apiserver/sf_jupyter.py)
 
 Paths to them come from `source(name)`, the one place the host finds these files.
 """

@@ -15,17 +15,20 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 import httpx
 from pydantic import BaseModel
 
 from dsec.config import DEFAULT_PORT, SERVER_INSTALL, Paths, server_installed
+from dsec.sdk.iam_types import (KeyInfo, KeyList, NewKey, ProjectCreate, ProjectInfo, ProjectList, QuotaInfo,
+                                QuotaUpdate)
 from dsec.types import FnCallBatch, FnCallBatchItem, FnCallRequest, FnCallResult, FnCallStatus
 from dsec.types import BulkItem, BulkResult, ExecInfo, ExecList, PackDiffRequest
 from dsec.types import MicroVMArgs, SandboxArgs, SnapshotInfo, SnapshotList, VMArgs
+from dsec.types import ImageBuildResult, ImageConfig, ImageProgress, ImagePullRequest
 from dsec.types import (ERRORS_BY_CODE, ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult,
                         FileEntry, FileList, ImageInfo, ImageList, NetworkPolicy, NodeStatus, SandboxInfo, SandboxList,
                         Unavailable)
@@ -160,6 +163,49 @@ class Client:
         body: dict[str, Any] = resp.json()
         return body
 
+    # -- projects, quotas and keys (nested: a key acts for its project and those below) ---
+    async def projects(self) -> builtins.list[ProjectInfo]:
+        """The caller's project and every project below it, top down."""
+        resp = await self._request("GET", "/v1/projects")
+        return ProjectList.model_validate_json(resp.content).projects
+
+    async def create_project(self, name: str, parent_id: str | None = None, *, max_sandboxes: int | None = None,
+                             max_cpu_cores: float | None = None, max_memory_mb: int | None = None) -> ProjectInfo:
+        """A sub-project (default: of the caller's project); omitted quotas inherit the
+        parent's, and none may exceed it."""
+        req = ProjectCreate(name=name, parent_id=parent_id, max_sandboxes=max_sandboxes,
+                            max_cpu_cores=max_cpu_cores, max_memory_mb=max_memory_mb)
+        resp = await self._request("POST", "/v1/projects", content=wire(req), headers=JSON)
+        return ProjectInfo.model_validate_json(resp.content)
+
+    async def project(self, project_id: str) -> ProjectInfo:
+        return ProjectInfo.model_validate_json((await self._request("GET", f"/v1/projects/{project_id}")).content)
+
+    async def delete_project(self, project_id: str) -> None:
+        """Remove an empty project (no sub-projects, no sandboxes)."""
+        await self._request("DELETE", f"/v1/projects/{project_id}")
+
+    async def quota(self, project_id: str) -> QuotaInfo:
+        """The project's limits and what it and its sub-projects hold now."""
+        return QuotaInfo.model_validate_json((await self._request("GET", f"/v1/projects/{project_id}/quota")).content)
+
+    async def set_quota(self, project_id: str, *, max_sandboxes: int | None = None,
+                        max_cpu_cores: float | None = None, max_memory_mb: int | None = None) -> QuotaInfo:
+        """Change a sub-project's quota (key of a parent project; within the parent's)."""
+        req = QuotaUpdate(max_sandboxes=max_sandboxes, max_cpu_cores=max_cpu_cores, max_memory_mb=max_memory_mb)
+        resp = await self._request("PUT", f"/v1/projects/{project_id}/quota", content=wire(req), headers=JSON)
+        return QuotaInfo.model_validate_json(resp.content)
+
+    async def keys(self, project_id: str) -> builtins.list[KeyInfo]:
+        return KeyList.model_validate_json((await self._request("GET", f"/v1/projects/{project_id}/keys")).content).keys
+
+    async def create_key(self, project_id: str) -> NewKey:
+        """A new API key of the project: `.key` is the secret, shown this once."""
+        return NewKey.model_validate_json((await self._request("POST", f"/v1/projects/{project_id}/keys")).content)
+
+    async def revoke_key(self, key_id: str) -> None:
+        await self._request("DELETE", f"/v1/keys/{key_id}")
+
     async def create(self, args: SandboxArgs) -> "Sandbox":
         """Create a sandbox of the backend its argument type names."""
         resp = await self._request("POST", "/v1/sandboxes", content=wire(args), headers=JSON)
@@ -234,6 +280,80 @@ class Client:
         """Admin only: make an image or layer usable by every project."""
         resp = await self._request("POST", f"/v1/images/{name}/publish")
         return ImageInfo.model_validate_json(resp.content)
+
+    async def build_image(self, name: str, context: str | os.PathLike[str], *, dockerfile: str = "Dockerfile",
+                          replace: bool = False, network: bool = False, memory_mb: int = 2048,
+                          timeout_s: float = 1800, on_progress: Callable[[ImageProgress], None] | None = None
+                          ) -> ImageBuildResult:
+        """Build the Dockerfile in directory `context` on the server (buildah; FROM names a dsec
+        image). RUN steps have no network unless `network` (admin only). `on_progress` gets
+        every progress line. Returns the image and its config (env, workdir, ...)."""
+        from dsec.sdk.image_upload import tar_dir
+        params = {"name": name, "dockerfile": dockerfile, "replace": replace, "network": network,
+                  "memory_mb": memory_mb, "timeout_s": timeout_s}
+        with tar_dir(context, "context") as tar:
+            return await self._image_stream("/v1/images/build", params, tar, on_progress)
+
+    async def import_image(self, name: str, *, oci: str | os.PathLike[str] | None = None,
+                           docker_archive: str | os.PathLike[str] | None = None, ref: str | None = None,
+                           replace: bool = False, on_progress: Callable[[ImageProgress], None] | None = None
+                           ) -> ImageInfo:
+        """Upload and import an OCI layout directory or a `docker save` tar as image NAME."""
+        from dsec.sdk.image_upload import tar_dir
+        if (oci is None) == (docker_archive is None):
+            raise DsecError("give exactly one of oci and docker_archive", field="source",
+                            fix="pass an OCI layout dir (oci=) or a docker-archive tar")
+        params: dict[str, Any] = {"name": name, "replace": replace,
+                                  "format": "oci" if oci is not None else "docker-archive"}
+        if ref is not None:
+            params["ref"] = ref
+        if oci is not None:
+            with tar_dir(oci, "oci") as tar:
+                return (await self._image_stream("/v1/images/import", params, tar, on_progress)).image
+        with open(docker_archive, "rb") as f:   # type: ignore[arg-type]
+            return (await self._image_stream("/v1/images/import", params, f, on_progress)).image
+
+    async def pull_image(self, name: str, ref: str, *, tls_verify: bool = True, creds: str | None = None,
+                         replace: bool = False, on_progress: Callable[[ImageProgress], None] | None = None
+                         ) -> ImageInfo:
+        """Admin only: the server pulls `ref` (docker://HOST/REPO:TAG) and imports it as NAME."""
+        body = ImagePullRequest(name=name, ref=ref, tls_verify=tls_verify, creds=creds, replace=replace)
+        return (await self._image_stream("/v1/images/pull", {}, None, on_progress, wire(body))).image
+
+    async def image_config(self, name: str) -> ImageConfig:
+        """ENV/WORKDIR/USER/CMD a Dockerfile gave image NAME (empty for other images)."""
+        resp = await self._request("GET", f"/v1/images/{name}/config")
+        return ImageConfig.model_validate_json(resp.content)
+
+    async def _image_stream(self, path: str, params: dict[str, Any], body: IO[bytes] | None,
+                            on_progress: Callable[[ImageProgress], None] | None,
+                            json_body: str | None = None) -> ImageBuildResult:
+        await self._ensure_ready()
+        content: Any = json_body
+        headers = JSON
+        if body is not None:
+            headers = OCTETS
+
+            async def chunks() -> AsyncIterator[bytes]:
+                while chunk := body.read(1 << 20):
+                    yield chunk
+            content = chunks()
+        async with self._http.stream("POST", path, params=params, content=content, headers=headers,
+                                     timeout=httpx.Timeout(30.0, read=None)) as resp:
+            if resp.status_code >= 400:
+                _raise_for(resp, await resp.aread())
+            async for line in resp.aiter_lines():
+                if not line:
+                    continue
+                ev = ImageProgress.model_validate_json(line)
+                if ev.error is not None:
+                    cls = ERRORS_BY_CODE.get(ev.error.code, DsecError)
+                    raise cls(ev.error.message, field=ev.error.field, fix=ev.error.fix)
+                if ev.result is not None:
+                    return ev.result
+                if on_progress is not None:
+                    on_progress(ev)
+        raise DsecError(f"the server ended {path} without a result", fix="see the server log; retry")
 
     # -- VM snapshots (taken with Sandbox.snapshot()) ------------------------------------
     async def snapshots(self) -> builtins.list[SnapshotInfo]:

@@ -16,14 +16,17 @@ API's own.
 from __future__ import annotations
 
 import builtins
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+import os
 from typing import Any, cast
 
 from dsec.sdk import _sync
 from dsec.sdk.client import Client, Created, Files, Sandbox
+from dsec.sdk.iam_types import KeyInfo, NewKey, ProjectInfo, QuotaInfo
 from dsec.types import (BulkItem, ContainerArgs, DsecError, ExecEvent, ExecInfo, ExecResult, FileEntry,
-                        FnCallRequest, FnCallResult, ImageInfo, MicroVMArgs, NetworkPolicy, NodeStatus,
-                        SandboxArgs, SandboxInfo, SnapshotInfo, VMArgs)
+                        FnCallRequest, FnCallResult, ImageBuildResult, ImageConfig, ImageInfo, ImageProgress,
+                        MicroVMArgs, NetworkPolicy, NodeStatus, SandboxArgs, SandboxInfo, SnapshotInfo,
+                        VMArgs)
 
 __all__ = ["SyncClient", "SyncCreated", "SyncSandbox", "SyncFiles"]
 
@@ -69,6 +72,46 @@ class SyncClient(_sync.Synchronized):
         """Replace a project's own policy (key of a parent project; it may only narrow)."""
         return cast("dict[str, Any]", _sync.call(self, "set_policy", project_id, policy))
 
+    def projects(self) -> builtins.list[ProjectInfo]:
+        """The caller's project and every project below it, top down."""
+        return cast("builtins.list[ProjectInfo]", _sync.call(self, "projects"))
+
+    def create_project(self, name: str, parent_id: str | None = None, *, max_sandboxes: int | None = None,
+                       max_cpu_cores: float | None = None, max_memory_mb: int | None = None) -> ProjectInfo:
+        """A sub-project (default: of the caller's project); omitted quotas inherit the
+        parent's, and none may exceed it.
+        """
+        return cast("ProjectInfo", _sync.call(self, "create_project", name, parent_id,
+                                              max_sandboxes=max_sandboxes, max_cpu_cores=max_cpu_cores,
+                                              max_memory_mb=max_memory_mb))
+
+    def project(self, project_id: str) -> ProjectInfo:
+        return cast("ProjectInfo", _sync.call(self, "project", project_id))
+
+    def delete_project(self, project_id: str) -> None:
+        """Remove an empty project (no sub-projects, no sandboxes)."""
+        _sync.call(self, "delete_project", project_id)
+
+    def quota(self, project_id: str) -> QuotaInfo:
+        """The project's limits and what it and its sub-projects hold now."""
+        return cast("QuotaInfo", _sync.call(self, "quota", project_id))
+
+    def set_quota(self, project_id: str, *, max_sandboxes: int | None = None,
+                  max_cpu_cores: float | None = None, max_memory_mb: int | None = None) -> QuotaInfo:
+        """Change a sub-project's quota (key of a parent project; within the parent's)."""
+        return cast("QuotaInfo", _sync.call(self, "set_quota", project_id, max_sandboxes=max_sandboxes,
+                                            max_cpu_cores=max_cpu_cores, max_memory_mb=max_memory_mb))
+
+    def keys(self, project_id: str) -> builtins.list[KeyInfo]:
+        return cast("builtins.list[KeyInfo]", _sync.call(self, "keys", project_id))
+
+    def create_key(self, project_id: str) -> NewKey:
+        """A new API key of the project: `.key` is the secret, shown this once."""
+        return cast("NewKey", _sync.call(self, "create_key", project_id))
+
+    def revoke_key(self, key_id: str) -> None:
+        _sync.call(self, "revoke_key", key_id)
+
     def create(self, args: SandboxArgs) -> SyncSandbox:
         """Create a sandbox of the backend its argument type names."""
         return cast("SyncSandbox", _sync.call(self, "create", args))
@@ -106,6 +149,38 @@ class SyncClient(_sync.Synchronized):
     def publish_image(self, name: str) -> ImageInfo:
         """Admin only: make an image or layer usable by every project."""
         return cast("ImageInfo", _sync.call(self, "publish_image", name))
+
+    def build_image(self, name: str, context: str | os.PathLike[str], *, dockerfile: str = "Dockerfile",
+                    replace: bool = False, network: bool = False, memory_mb: int = 2048,
+                    timeout_s: float = 1800,
+                    on_progress: Callable[[ImageProgress], None] | None = None) -> ImageBuildResult:
+        """Build the Dockerfile in directory `context` on the server (buildah; FROM names a dsec
+        image). RUN steps have no network unless `network` (admin only). `on_progress` gets
+        every progress line. Returns the image and its config (env, workdir, ...).
+        """
+        return cast("ImageBuildResult", _sync.call(self, "build_image", name, context, dockerfile=dockerfile,
+                                                   replace=replace, network=network, memory_mb=memory_mb,
+                                                   timeout_s=timeout_s, on_progress=on_progress))
+
+    def import_image(self, name: str, *, oci: str | os.PathLike[str] | None = None,
+                     docker_archive: str | os.PathLike[str] | None = None, ref: str | None = None,
+                     replace: bool = False,
+                     on_progress: Callable[[ImageProgress], None] | None = None) -> ImageInfo:
+        """Upload and import an OCI layout directory or a `docker save` tar as image NAME."""
+        return cast("ImageInfo", _sync.call(self, "import_image", name, oci=oci,
+                                            docker_archive=docker_archive, ref=ref, replace=replace,
+                                            on_progress=on_progress))
+
+    def pull_image(self, name: str, ref: str, *, tls_verify: bool = True, creds: str | None = None,
+                   replace: bool = False,
+                   on_progress: Callable[[ImageProgress], None] | None = None) -> ImageInfo:
+        """Admin only: the server pulls `ref` (docker://HOST/REPO:TAG) and imports it as NAME."""
+        return cast("ImageInfo", _sync.call(self, "pull_image", name, ref, tls_verify=tls_verify, creds=creds,
+                                            replace=replace, on_progress=on_progress))
+
+    def image_config(self, name: str) -> ImageConfig:
+        """ENV/WORKDIR/USER/CMD a Dockerfile gave image NAME (empty for other images)."""
+        return cast("ImageConfig", _sync.call(self, "image_config", name))
 
     def snapshots(self) -> builtins.list[SnapshotInfo]:
         """Snapshots of this key's project and its sub-projects."""

@@ -22,7 +22,7 @@ import signal
 import socket
 import struct
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Hashable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -30,12 +30,14 @@ from pathlib import Path
 from dsec.backends.base import (PARKED, RUNNING, Backend, Egress, ImageStacks, LayerDiff, MemoryUsage, Parking,
                                 PortIngress, Prepared, Reclaim, UpperView)
 from dsec.backends.container import cgroups, qos
+from dsec.backends.container import claim as warm_claim
 from dsec.backends.container.disk import open_quotas
 from dsec.backends.container.idmap import IdRanges, host_to_sandbox
 from dsec.backends.container.network import SandboxNetworks
 from dsec.backends.container.parking import PARKED_MARKER, CgroupParking, cgroup_gone
 from dsec.backends.container.ports import CONNECT_TIMEOUT_S, connect_in_netns
-from dsec.backends.container.spec import ContainerSpec, build_config, cgroup_path, ensure_node_file_max
+from dsec.backends.warm import WarmClaim
+from dsec.backends.container.spec import ContainerSpec, build_config, cgroup_path, ensure_node_file_max, mask_dir
 from dsec.config import Paths
 from dsec.native import compile_static
 from dsec.security.users import resolve_user
@@ -69,7 +71,7 @@ class _ExitWatch:
     status: int | None = None     # wait status once it exited (None: unknown)
 
 
-class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, MemoryUsage, Reclaim):
+class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, MemoryUsage, Reclaim, WarmClaim):
     kinds = ("container",)
     instead = {"snapshot": "use pack_diff to save a container's changes as a layer",
                "console": "read a container's output from its commands"}
@@ -78,12 +80,14 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, MemoryUs
         self.paths = paths
         self.rulesets = rulesets      # the operator's named network rule sets
         self.agent_binary = agent_binary
+        _make_mask_dir(mask_dir(agent_binary))
         self.crun = shutil.which(crun) or crun
         self.nsexec = compile_static(NSEXEC_SOURCE, paths.bin, "dsec-nsexec")
         self.cgroup_v2 = cgroups.is_unified()
         problem = cgroups.check_host()
         if problem:
             raise Unavailable(problem, fix=problem)
+        qos.quota_floor_cores()  # a bad DSEC_CPU_QUOTA_FLOOR_CORES stops the server, not a create
         ensure_node_file_max()   # node-wide: sandboxes' files are bounded by their memory instead
         # per-sandbox egress policy (cgroup-BPF) and, when a policy allows anything, a veth
         self.net = SandboxNetworks(paths, lambda sid: cgroups.v2_dir(cgroup_path(sid)))
@@ -300,6 +304,19 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, MemoryUs
         """Replace a running sandbox's egress policy (BPF map update; first allow adds a veth)."""
         allows = resolve(policy, self.rulesets, field="")
         await self.net.apply(sandbox_id, self._pid(sandbox_id), allows)
+
+    # -- warm pools (dsec.backends.warm, claim.py) ----------------------------------------
+    def warm_key(self, prepared: Prepared) -> Hashable | None:
+        return warm_claim.warm_key(prepared, userns=self.ids is not None)
+
+    async def claim(self, sandbox_id: str, prepared: Prepared) -> None:
+        """A pre-started container gets the claimer's limits and network policy."""
+        args = prepared.args
+        assert isinstance(args, ContainerArgs)
+        # a few cgroup file writes (microseconds): inline, a thread hop would cost more
+        warm_claim.apply_limits(cgroup_path(sandbox_id), args, v2=self.cgroup_v2)
+        if prepared.allows:
+            await self.net.apply(sandbox_id, self._pid(sandbox_id), list(prepared.allows))
 
     async def open_port(self, sandbox_id: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """A TCP connection to `port` on the sandbox's loopback, made from the host side into
@@ -572,3 +589,12 @@ def _remove_cgroups(sandbox_id: str, tries: int = 20) -> None:
             return
         time.sleep(0.05)
     log.warning("cgroups left behind", extra={"sandbox": sandbox_id, "paths": [str(c) for c in left]})
+
+
+def _make_mask_dir(path: Path) -> None:
+    """The empty, read-only directory bound over masked directories in every sandbox."""
+    path.mkdir(mode=0o555, exist_ok=True)
+    os.chmod(path, 0o555)   # any umask
+    if any(path.iterdir()):
+        raise Unavailable(f"{path} must be empty: it is bound over masked directories in every sandbox",
+                          fix=f"remove what is in {path} (dsec does not put anything there)")

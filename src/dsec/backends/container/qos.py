@@ -46,7 +46,7 @@ CPU_PERIOD_US = 100_000
 # The CFS quota never goes below this many cores (10 ms per 100 ms period by default): under it
 # one ordinary command (fork + exec + a few ms of work) overruns the period's budget and waits
 # for the next period; at cpu_cores=0.005 (0.5 ms) `exec true` took p50 290 ms vs 15 ms at 0.05
-# (D28b). cpu.shares stays proportional to cpu_cores, so under contention the request is what
+# (D35). cpu.shares stays proportional to cpu_cores, so under contention the request is what
 # counts; the floor only lets an idle sandbox's rare command finish in one period.
 DEFAULT_QUOTA_FLOOR_CORES = 0.1
 

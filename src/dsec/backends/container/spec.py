@@ -95,7 +95,7 @@ def ensure_node_file_max() -> None:
 # Masked directories get a read-only bind of one empty host directory rather than crun's tmpfs
 # per directory: each tmpfs is a superblock per sandbox, every superblock a memcg-aware shrinker,
 # and each memory cgroup keeps a map sized by the highest shrinker id (~1 KiB per 64 ids): at
-# 3,200 sandboxes with 11 superblocks each that map was ~550 KiB per sandbox (D28b). Files stay
+# 3,200 sandboxes with 11 superblocks each that map was ~550 KiB per sandbox (D35). Files stay
 # in maskedPaths (crun binds /dev/null over them: no superblock).
 MASK_DIR_NAME = "mask-empty"
 

@@ -31,8 +31,8 @@ from typing import Literal
 
 from dsec.agent.client import AgentClient
 from dsec.backends.base import (PARKED, RUNNING, Backend, Console, ImageStacks, LivenessWatched, MemoryUsage,
-                                Parking, Prepared, Snapshots)
-from dsec.backends.vm import chain, console as vmconsole, disks, guest
+                                Parking, Prepared, Reclaim, Snapshots)
+from dsec.backends.vm import balloon, chain, console as vmconsole, disks, guest, ramshim
 from dsec.backends.vm.accel import AccelChooser
 from dsec.backends.vm.qemu import (Disk, Kind, Machine, Pmem, Qmp, kill, launch, pid_alive, pss_bytes, qemu_binary,
                                    qemu_log_tail, shell_safe)
@@ -107,7 +107,7 @@ class VMPlan:
     boot_disk: BootDisk | None = None
 
 
-class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, LivenessWatched):
+class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, LivenessWatched, Reclaim):
     """Both QEMU backends ('microvm' and 'vm'); one instance serves both."""
 
     kinds = ("microvm", "vm")
@@ -138,6 +138,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, LivenessWatche
                               fix="run `dsec vm fetch-kernel` (scripts/install.sh does), then restart dsec")
         self.kernel = kernel
         self.initrd = guest.build_initramfs(paths, kernel)
+        self.ram_shim = ramshim.build(paths.bin)   # clones' QEMU: the template's RAM stays read-only
         self.accel = AccelChooser(paths.vm / "accel.json", self.qemu, self.kernel.vmlinuz)
         self.templates = Templates(paths, self)
         self.started: dict[str, str] = {}   # how each VM came up here: cold|clone|snapshot|resumed
@@ -189,7 +190,9 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, LivenessWatche
         return Machine(name=name or spec.sandbox_id, kind=spec.kind, accel=spec.accel, vcpus=spec.vcpus,
                        memory_mb=spec.memory_mb, kernel=self.kernel.vmlinuz, initrd=self.initrd,
                        append=self.append_line(spec), disks=tuple(disks), pmems=tuple(pmems),
-                       ram_file=ram_file, ram_shared=ram_shared, agent_socket=d / "agent.sock",
+                       ram_file=ram_file, ram_shared=ram_shared,
+                       ram_shim=self.ram_shim if ram_file is not None and not ram_shared else None,
+                       agent_socket=d / "agent.sock",
                        qmp_socket=d / "qmp.sock", console_log=d / "console.log",
                        console_pipe=vmconsole.chardev_base(d), pidfile=d / "qemu.pid",
                        incoming=incoming)
@@ -333,6 +336,9 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, LivenessWatche
                 # connect to the agent only once the devices are loaded: a host connection made
                 # during the restore is overwritten by the saved port state (host disconnected)
                 await q.wait_running()
+            if ram_file is not None:     # a clone: its QEMU must not be able to write the template
+                pid = self._pid(spec.sandbox_id)
+                ramshim.check_readonly(pid if pid is not None else -1, ram_file, spec.sandbox_id)
             incoming_state.unlink()
         except SandboxFailed:
             raise
@@ -428,6 +434,19 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, LivenessWatche
             d = self.sandbox_dir(sandbox_id)
             if vmconsole.tap_of(d) is None and await self.is_running(sandbox_id):
                 vmconsole.attach(d)
+                # an edge that died during a reclaim left the balloon target low
+                memory_mb = int(json.loads((d / "spec.json").read_text())["memory_mb"])
+                await balloon.release(d, sandbox_id, memory_mb)
+
+    async def reclaim(self, sandbox_id: str) -> int:
+        """Idle reclaim, the VM way: a brief balloon squeeze (balloon.py), where it is cheap
+        (`balloon.squeeze_enabled`: KVM by default; under TCG the guest's page zeroing makes
+        it cost ~25 ms of a core per MiB, and what the guest frees is back already)."""
+        d = self.sandbox_dir(sandbox_id)
+        spec = json.loads((d / "spec.json").read_text())
+        if not balloon.squeeze_enabled(spec["accel"]):
+            return 0
+        return await balloon.squeeze(d, sandbox_id, int(spec["memory_mb"]), self._pid(sandbox_id))
 
     async def pause(self, sandbox_id: str) -> None:
         async with Qmp(self.sandbox_dir(sandbox_id) / "qmp.sock", sandbox_id) as q:

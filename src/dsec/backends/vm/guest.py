@@ -447,7 +447,7 @@ def qemu_argv(b: GuestBoot, qemu: str = "qemu-system-x86_64") -> list[str]:
          "-device", dev("virtio-serial"),
          "-chardev", f"socket,id=agent,path={b.agent_socket},server=on,wait=off",
          "-device", "virtserialport,chardev=agent,name=dsec.agent",
-         "-device", dev("virtio-balloon") + ",free-page-reporting=on"]
+         "-device", dev("virtio-balloon") + ",free-page-reporting=on,deflate-on-oom=on"]
     if b.qmp_socket is not None:
         a += ["-qmp", f"unix:{b.qmp_socket},server=on,wait=off"]
     for i, layer in enumerate(b.layers):

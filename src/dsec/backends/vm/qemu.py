@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from qemu.qmp import QMPClient
 
+from dsec.backends.vm import ramshim
 from dsec.types import InvalidArgument, SandboxFailed, Unavailable
 
 log = logging.getLogger("dsec.backends.vm")
@@ -66,6 +67,9 @@ class Machine:
     pmems: tuple[Pmem, ...] = ()
     ram_file: Path | None = None      # guest RAM in a file (templates: shared; clones: private)
     ram_shared: bool = False
+    # a clone's QEMU preloads this (ramshim.py): its private mapping of the template's RAM file
+    # is opened read-only and balloon discards never punch holes into the shared file
+    ram_shim: Path | None = None
     agent_socket: Path = Path("agent.sock")
     qmp_socket: Path = Path("qmp.sock")
     console_log: Path = Path("console.log")
@@ -99,7 +103,9 @@ class Machine:
              "-device", self._dev("virtio-serial"),
              "-chardev", f"socket,id=agent,path={self.agent_socket},server=on,wait=off",
              "-device", "virtserialport,chardev=agent,name=dsec.agent",
-             "-device", self._dev("virtio-balloon") + ",free-page-reporting=on",
+             # freed guest pages go back to the host (reporting, from the guest's buddy
+             # allocator); a host-set balloon target gives way when the guest would OOM
+             "-device", self._dev("virtio-balloon") + ",free-page-reporting=on,deflate-on-oom=on",
              "-qmp", f"unix:{self.qmp_socket},server=on,wait=off",
              "-pidfile", str(self.pidfile)]
         if self.ram_file is not None:
@@ -119,6 +125,12 @@ class Machine:
             a += ["-incoming", "defer"]
         return a
 
+    def env(self) -> dict[str, str]:
+        """Environment QEMU needs beyond the edge's own."""
+        if self.ram_shim is not None and self.ram_file is not None and not self.ram_shared:
+            return ramshim.env(self.ram_shim, self.ram_file)
+        return {}
+
 
 async def launch(m: Machine, workdir: Path) -> int:
     """Start QEMU in its own session, detached from the edge (`setsid --fork`: an edge restart
@@ -129,7 +141,8 @@ async def launch(m: Machine, workdir: Path) -> int:
     log_path = workdir / "qemu.log"
     with open(log_path, "ab") as logf:
         proc = await asyncio.create_subprocess_exec(
-            "setsid", "--fork", *argv, cwd=workdir, stdin=asyncio.subprocess.DEVNULL, stdout=logf, stderr=logf)
+            "setsid", "--fork", *argv, cwd=workdir, stdin=asyncio.subprocess.DEVNULL, stdout=logf, stderr=logf,
+            env={**os.environ, **m.env()} if m.env() else None)
         await proc.wait()
     deadline = time.monotonic() + 20.0
     started = time.monotonic()

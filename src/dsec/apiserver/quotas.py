@@ -1,0 +1,95 @@
+"""Project quotas at the apiserver: reserve before a sandbox is placed, bind the reservation
+to the sandbox once an edge created it, give it back when the sandbox ends (iam/quota.py holds
+the ledger).
+
+Sandboxes that end without the apiserver seeing it (TTL and idle reaps, a failed sandbox, a
+stop through another front) are found by reconcile(): reservations bound before a moment are
+compared with every edge's list of live sandboxes taken after it; those missing are released.
+It runs when a creation is about to be refused (so a refusal is never caused by a sandbox that
+has already gone) and when a quota is read, at most every RECONCILE_MIN_S per apiserver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from dsec.apiserver.context import ApiContext
+from dsec.iam import QuotaExceeded
+from dsec.types import SandboxInfo, node_of
+
+log = logging.getLogger("dsec.apiserver.quotas")
+
+RECONCILE_MIN_S = 0.5
+_LOCK, _LAST = "quota_reconcile_lock", "quota_reconciled_at"
+
+
+async def reserve(ctx: ApiContext, project: str, args: Any) -> str:
+    """A reservation of one sandbox of `args`' size for the project and its ancestors, or
+    QuotaExceeded naming the project and the limit (after a reconcile found nothing to free)."""
+    try:
+        return await asyncio.to_thread(ctx.iam.quotas.reserve, project, args.cpu_cores, args.memory_mb)
+    except QuotaExceeded:
+        refused_at = time.time()
+        if not await reconcile(ctx, since=refused_at):
+            raise
+    return await asyncio.to_thread(ctx.iam.quotas.reserve, project, args.cpu_cores, args.memory_mb)
+
+
+async def with_quota(ctx: ApiContext, project: str, args: Any,
+                     create: Callable[[], Awaitable[SandboxInfo]]) -> SandboxInfo:
+    """Run `create` holding the project's quota for it; a failed creation gives it back."""
+    rid = await reserve(ctx, project, args)
+    try:
+        info = await create()
+    except BaseException:
+        await asyncio.shield(asyncio.to_thread(ctx.iam.quotas.release, reservation_id=rid))
+        raise
+    await asyncio.shield(asyncio.to_thread(ctx.iam.quotas.activate, rid, info.id))
+    return info
+
+
+async def ended(ctx: ApiContext, sandbox_id: str) -> None:
+    """The sandbox ended (stopped through this apiserver): its quota is free again."""
+    await asyncio.to_thread(ctx.iam.quotas.release, sandbox_id=sandbox_id)
+
+
+async def reconcile(ctx: ApiContext, since: float = 0.0) -> bool:
+    """Release reservations of sandboxes no edge has any more. True if that may have freed
+    quota since `since` (a reconcile ran after it: worth trying again)."""
+    lock = ctx.extra.setdefault(_LOCK, asyncio.Lock())
+    async with lock:
+        last = float(ctx.extra.get(_LAST, 0.0))
+        if last >= since and since:
+            return True                       # another caller reconciled after our refusal
+        if time.time() - last < RECONCILE_MIN_S:
+            return False
+        t0 = time.time()
+        ctx.extra[_LAST] = t0
+        held = await asyncio.to_thread(ctx.iam.quotas.held, t0)
+        live: set[str] = set()
+        listed: set[str] = set()
+        for node, edge in list(ctx.edges.items()):
+            try:
+                live.update(s.id for s in await edge.list(None, False))
+                listed.add(node)
+            except Exception as e:    # an unreachable edge: its sandboxes keep their quota
+                log.warning("quota reconcile could not list a node", extra={"node": node, "error": str(e)})
+        gone = [h for h in held if h.sandbox_id not in live and _node(h.sandbox_id) in listed]
+        freed = 0
+        for h in gone:
+            freed += await asyncio.to_thread(ctx.iam.quotas.release, reservation_id=h.reservation_id)
+        freed += await asyncio.to_thread(ctx.iam.quotas.release_stale_pending)
+        if freed:
+            log.info("quota reconcile released sandboxes that ended unseen", extra={"released": freed})
+        return freed > 0
+
+
+def _node(sandbox_id: str) -> str | None:
+    try:
+        return node_of(sandbox_id)
+    except Exception:
+        return None

@@ -1,0 +1,60 @@
+"""Admin routes of a node's warm pools (dsec.edge.warm_pool, D28).
+
+    GET /v1/nodes/{node}/warm-pool   the pools: per image its size, idle and starting sandboxes
+    PUT /v1/nodes/{node}/warm-pool   {"pools": "debian-python:8,busybox:4"} ('' for none): the
+                                     node refills or drains them in the background
+
+Only keys of the root project (admins): the pools' containers are the node's, and their size
+is the node's capacity spent ahead of demand.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated, Any, Protocol, cast
+
+from fastapi import Depends, FastAPI, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from dsec.apiserver.guard import principal_of, request_key
+from dsec.iam import Principal
+from dsec.types import Forbidden, NotFound
+
+if TYPE_CHECKING:
+    from dsec.apiserver.context import ApiContext
+
+
+class WarmPoolHandle(Protocol):
+    async def warm_pools(self) -> dict[str, Any]: ...
+    async def set_warm_pools(self, spec: str) -> dict[str, Any]: ...
+
+
+class WarmPoolConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    pools: str = Field(max_length=4096, description="comma-separated image:size, e.g. 'debian-python:8,busybox:4'")
+
+
+def _principal(request: Request) -> Principal:
+    return principal_of(request) or request.app.state.ctx.iam.authenticate(request_key(request))
+
+
+Who = Annotated[Principal, Depends(_principal)]
+
+
+def add_warm_pool_routes(app: FastAPI, ctx: "ApiContext") -> None:
+    def edge_of(node: str, who: Principal) -> WarmPoolHandle:
+        if who.project_id != ctx.iam.root().id:
+            raise Forbidden("only an admin (a key of the root project) sees or sets a node's warm pools",
+                            field="node", fix="ask an admin")
+        edge = ctx.edges.get(node)
+        if edge is None or not hasattr(edge, "warm_pools"):
+            raise NotFound(f"no node {node!r} with warm pools", field="node",
+                           fix=f"use one of: {', '.join(ctx.edges)}")
+        return cast(WarmPoolHandle, edge)
+
+    @app.get("/v1/nodes/{node}/warm-pool")
+    async def get_warm_pool(node: str, who: Who) -> dict[str, Any]:
+        return await edge_of(node, who).warm_pools()
+
+    @app.put("/v1/nodes/{node}/warm-pool")
+    async def set_warm_pool(node: str, body: WarmPoolConfig, who: Who) -> dict[str, Any]:
+        return await edge_of(node, who).set_warm_pools(body.pools)

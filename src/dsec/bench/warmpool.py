@@ -1,0 +1,281 @@
+"""`dsec bench warmpool`: create -> first output with and without a warm pool (edge/warm_pool.py,
+D28), against raw `crun run` of the same rootfs, in one run on one isolated server.
+
+For each mode the clock runs from the SDK's create call to the first stdout byte of
+`stream("echo hi")` on the new sandbox (create, then the command's round trip):
+  1. raw: B concurrent foreground `crun run` of `echo hi` on the image's EROFS rootfs (spawn ->
+     first line on its stdout; bundles written before the clock starts), as `dsec bench density`.
+  2. cold: B concurrent creates with no pool (every create starts a container).
+  3. warm: the node's pool set to B (admin route), waited until full and the box settled, then B
+     concurrent creates that claim from it.
+  4. serial: S one-at-a-time creates, cold and warm (the pool refilled between), the latency
+     without a burst's queueing.
+Every sandbox is stopped; the pool is set back to none; the server and its home are removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import shutil
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from dsec.bench.density import Raw, _err, _stats
+from dsec.bench.server import BenchServer
+from dsec.images.service import ImageService
+from dsec.sdk.client import Client, Sandbox
+from dsec.types import ContainerArgs, DsecError
+
+console = Console(width=None if sys.stdout.isatty() else 160)
+GOAL_P50_MS = 10.0
+
+
+@dataclass
+class Opts:
+    burst: int = 50
+    serial: int = 10
+    image: str = "debian-python"
+    settle_s: float = 5.0
+
+    def command_line(self) -> str:
+        return f"dsec bench warmpool --burst {self.burst} --serial {self.serial} --image {self.image}"
+
+
+class WarmBench:
+    def __init__(self, srv: BenchServer, c: Client, o: Opts):
+        self.srv, self.c, self.o = srv, c, o
+        self.labels = {"dsec-bench": "warmpool"}
+        self.args = ContainerArgs(image=o.image, cpu_cores=1, memory_mb=256, ttl_idle_s=3600, labels=self.labels)
+
+    # -- the pool, through the admin route -------------------------------------------------
+    def _pool(self, spec: str | None = None) -> dict:
+        url = f"{self.srv.url}/v1/nodes/local/warm-pool"
+        h = {"Authorization": f"Bearer {self.srv.key}"}
+        r = httpx.put(url, json={"pools": spec}, headers=h) if spec is not None else httpx.get(url, headers=h)
+        r.raise_for_status()
+        return r.json()
+
+    async def set_pool(self, size: int, timeout_s: float = 600) -> float:
+        """Pool of `size`; waits until it holds them all. Returns the seconds the fill took."""
+        t0 = time.perf_counter()
+        await asyncio.to_thread(self._pool, f"{self.o.image}:{size}" if size else "")
+        while time.perf_counter() - t0 < timeout_s:
+            st = (await asyncio.to_thread(self._pool))["pools"].get(self.o.image)
+            if size == 0 or (st and st["idle"] >= size and st["starting"] == 0):
+                return time.perf_counter() - t0
+            if st and st.get("error"):
+                console.print(f"[yellow]pool: {st['error']}")
+            await asyncio.sleep(0.5)
+        raise RuntimeError(f"the pool did not fill to {size} in {timeout_s:.0f} s")
+
+    # -- one create -> first output ---------------------------------------------------------
+    async def _one(self, out: list[float], create_ms: list[float], errs: list[str], made: list[Sandbox]) -> None:
+        t0 = time.perf_counter()
+        try:
+            sb = await self.c.create(self.args)
+            made.append(sb)
+            t1 = time.perf_counter()
+            async for ev in sb.stream("echo hi", timeout_s=120):
+                if ev.type == "stdout":
+                    out.append((time.perf_counter() - t0) * 1000)
+                    create_ms.append((t1 - t0) * 1000)
+                    break
+            else:
+                errs.append(f"{sb.id}: no stdout")
+        except DsecError as e:
+            errs.append(_err(e))
+        except (httpx.HTTPError, OSError) as e:   # a dropped connection: counted, the run goes on
+            errs.append(f"{type(e).__name__}: {e}")
+
+    # -- the edge's own share of a create (its "sandbox created" log line, ms) ---------------
+    def _log_size(self) -> int:
+        try:
+            return (self.srv.home / "server.log").stat().st_size
+        except OSError:
+            return 0
+
+    def _edge_ms(self, since: int) -> dict[str, float | None]:
+        """p50/p99 of the edge's create time (prepare .. running) logged since offset `since`."""
+        ms: list[float] = []
+        with open(self.srv.home / "server.log", "rb") as f:
+            f.seek(since)
+            for line in f:
+                try:
+                    ev = json.loads(line)
+                except ValueError:
+                    continue
+                if ev.get("event") == "sandbox created" and "ms" in ev and ev.get("project") != "system":
+                    ms.append(float(ev["ms"]))
+        st = _stats(ms)
+        return {"edge_create_p50_ms": st["p50_ms"], "edge_create_p99_ms": st["p99_ms"]}
+
+    async def run_mode(self, n: int, concurrent: bool) -> dict:
+        since = self._log_size()
+        ttfo: list[float] = []
+        create: list[float] = []
+        errs: list[str] = []
+        made: list[Sandbox] = []
+        t0 = time.perf_counter()
+        if concurrent:
+            await asyncio.gather(*(self._one(ttfo, create, errs, made) for _ in range(n)))
+        else:
+            for _ in range(n):
+                await self._one(ttfo, create, errs, made)
+        wall = time.perf_counter() - t0
+        await asyncio.gather(*(sb.stop() for sb in made), return_exceptions=True)
+        return {**_stats(ttfo), **{f"create_{k}": v for k, v in _stats(create).items() if k != "n"},
+                "wall_s": wall, "failed": len(errs), "errors": errs[:5], **self._edge_ms(since)}
+
+    async def serial_warm(self, n: int) -> dict:
+        """One at a time, each from a full pool (refilled after each claim)."""
+        since = self._log_size()
+        ttfo: list[float] = []
+        create: list[float] = []
+        errs: list[str] = []
+        for _ in range(n):
+            await self.set_pool(1)
+            await asyncio.sleep(0.5)
+            made: list[Sandbox] = []
+            await self._one(ttfo, create, errs, made)
+            await asyncio.gather(*(sb.stop() for sb in made), return_exceptions=True)
+        return {**_stats(ttfo), **{f"create_{k}": v for k, v in _stats(create).items() if k != "n"},
+                "failed": len(errs), "errors": errs[:5], **self._edge_ms(since)}
+
+    async def raw_burst(self, n: int) -> dict:
+        layers = ImageService(self.srv.paths).mount_image(self.o.image)
+        if len(layers) != 1:
+            raise RuntimeError(f"the raw-crun baseline needs a single-layer image; {self.o.image} has {len(layers)}")
+        raw = Raw(layers[0], ["echo", "hi"])
+        run_id = f"{os.getpid()}-{int(time.time())}"
+        cids = [f"w{run_id}-{i}" for i in range(n)]
+        ttfo: list[float] = []
+        errs: list[str] = []
+
+        async def one(cid: str) -> None:
+            t0 = time.perf_counter()
+            p = await asyncio.create_subprocess_exec(*raw.crun("run", "--bundle", str(raw.root / "bundles" / cid), cid),
+                                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                                     stderr=subprocess.PIPE)
+            assert p.stdout is not None
+            line = await p.stdout.readline()
+            if line:
+                ttfo.append((time.perf_counter() - t0) * 1000)
+            _, err = await p.communicate()
+            if p.returncode != 0 or not line:
+                errs.append(f"{cid}: exit {p.returncode} {err.decode(errors='replace')[-200:]!r}")
+        try:
+            await asyncio.to_thread(lambda: [raw._bundle(cid) for cid in cids])
+            t0 = time.perf_counter()
+            await asyncio.gather(*(one(cid) for cid in cids))
+            wall = time.perf_counter() - t0
+        finally:
+            await asyncio.to_thread(raw.cleanup)
+        return {**_stats(ttfo), "wall_s": wall, "failed": len(errs), "errors": errs[:5]}
+
+
+async def bench(srv: BenchServer, o: Opts) -> dict:
+    res: dict = {"opts": asdict(o), "host": {"cores": os.cpu_count(), "kernel": platform.release()},
+                 "load1_before": os.getloadavg()[0]}
+    t0 = time.perf_counter()
+    async with srv.client() as c:
+        b = WarmBench(srv, c, o)
+        try:
+            console.rule(f"raw: {o.burst} x crun run echo hi")
+            res["raw_burst"] = await b.raw_burst(o.burst)
+            console.rule(f"cold: {o.burst} concurrent creates, no pool")
+            await asyncio.sleep(o.settle_s)
+            res["cold_burst"] = await b.run_mode(o.burst, concurrent=True)
+            console.rule(f"warm: pool of {o.burst}, then {o.burst} concurrent creates")
+            res["pool_fill_s"] = await b.set_pool(o.burst)
+            await asyncio.sleep(o.settle_s)
+            before = (await asyncio.to_thread(b._pool))["claims"]
+            res["warm_burst"] = await b.run_mode(o.burst, concurrent=True)
+            res["warm_burst"]["claimed"] = (await asyncio.to_thread(b._pool))["claims"] - before
+            await b.set_pool(0)
+            console.rule(f"serial: {o.serial} one-at-a-time creates, cold then warm")
+            res["cold_serial"] = await b.run_mode(o.serial, concurrent=False)
+            before = (await asyncio.to_thread(b._pool))["claims"]
+            res["warm_serial"] = await b.serial_warm(o.serial)
+            res["warm_serial"]["claimed"] = (await asyncio.to_thread(b._pool))["claims"] - before
+        finally:
+            await b.set_pool(0)
+            res["live_left"] = [s.id for s in await c.list()]
+    res["seconds"] = time.perf_counter() - t0
+    res["finished_utc"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return res
+
+
+def _f(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "n/a" if not a or not b else f"{a / b:.2f}"
+
+
+def rows(res: dict) -> list[tuple[str, str, str, str, str, str]]:
+    """(mode, p50 / p99 ms create -> first output, create call p50 ms, the edge's part of it p50
+    / p99 ms, x raw p50, x cold p50)."""
+    raw, cold = res["raw_burst"]["p50_ms"], res["cold_burst"]["p50_ms"]
+    out = [(f"raw `crun run echo hi`, {res['opts']['burst']} at once", f"{_f(raw)} / {_f(res['raw_burst']['p99_ms'])}",
+            "", "", "1.00", "")]
+    for key, label in (("cold_burst", "dsec, no pool, burst"), ("warm_burst", "dsec, warm pool, burst"),
+                       ("cold_serial", "dsec, no pool, one at a time"), ("warm_serial", "dsec, warm pool, one at a time")):
+        m = res[key]
+        claimed = f" ({m['claimed']}/{m['n']} claimed)" if "claimed" in m else ""
+        base = cold if "burst" in key else res["cold_serial"]["p50_ms"]
+        out.append((label + claimed + (f", {m['failed']} failed" if m["failed"] else ""),
+                    f"{_f(m['p50_ms'])} / {_f(m['p99_ms'])}", _f(m.get("create_p50_ms")),
+                    f"{_f(m.get('edge_create_p50_ms'))} / {_f(m.get('edge_create_p99_ms'))}",
+                    _ratio(m["p50_ms"], raw), _ratio(m["p50_ms"], base)))
+    return out
+
+
+def markdown(res: dict, o: Opts) -> str:
+    lines = [f"### Warm pool: create -> first output ({res['finished_utc']})", "",
+             f"`{o.command_line()}` on {res['host']['cores']} cores, kernel {res['host']['kernel']}, "
+             f"load1 before {res['load1_before']:.2f} (a shared box). Pool of {o.burst} filled in "
+             f"{res['pool_fill_s']:.1f} s. Goal: warm p50 <= {GOAL_P50_MS:g} ms under a burst.", "",
+             "| mode | create -> first output p50 / p99 ms | create call (HTTP) p50 ms | edge's create p50 / p99 ms "
+             "| x raw p50 | x no-pool p50 |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {' | '.join(r)} |" for r in rows(res)]
+    return "\n".join(lines) + "\n"
+
+
+def run_warmpool_bench(o: Opts, out: Path | None = None, json_out: Path | None = None) -> dict:
+    srv = BenchServer("dsec-bench-warmpool-")
+    srv.prepare([o.image])
+    srv.start()
+    try:
+        res = asyncio.run(bench(srv, o))
+    finally:
+        if json_out:   # the server's log beside the results (the home goes with close())
+            with contextlib.suppress(OSError):
+                shutil.copy(srv.home / "server.log", json_out.with_suffix(".server.log"))
+        srv.close()
+    t = Table(title="create -> first output")
+    for col in ("mode", "p50 / p99 ms", "create p50 ms", "edge create p50/p99", "x raw", "x no pool"):
+        t.add_column(col)
+    for r in rows(res):
+        t.add_row(*r)
+    console.print(t)
+    if json_out:
+        json_out.write_text(json.dumps(res, indent=1))
+    if out:
+        with out.open("a") as f:
+            f.write("\n" + markdown(res, o))
+        console.print(f"appended to {out}")
+    return res

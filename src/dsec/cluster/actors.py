@@ -1,0 +1,161 @@
+"""The processes of a dsec cluster, as Ray actors: one EdgeNode per node (pinned to it) and
+stateless ApiReplica(s). Ray places them, restarts a crashed one on its node, and tells who is
+alive; sandbox traffic never goes through Ray (apiserver -> edge is HTTP, edge_service.py).
+
+Both run their service in the actor's own event loop (Ray async actors) and start on the first
+call of start()/address(), so an actor Ray restarts after a crash serves again as soon as
+discovery asks for its address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("dsec.cluster")
+
+
+def seed_native_helpers(src: Path, dst: Path) -> None:
+    """Copy the compiled helpers (agent, nsexec, BPF object) another home on this host built:
+    their names carry their source's hash, so a copy is the same build and an outdated one is
+    never used; several edges on one host then skip compiling the same files each."""
+    import shutil
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.glob("*"):
+        if f.is_file() and (f.name.startswith("dsec-") or f.name.endswith(".bpf.o")) and not (dst / f.name).exists():
+            shutil.copy2(f, dst / f.name)
+
+
+class EdgeNode:
+    """One node's edge + FnCall, served over HTTP on the node's address (edge_service.py)."""
+
+    def __init__(self, node_id: str, home: str, secret: str, system_project: str, host: str,
+                 builtin_images: list[str] | None = None, seed_bin: str | None = None):
+        self.node_id = node_id
+        self._seed_bin = Path(seed_bin) if seed_bin else None
+        self.home = Path(home)
+        self._secret = secret
+        self._system_project = system_project
+        self._host = host
+        self._builtin = list(builtin_images or [])
+        self._stack: AsyncExitStack | None = None
+        self._url: str | None = None
+        self._lock = asyncio.Lock()
+
+    async def _start(self) -> None:
+        from dsec import log as dlog
+        from dsec.cluster.edge_service import bind, edge_app, serve, stop
+        from dsec.config import Paths
+        from dsec.embedded.server import make_private, node_services
+        from dsec.images.builtin import ensure_builtin
+        from dsec.images.service import ImageService
+
+        dlog.configure(os.environ.get("DSEC_LOG_LEVEL", "INFO"))
+        paths = Paths(self.home)
+        make_private(paths)
+        (paths.home / "cache").mkdir(exist_ok=True)
+        if self._seed_bin is not None:
+            seed_native_helpers(self._seed_bin, paths.bin)
+        for name in self._builtin:      # until the shared layer store: each node builds its own
+            await asyncio.to_thread(ensure_builtin, ImageService(paths), name)
+        stack = AsyncExitStack()
+        try:
+            edge, fncall = await stack.enter_async_context(node_services(paths, self.node_id, self._system_project))
+            sock = bind(self._host)
+            server = await serve(edge_app(edge, self._secret, fncall), sock)
+            stack.push_async_callback(stop, server)
+        except BaseException:
+            await stack.aclose()
+            raise
+        self._stack = stack
+        host, port = sock.getsockname()[:2]
+        self._url = f"http://{host}:{port}"
+        log.info("edge serving", extra={"node": self.node_id, "url": self._url, "home": str(self.home)})
+
+    async def address(self) -> dict[str, Any]:
+        """{node_id, url, ray_node, home}; starts the edge first if it is not serving."""
+        async with self._lock:
+            if self._stack is None:
+                await self._start()
+        import ray
+        return {"node_id": self.node_id, "url": self._url, "home": str(self.home), "pid": os.getpid(),
+                "subnet": os.environ.get("DSEC_NET_SUBNET"), "ray_node": ray.get_runtime_context().get_node_id()}
+
+    async def stop(self) -> None:
+        """Close the edge (sandboxes keep running; an edge started on this home adopts them)."""
+        async with self._lock:
+            stack, self._stack = self._stack, None
+            if stack is not None:
+                await stack.aclose()
+
+
+class ApiReplica:
+    """The normal dsec HTTP API over every edge discovery finds (discovery.py)."""
+
+    def __init__(self, name: str, secret: str, db_url: str, admin_key_file: str, host: str, port: int,
+                 images_home: str | None = None):
+        self.name = name
+        self._secret = secret
+        self._db_url = db_url
+        self._admin_key_file = admin_key_file
+        self._host, self._port = host, port
+        self._images_home = images_home
+        self._stack: AsyncExitStack | None = None
+        self._url: str | None = None
+        self._lock = asyncio.Lock()
+
+    async def _start(self) -> None:
+        from dsec import log as dlog
+        from dsec.apiserver.app import create_app
+        from dsec.apiserver.context import ApiContext
+        from dsec.cluster.discovery import RayDiscovery
+        from dsec.cluster.edge_service import bind, serve, stop
+        from dsec.config import Paths
+        from dsec.iam import IAM
+        from dsec.images.service import ImageService
+        from dsec.placement import Placer
+        from dsec.watcher import Watcher
+
+        dlog.configure(os.environ.get("DSEC_LOG_LEVEL", "INFO"))
+        stack = AsyncExitStack()
+        try:
+            iam = IAM(self._db_url, home=Path(self._admin_key_file).parent)   # the cluster's home (secrets)
+            stack.callback(iam.close)
+            watcher = Watcher({}, interval_s=1.0)
+            discovery = RayDiscovery(watcher, self._secret)
+            await discovery.refresh()
+            await watcher.start()
+            stack.push_async_callback(watcher.stop)
+            await discovery.start()
+            stack.push_async_callback(discovery.stop)
+            images = ImageService(Paths(Path(self._images_home))) if self._images_home else None
+            ctx = ApiContext(iam=iam, edges=discovery.edges, watcher=watcher, placer=Placer(k=2), images=images,
+                             fncall=discovery.fncall)
+            import ray
+            sock = bind(self._host or ray.util.get_node_ip_address(), self._port, reuse_port=True)
+            server = await serve(create_app(ctx), sock)
+            stack.push_async_callback(stop, server)
+        except BaseException:
+            await stack.aclose()
+            raise
+        self._stack = stack
+        host, port = sock.getsockname()[:2]
+        self._url = f"http://{host}:{port}"
+        log.info("apiserver replica serving", extra={"replica": self.name, "url": self._url})
+
+    async def address(self) -> dict[str, Any]:
+        async with self._lock:
+            if self._stack is None:
+                await self._start()
+        import ray
+        return {"name": self.name, "url": self._url, "ray_node": ray.get_runtime_context().get_node_id()}
+
+    async def stop(self) -> None:
+        async with self._lock:
+            stack, self._stack = self._stack, None
+            if stack is not None:
+                await stack.aclose()

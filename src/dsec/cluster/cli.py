@@ -1,0 +1,80 @@
+"""`dsec cluster up|down|status`: cluster mode on a running Ray cluster (ray_cluster.py).
+
+Imports only typer at module level: the CLI loads this on a client-only install too; Ray and
+the server side are imported when a command runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import json
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from dsec.config import DEFAULT_HOME, DEFAULT_PORT
+
+cluster_app = typer.Typer(no_args_is_help=True,
+                          help="cluster mode on Ray: an edge per node, apiserver replicas (needs dsec[cluster])")
+
+Address = Annotated[str, typer.Option(help="the Ray cluster (ray.init address): 'auto' finds the local one")]
+
+
+CLUSTER_INSTALL = "pip install 'dsec[cluster]'"
+
+
+def _connect(address: str) -> None:
+    try:
+        import ray
+        import websockets  # noqa: F401  (the tunnel client of the replicas)
+    except ImportError as e:
+        typer.echo(f"error: cluster mode needs {e.name!r}, which is not installed\n  fix: {CLUSTER_INSTALL}", err=True)
+        raise typer.Exit(2) from None
+    if not ray.is_initialized():
+        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+
+
+def _print(obj: Any) -> None:
+    typer.echo(json.dumps(obj, indent=2, default=str))
+
+
+@cluster_app.command("up")
+def up(address: Address = "auto",
+       replicas: Annotated[int, typer.Option(min=1, help="apiserver replicas")] = 2,
+       port: Annotated[int, typer.Option(help="the replicas' API port (shared on a host)")] = DEFAULT_PORT,
+       host: Annotated[str, typer.Option(help="the replicas' bind address; '' = their node's address")] = "",
+       home: Annotated[Path, typer.Option(help="cluster state: secret, admin key, SQLite IAM")] = Path(DEFAULT_HOME) / "cluster",
+       node_homes: Annotated[Path, typer.Option(help="each edge's DSEC_HOME is <node-homes>/<node id> on its node")
+                             ] = Path(DEFAULT_HOME) / "nodes",
+       db_url: Annotated[Optional[str], typer.Option(envvar="DSEC_DB_URL",
+                                                     help="IAM database for every replica (PostgreSQL DSN)")] = None,
+       subnet_pool: str = "10.90.0.0/16", subnet_prefix: int = 22,
+       node_resource: Annotated[Optional[str], typer.Option(help="only Ray nodes with this resource get an edge")] = None,
+       builtin: Annotated[Optional[list[str]], typer.Option(help="built-in images each edge builds at start")] = None,
+       ) -> None:
+    """Start an edge on every eligible Ray node and the apiserver replicas (what is missing)."""
+    from dsec.cluster import ray_cluster as rc
+    _connect(address)
+    settings = rc.ClusterSettings(home=home, node_homes=node_homes, db_url=db_url, replicas=replicas,
+                                  api_host=host, api_port=port, subnet_pool=subnet_pool, subnet_prefix=subnet_prefix,
+                                  node_resource=node_resource, builtin_images=list(builtin or []))
+    _print(asyncio.run(rc.up(settings)))
+    typer.echo(f"admin key: {settings.home / 'admin.key'}")
+
+
+@cluster_app.command("status")
+def status(address: Address = "auto") -> None:
+    """Every edge (node, URL, alive) and apiserver replica of the cluster."""
+    from dsec.cluster import ray_cluster as rc
+    _connect(address)
+    _print(asyncio.run(rc.status()))
+
+
+@cluster_app.command("down")
+def down(address: Address = "auto") -> None:
+    """Stop the replicas and edges (sandboxes keep running; the next `up` adopts them)."""
+    from dsec.cluster import ray_cluster as rc
+    _connect(address)
+    _print({"stopped": asyncio.run(rc.down())})

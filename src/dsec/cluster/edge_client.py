@@ -1,0 +1,271 @@
+"""HttpEdge: the EdgeHandle of a node whose edge runs elsewhere (edge_service.py), and
+HttpFnCall: its FnCall service. What the apiserver gets back is what an in-process edge gives:
+the same pydantic types, the same DsecError subclasses (by code), ExecEvent streams, and a
+(reader, writer) pair for a port connection (a WebSocket tunnel relayed through a local socket
+pair, so callers keep using asyncio streams). A node that does not answer is EdgeUnreachable
+(503)."""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import json
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+from urllib.parse import urlencode
+
+import httpx
+
+from dsec.apiserver.context import EdgeHandle, FnCallHandle
+from dsec.cluster.wire import (EDGE_PREFIX, FNCALL_PREFIX, TUNNEL_EOF, TUNNEL_OK, TUNNEL_PATH, EdgeUnreachable,
+                               MethodSpec, error_from, specs)
+from dsec.types import (BulkItem, DsecError, ExecEvent, ExecInfo, ExecRequest, ExecResult, FileEntry, FnCallRequest,
+                        FnCallResult, ImageInfo, NetworkPolicy, NodeStatus, PackDiffRequest, SandboxArgs, SandboxInfo,
+                        SnapshotInfo)
+
+CONNECT_TIMEOUT_S = 5.0
+TUNNEL_CHUNK = 64 * 1024
+
+EDGE_SPECS = specs(EdgeHandle)
+FNCALL_SPECS = specs(FnCallHandle)
+
+
+class _Rpc:
+    """POST <prefix><method> with the cluster secret; errors back as DsecErrors."""
+
+    def __init__(self, url: str, secret: str, node_id: str, http: httpx.AsyncClient | None = None):
+        self.url = url.rstrip("/")
+        self.node_id = node_id
+        self._auth = {"Authorization": f"Bearer {secret}"}
+        # no read timeout: a create or a command takes as long as it takes (the edge bounds
+        # them); a dead node is found by connect failing or the connection dropping
+        self._http = http or httpx.AsyncClient(
+            headers=self._auth, timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    def _unreachable(self, e: Exception) -> EdgeUnreachable:
+        detail = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        err = EdgeUnreachable(f"node {self.node_id!r} did not answer ({detail})", field="node",
+                              fix="the node may have left the cluster: `dsec cluster status`; retry")
+        # no connection was made: the request cannot have taken effect on the node
+        err.delivered = not isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout))
+        return err
+
+    async def _post(self, spec: MethodSpec, prefix: str, kwargs: dict[str, Any]) -> httpx.Response:
+        body = spec.params(**kwargs).model_dump_json()
+        try:
+            resp = await self._http.post(self.url + prefix + spec.name, content=body,
+                                         headers={"content-type": "application/json"})
+        except httpx.TransportError as e:
+            raise self._unreachable(e) from e
+        if resp.status_code >= 400:
+            raise _decode_error(resp.content, resp.status_code)
+        return resp
+
+    async def _call(self, table: dict[str, MethodSpec], prefix: str, method: str, **kwargs: Any) -> Any:
+        spec = table[method]
+        resp = await self._post(spec, prefix, kwargs)
+        if spec.kind == "bytes":
+            return resp.content
+        return getattr(spec.result.model_validate_json(resp.content), "result")
+
+    async def _stream(self, method: str, **kwargs: Any) -> AsyncIterator[ExecEvent]:
+        spec = EDGE_SPECS[method]
+        body = spec.params(**kwargs).model_dump_json()
+        req = self._http.build_request("POST", self.url + EDGE_PREFIX + method, content=body,
+                                       headers={"content-type": "application/json"})
+        try:
+            resp = await self._http.send(req, stream=True)
+        except httpx.TransportError as e:
+            raise self._unreachable(e) from e
+        try:
+            if resp.status_code >= 400:
+                raise _decode_error(await resp.aread(), resp.status_code)
+            try:
+                async for line in resp.aiter_lines():
+                    if not line:
+                        continue
+                    if line.startswith('{"error"'):
+                        raise _decode_error(line.encode(), None)
+                    yield getattr(spec.result.model_validate_json(line), "result")
+            except httpx.TransportError as e:   # the node went away mid-stream
+                raise self._unreachable(e) from e
+        finally:
+            await resp.aclose()
+
+
+def _decode_error(content: bytes, status: int | None) -> DsecError:
+    try:
+        body = json.loads(content)
+    except ValueError:
+        body = None
+    return error_from(body, status)
+
+
+class HttpEdge(_Rpc):
+    """EdgeHandle over HTTP (see the module doc)."""
+
+    def _c(self, method: str, **kwargs: Any) -> Any:
+        return self._call(EDGE_SPECS, EDGE_PREFIX, method, **kwargs)
+
+    async def status(self) -> NodeStatus:
+        return await self._c("status")
+
+    async def create(self, project: str, args: SandboxArgs) -> SandboxInfo:
+        return await self._c("create", project=project, args=args)
+
+    async def snapshot(self, sandbox_id: str) -> SnapshotInfo:
+        return await self._c("snapshot", sandbox_id=sandbox_id)
+
+    async def get_snapshot(self, snapshot_id: str) -> SnapshotInfo:
+        return await self._c("get_snapshot", snapshot_id=snapshot_id)
+
+    async def list_snapshots(self, project: str | None = None) -> builtins.list[SnapshotInfo]:
+        return await self._c("list_snapshots", project=project)
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        await self._c("delete_snapshot", snapshot_id=snapshot_id)
+
+    async def suspend(self, sandbox_id: str) -> SandboxInfo:
+        return await self._c("suspend", sandbox_id=sandbox_id)
+
+    async def console(self, sandbox_id: str, tail: int = 65536) -> bytes:
+        return await self._c("console", sandbox_id=sandbox_id, tail=tail)
+
+    async def resume(self, sandbox_id: str) -> SandboxInfo:
+        return await self._c("resume", sandbox_id=sandbox_id)
+
+    async def get(self, sandbox_id: str, usage: bool = False) -> SandboxInfo:
+        return await self._c("get", sandbox_id=sandbox_id, usage=usage)
+
+    async def list(self, project: str | None = None, include_ended: bool = False) -> builtins.list[SandboxInfo]:
+        return await self._c("list", project=project, include_ended=include_ended)
+
+    async def stop(self, sandbox_id: str, reason: str | None = None) -> SandboxInfo:
+        return await self._c("stop", sandbox_id=sandbox_id, reason=reason)
+
+    async def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo:
+        return await self._c("set_network", sandbox_id=sandbox_id, policy=policy)
+
+    def exec_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
+        return self._stream("exec_stream", sandbox_id=sandbox_id, req=req)
+
+    async def run(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+        return await self._c("run", sandbox_id=sandbox_id, req=req)
+
+    async def attach(self, sandbox_id: str, exec_id: str) -> ExecResult:
+        return await self._c("attach", sandbox_id=sandbox_id, exec_id=exec_id)
+
+    async def exec_start(self, sandbox_id: str, req: ExecRequest) -> ExecInfo:
+        return await self._c("exec_start", sandbox_id=sandbox_id, req=req)
+
+    def exec_follow(self, sandbox_id: str, exec_id: str) -> AsyncIterator[ExecEvent]:
+        return self._stream("exec_follow", sandbox_id=sandbox_id, exec_id=exec_id)
+
+    async def exec_stdin(self, sandbox_id: str, exec_id: str, data: bytes, close: bool = False) -> None:
+        await self._c("exec_stdin", sandbox_id=sandbox_id, exec_id=exec_id, data=data, close=close)
+
+    async def exec_signal(self, sandbox_id: str, exec_id: str, signal: int) -> None:
+        await self._c("exec_signal", sandbox_id=sandbox_id, exec_id=exec_id, signal=signal)
+
+    async def list_execs(self, sandbox_id: str) -> builtins.list[ExecInfo]:
+        return await self._c("list_execs", sandbox_id=sandbox_id)
+
+    async def set_timeout(self, sandbox_id: str, timeout_s: float) -> SandboxInfo:
+        return await self._c("set_timeout", sandbox_id=sandbox_id, timeout_s=timeout_s)
+
+    async def suspend_many(self, sandbox_ids: builtins.list[str]) -> builtins.list[BulkItem]:
+        return await self._c("suspend_many", sandbox_ids=sandbox_ids)
+
+    async def resume_many(self, sandbox_ids: builtins.list[str]) -> builtins.list[BulkItem]:
+        return await self._c("resume_many", sandbox_ids=sandbox_ids)
+
+    async def close_session(self, sandbox_id: str, name: str) -> None:
+        await self._c("close_session", sandbox_id=sandbox_id, name=name)
+
+    async def read_file(self, sandbox_id: str, path: str, maxlen: int = 64 << 20) -> bytes:
+        return await self._c("read_file", sandbox_id=sandbox_id, path=path, maxlen=maxlen)
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644,
+                         mkdirs: bool = True) -> None:
+        await self._c("write_file", sandbox_id=sandbox_id, path=path, data=data, mode=mode, mkdirs=mkdirs)
+
+    async def list_dir(self, sandbox_id: str, path: str) -> builtins.list[FileEntry]:
+        return await self._c("list_dir", sandbox_id=sandbox_id, path=path)
+
+    async def remove_file(self, sandbox_id: str, path: str) -> None:
+        await self._c("remove_file", sandbox_id=sandbox_id, path=path)
+
+    async def pack_diff(self, sandbox_id: str, req: PackDiffRequest) -> ImageInfo:
+        return await self._c("pack_diff", sandbox_id=sandbox_id, req=req)
+
+    @asynccontextmanager
+    async def port_connection(self, sandbox_id: str, port: int
+                              ) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+        """A TCP connection to `port` in the sandbox: a WebSocket to the edge's tunnel, relayed
+        through a local socket pair so the caller gets plain asyncio streams."""
+        from websockets.asyncio.client import connect
+        from websockets.exceptions import WebSocketException
+
+        ws_url = ("ws" + self.url.removeprefix("http") + TUNNEL_PATH + "?"
+                  + urlencode({"sandbox_id": sandbox_id, "port": port}))
+        try:
+            ws = await connect(ws_url, additional_headers=self._auth, open_timeout=CONNECT_TIMEOUT_S,
+                               max_size=1 << 20, compression=None, ping_interval=None)
+        except (OSError, WebSocketException, TimeoutError) as e:
+            raise self._unreachable(e) from e
+        pumps: list[asyncio.Task[None]] = []
+        relay: asyncio.StreamWriter | None = None
+        try:
+            first = await ws.recv()
+            if first != TUNNEL_OK:
+                raise _decode_error(first.encode() if isinstance(first, str) else first, None)
+            mine, theirs = socket.socketpair()
+            reader, writer = await asyncio.open_connection(sock=mine)
+            r2, w2 = await asyncio.open_connection(sock=theirs)
+            relay = w2
+
+            async def up() -> None:       # caller -> edge
+                while data := await r2.read(TUNNEL_CHUNK):
+                    await ws.send(data)
+                await ws.send(TUNNEL_EOF)
+
+            async def down() -> None:     # edge -> caller; the edge closing is EOF
+                try:
+                    async for msg in ws:
+                        if isinstance(msg, bytes):
+                            w2.write(msg)
+                            await w2.drain()
+                finally:
+                    if w2.can_write_eof():
+                        w2.write_eof()
+
+            pumps = [asyncio.create_task(up()), asyncio.create_task(down())]
+            try:
+                yield reader, writer
+            finally:
+                writer.close()
+        except WebSocketException as e:
+            raise self._unreachable(e) from e
+        finally:
+            for t in pumps:
+                t.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+            await ws.close()
+            if relay is not None:
+                relay.close()
+
+
+class HttpFnCall(_Rpc):
+    """FnCallHandle over HTTP: the node's FnCall service beside its edge."""
+
+    async def run(self, req: FnCallRequest, project: str | None = None) -> FnCallResult:
+        return await self._call(FNCALL_SPECS, FNCALL_PREFIX, "run", req=req, project=project)
+
+    async def pool_stats(self) -> builtins.list[dict]:
+        return await self._call(FNCALL_SPECS, FNCALL_PREFIX, "pool_stats")

@@ -1,0 +1,225 @@
+"""`dsec cluster up/down/status` on a running Ray cluster (D32).
+
+up: one EdgeNode per eligible live node (detached, named `dsec-edge-<node>`, pinned with
+NodeAffinitySchedulingStrategy), each with its own DSEC_HOME, bridge and subnet (several Ray
+nodes may share a host: CI, tests); then `replicas` ApiReplica actors spread over the nodes.
+Idempotent: nodes that already have an edge keep it, new nodes get one (their subnets are the
+free slots of the pool). The cluster secret (apiserver <-> edge authentication) is generated on
+the first `up` into <home>/cluster.secret (0600) and reused after.
+
+Node-global on one host, per edge: DSEC_HOME (edge.db, crun root, layer mounts, scratch),
+bridge + nft table (named after the bridge) + subnet, the edge service's port (bound to a free
+one, reported through Ray). Shared and safe to share: the cgroup tree /dsec/<sandbox id> (ids
+carry the node), the uid-range registry in /run/dsec/idranges (host-wide by design), zram swap,
+sysctls the edges set to the same values.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsec.cluster.discovery import API_PREFIX, EDGE_PREFIX, NAMESPACE, actor_address, edge_node_id, named_actors
+from dsec.config import DEFAULT_HOME, DEFAULT_PORT
+from dsec.types import InvalidArgument, Unavailable
+
+log = logging.getLogger("dsec.cluster")
+
+SECRET_FILE = "cluster.secret"
+START_TIMEOUT_S = 120.0
+
+
+@dataclass
+class ClusterSettings:
+    home: Path = Path(DEFAULT_HOME) / "cluster"      # secret, admin key, SQLite IAM (head node)
+    node_homes: Path = Path(DEFAULT_HOME) / "nodes"  # each edge's DSEC_HOME: <node_homes>/<node id> on its node
+    # IAM for every replica: DSEC_DB_URL (PostgreSQL) in a real cluster; else one SQLite file,
+    # which only replicas on the head's host can share
+    db_url: str | None = field(default_factory=lambda: os.environ.get("DSEC_DB_URL"))
+    replicas: int = 2
+    api_host: str = ""              # "" = the replica's Ray node address
+    api_port: int = DEFAULT_PORT    # replicas on one host share it (SO_REUSEPORT)
+    subnet_pool: str = "10.90.0.0/16"
+    subnet_prefix: int = 22         # per edge: 1,022 sandbox addresses
+    node_resource: str | None = None   # only nodes offering this Ray resource get an edge
+    api_resource: str | None = None    # replicas need one unit of this Ray resource (else: spread)
+    builtin_images: list[str] = field(default_factory=list)
+    edge_env: dict[str, str] = field(default_factory=dict)
+    images_home: str | None = None  # replicas' image registry (tenancy checks) until the shared layer store
+    seed_bin: str | None = None     # a bin/ of compiled helpers on every node's host to copy from (tests)
+
+    @property
+    def iam_url(self) -> str:
+        return self.db_url or str(self.home / "iam.db")
+
+
+def _secret(home: Path) -> str:
+    f = home / SECRET_FILE
+    if f.exists():
+        return f.read_text().strip()
+    home.mkdir(parents=True, exist_ok=True)
+    value = secrets.token_urlsafe(32)
+    fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(value)
+    return value
+
+
+def _subnets(pool: str, prefix: int) -> list[str]:
+    net = ipaddress.IPv4Network(pool)
+    if prefix < net.prefixlen or prefix > 28:
+        raise InvalidArgument(f"subnet_prefix /{prefix} does not fit the pool {pool}", field="subnet_prefix",
+                              fix=f"use a prefix between /{net.prefixlen} and /28")
+    return [str(s) for s in net.subnets(new_prefix=prefix)]
+
+
+def eligible_nodes(settings: ClusterSettings) -> list[dict[str, Any]]:
+    import ray
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if settings.node_resource:
+        nodes = [n for n in nodes if n.get("Resources", {}).get(settings.node_resource, 0) > 0]
+    return sorted(nodes, key=lambda n: n["NodeID"])
+
+
+def _bootstrap_iam(settings: ClusterSettings) -> str:
+    """The root project and admin key (once), and the `system` project's id (FnCall pools)."""
+    from dsec.embedded.server import system_project
+    from dsec.iam import IAM
+    settings.home.mkdir(parents=True, exist_ok=True)
+    iam = IAM(settings.iam_url, home=settings.home)
+    try:
+        iam.bootstrap(settings.home / "admin.key")
+        return system_project(iam)
+    finally:
+        iam.close()
+
+
+async def up(settings: ClusterSettings) -> dict[str, Any]:
+    """Start what is missing; returns status(). Ray must be initialized (ray.init)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    from dsec.cluster.actors import ApiReplica, EdgeNode
+
+    secret = _secret(settings.home)
+    system = await asyncio.to_thread(_bootstrap_iam, settings)
+    nodes = await asyncio.to_thread(eligible_nodes, settings)
+    if not nodes:
+        raise Unavailable("no live Ray node is eligible for an edge", field="node_resource",
+                          fix="start Ray nodes (`ray start`), or drop --node-resource")
+    existing = {n.removeprefix(EDGE_PREFIX) for n in await asyncio.to_thread(named_actors, EDGE_PREFIX)}
+    gone = existing - await asyncio.to_thread(live_edge_ids)
+    for node in gone:      # edges of dead Ray nodes: their names (and subnets) are free again
+        await asyncio.to_thread(_kill, EDGE_PREFIX + node)
+    existing -= gone
+    taken = {a["subnet"] for a in await asyncio.gather(*(actor_address(EDGE_PREFIX + n) for n in existing))
+             if a is not None and a.get("subnet")}
+    free = [s for s in _subnets(settings.subnet_pool, settings.subnet_prefix) if s not in taken]
+    edge_cls = ray.remote(EdgeNode)
+    started = []
+    for n in nodes:
+        node = edge_node_id(n["NodeID"])
+        if node in existing:
+            continue
+        if not free:
+            raise Unavailable(f"the subnet pool {settings.subnet_pool} has no /{settings.subnet_prefix} left",
+                              field="subnet_pool", fix="use a larger pool or a longer subnet_prefix")
+        subnet = free.pop(0)
+        home = settings.node_homes / node
+        env = {**settings.edge_env, "DSEC_HOME": str(home), "DSEC_NET_BRIDGE": f"dc{node}"[:15],
+               "DSEC_NET_SUBNET": subnet}
+        edge_cls.options(name=EDGE_PREFIX + node, namespace=NAMESPACE, lifetime="detached", num_cpus=0,
+                         max_restarts=-1, max_concurrency=10_000,
+                         scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False),
+                         runtime_env={"env_vars": env}).remote(
+            node, str(home), secret, system, n["NodeManagerAddress"], settings.builtin_images, settings.seed_bin)
+        started.append(node)
+    # every edge answers (starts) before the replicas look for them
+    answers = await asyncio.gather(*(actor_address(EDGE_PREFIX + n, START_TIMEOUT_S) for n in started))
+    failed = [n for n, a in zip(started, answers) if a is None]
+    if failed:
+        raise Unavailable(f"edges did not start on {', '.join(failed)}", field="nodes",
+                          fix="see the Ray worker logs of those nodes (/tmp/ray/session_latest/logs)")
+    replica_cls = ray.remote(ApiReplica)
+    have = set(await asyncio.to_thread(named_actors, API_PREFIX))
+    new_replicas = []
+    for i in range(settings.replicas):
+        name = f"{API_PREFIX}{i}"
+        if name in have:
+            continue
+        replica_cls.options(name=name, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_restarts=-1,
+                            max_concurrency=10_000,
+                            **({"resources": {settings.api_resource: 1}} if settings.api_resource
+                               else {"scheduling_strategy": "SPREAD"}),
+                            runtime_env={"env_vars": dict(settings.edge_env)}).remote(
+            name, secret, settings.iam_url, str(settings.home / "admin.key"), settings.api_host,
+            settings.api_port, settings.images_home)
+        new_replicas.append(name)
+    answers = await asyncio.gather(*(actor_address(n, START_TIMEOUT_S) for n in new_replicas))
+    if any(a is None for a in answers):
+        raise Unavailable("an apiserver replica did not start", field="replicas",
+                          fix="see the Ray worker logs (/tmp/ray/session_latest/logs)")
+    return await status()
+
+
+async def status() -> dict[str, Any]:
+    """{"edges": [...], "replicas": [...]}: each actor's address, plus each edge's health."""
+    import ray
+    alive = {n["NodeID"] for n in await asyncio.to_thread(ray.nodes) if n.get("Alive")}
+    edges = []
+    live = await asyncio.to_thread(live_edge_ids)
+    for name in await asyncio.to_thread(named_actors, EDGE_PREFIX):
+        a = await actor_address(name, 10) if name.removeprefix(EDGE_PREFIX) in live else None
+        edges.append({"node_id": name.removeprefix(EDGE_PREFIX), "url": a and a["url"],
+                      "alive": a is not None and a["ray_node"] in alive, "home": a and a["home"],
+                      "subnet": a and a.get("subnet")})
+    replicas = []
+    for name in await asyncio.to_thread(named_actors, API_PREFIX):
+        a = await actor_address(name, 10)
+        replicas.append({"name": name, "url": a and a["url"], "alive": a is not None and a["ray_node"] in alive})
+    return {"edges": edges, "replicas": replicas}
+
+
+def live_edge_ids() -> set[str]:
+    """The dsec node ids of the live Ray nodes (an edge on any other is gone with its node)."""
+    import ray
+    return {edge_node_id(n["NodeID"]) for n in ray.nodes() if n.get("Alive")}
+
+
+def _kill(name: str) -> bool:
+    import ray
+    try:
+        ray.kill(ray.get_actor(name, NAMESPACE), no_restart=True)
+        return True
+    except ValueError:      # gone already
+        return False
+
+
+async def down() -> list[str]:
+    """Stop the replicas, then the edges (sandboxes keep running on their nodes, as with
+    `dsec down`; an edge started again on the same home adopts them). Returns the actors ended."""
+    import ray
+    ended = []
+    live = await asyncio.to_thread(live_edge_ids)
+    for prefix in (API_PREFIX, EDGE_PREFIX):
+        for name in await asyncio.to_thread(named_actors, prefix):
+            if prefix == EDGE_PREFIX and name.removeprefix(EDGE_PREFIX) not in live:
+                if await asyncio.to_thread(_kill, name):     # its node is dead: nothing to stop
+                    ended.append(name)
+                continue
+            try:
+                handle = await asyncio.to_thread(ray.get_actor, name, NAMESPACE)
+            except ValueError:
+                continue
+            try:
+                await asyncio.wait_for(handle.stop.remote(), 60)
+            except (TimeoutError, ray.exceptions.RayError) as e:
+                log.warning("cluster actor did not stop cleanly", extra={"actor": name, "error": str(e)})
+            ray.kill(handle, no_restart=True)
+            ended.append(name)
+    return ended

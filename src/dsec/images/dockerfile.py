@@ -1,0 +1,605 @@
+"""Build an image from a Dockerfile with buildah, into dsec's layer store.
+
+    build_dockerfile(svc, "myenv", "ctx/")  ->  (ImageInfo, ImageConfig)
+
+How (docs: /work/notes/D37-dockerfile-harbor.md):
+1. Parse the Dockerfile's FROM lines (and `COPY --from=IMAGE`): every base must be a dsec image
+   (there is no registry to pull from). Each is exported once per image digest from its mounted
+   EROFS layers to an OCI layout and pulled into dsec's own containers-storage
+   ($DSEC_HOME/buildah, vfs driver) as `localhost/dsec-base-<digest>`; FROM lines are
+   rewritten to that name in a copy of the Dockerfile. A base dsec does not have is an
+   InvalidArgument naming the line, the image and the fix, before buildah runs.
+2. `buildah bud` with `--pull=never`, RUN steps in an OCI container (crun) inside a user
+   namespace whose root is an unprivileged host uid range (never host root), no network
+   (`--network none`) unless the caller allows it, a memory and pids limit, and a deadline.
+3. `buildah push` the result to an OCI layout, then ImageService.import_oci (the existing,
+   all-or-nothing import), then `buildah rmi`. The image's config (ENV, WORKDIR, USER, CMD,
+   ENTRYPOINT) is kept beside the store (image_config / save_config): dsec images carry no
+   config, so clients that start sandboxes from a built image pass env/workdir from it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import tarfile
+import threading
+import time
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+from dsec.config import Paths
+from dsec.types import (Conflict, DsecError, ImageBuildResult, ImageConfig, ImageInfo, InvalidArgument, NotFound,
+                        Unavailable)
+
+from .builder import safe_rmtree, scratch_dir
+from .mounts import sys_mount, sys_umount
+from .progress import Progress, report
+from .service import ImageService
+from .store import FileLock, check_may_replace, check_name
+
+log = logging.getLogger("dsec.images.dockerfile")
+
+# RUN steps' host id range: one 65536-id slot per concurrent build, below the sandboxes' ranges
+# (backends/container/idmap.py starts at 2^28) and far above real host users.
+BUILD_ID_FIRST = int(os.environ.get("DSEC_BUILD_IDMAP_FIRST", str(1 << 27)))
+BUILD_ID_RANGE = 65536
+BUILD_SLOTS = 64
+BUILD_SLOT_DIR = Path(os.environ.get("DSEC_BUILD_IDMAP_REGISTRY", "/run/dsec/build-idranges"))
+DEFAULT_TIMEOUT_S = 1800
+STORAGE_DRIVER = os.environ.get("DSEC_BUILD_STORAGE_DRIVER", "overlay")
+LOG_TAIL_LINES = 40
+SIGNATURE_POLICY = {"default": [{"type": "insecureAcceptAnything"}]}   # local layouts only
+
+
+# ---------------------------------------------------------------------------------------
+# buildah
+# ---------------------------------------------------------------------------------------
+
+
+def buildah_binary() -> str:
+    path = shutil.which("buildah")
+    if path is None:
+        raise Unavailable("buildah is not installed on this node; it builds images from Dockerfiles",
+                          fix="apt-get install buildah (scripts/install.sh installs it)")
+    return path
+
+
+@dataclass
+class Buildah:
+    """buildah on dsec's own storage (never the host's /var/lib/containers)."""
+
+    root: Path
+    policy: Path
+    log_tail: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_TAIL_LINES))
+
+    @classmethod
+    def for_home(cls, paths: Paths) -> "Buildah":
+        base = paths.home / "buildah"
+        base.mkdir(parents=True, exist_ok=True)
+        base.chmod(0o711)    # RUN steps' root (a mapped uid) must traverse to its rootfs; no listing
+        policy = base / "policy.json"
+        if not policy.is_file():
+            tmp = base / f".policy.{os.getpid()}"
+            tmp.write_text(json.dumps(SIGNATURE_POLICY))
+            tmp.replace(policy)
+        return cls(root=base, policy=policy)
+
+    def argv(self, *args: str) -> list[str]:
+        return [buildah_binary(), "--root", str(self.root / "storage"), "--runroot",
+                str(self.root / "run"), "--storage-driver", STORAGE_DRIVER, *args]
+
+    def env(self) -> dict[str, str]:
+        # no host registries config: nothing resolves a short name to a remote registry
+        return {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "HOME": str(self.root),
+                "LANG": "C.UTF-8", "BUILDAH_ISOLATION": "oci", "TMPDIR": str(self.root / "tmp"),
+                "CONTAINERS_REGISTRIES_CONF": str(self._registries())}
+
+    def _registries(self) -> Path:
+        conf = self.root / "registries.conf"
+        if not conf.is_file():
+            conf.write_text('unqualified-search-registries = []\nshort-name-mode = "disabled"\n')
+        return conf
+
+    def run(self, *args: str, timeout_s: float = 600, progress: Progress | None = None,
+            what: str = "buildah") -> str:
+        """Run buildah; its output lines go to progress and the log tail. Raises on failure."""
+        tmp = self.root / "tmp"
+        tmp.mkdir(exist_ok=True)
+        tmp.chmod(0o711)    # explicit: the server's umask is 077 (mkdir's mode would lose x)
+        argv = self.argv(*args)
+        log.debug("running %s", shlex.join(argv))
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=self.env(), start_new_session=True,
+                                umask=0o022)   # RUN steps' mapped root walks buildah's dirs
+        # a watchdog, not a check per output line: a silent step must time out too
+        fired = threading.Event()
+
+        def expire() -> None:
+            fired.set()
+            _kill_group(proc)
+        watchdog = threading.Timer(timeout_s, expire)
+        watchdog.daemon = True
+        watchdog.start()
+        out: list[str] = []
+        assert proc.stdout is not None
+        try:
+            for raw in proc.stdout:
+                line = raw.decode("utf-8", "replace").rstrip("\n")
+                out.append(line)
+                self.log_tail.append(line)
+                report(progress, line[:300])
+            proc.wait()
+        finally:
+            watchdog.cancel()
+            if proc.poll() is None:
+                _kill_group(proc)
+        if fired.is_set():
+            self.cleanup_after_kill()
+            raise DsecError(f"{what} ran past its {timeout_s:.0f} s deadline and was stopped; "
+                            f"last output:\n{self.tail()}", field="timeout_s",
+                            fix="raise timeout_s, or make the slow step faster")
+        if proc.returncode != 0:
+            raise _BuildahFailed(proc.returncode, "\n".join(out[-LOG_TAIL_LINES:]))
+        return "\n".join(out)
+
+    def cleanup_after_kill(self) -> None:
+        """A killed buildah leaves its working container (and its overlay mount). Remove all
+        of them, but only when no other build runs on this node (theirs would go too)."""
+        if _other_builds_running():
+            log.warning("a killed build left a working container; another build runs, not removing")
+            return
+        subprocess.run(self.argv("rm", "--all"), capture_output=True, env=self.env(), timeout=120)
+
+    def tail(self) -> str:
+        return "\n".join(self.log_tail)
+
+    def has_image(self, ref: str) -> bool:
+        r = subprocess.run(self.argv("inspect", "--type", "image", "--format", "{{.FromImageID}}", ref),
+                           capture_output=True, env=self.env(), timeout=120)
+        return r.returncode == 0
+
+
+class _BuildahFailed(DsecError):
+    """buildah failed: the message carries its last output lines."""
+
+    def __init__(self, rc: int, tail: str):
+        super().__init__(f"buildah exited {rc}: {tail[-3000:]}", fix="see the message; the server log has the command")
+        self.rc, self.tail = rc, tail
+
+
+def _other_builds_running() -> bool:
+    """Whether any build slot other than ours is held (flock)."""
+    held = 0
+    for slot in range(BUILD_SLOTS):
+        path = BUILD_SLOT_DIR / str(slot)
+        if not path.exists():
+            continue
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        except BlockingIOError:
+            held += 1
+        finally:
+            os.close(fd)
+    return held > 1
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+# ---------------------------------------------------------------------------------------
+# Dockerfile bases
+# ---------------------------------------------------------------------------------------
+
+_FROM_RE = re.compile(r"^(\s*FROM\s+)((?:--\S+\s+)*)(\S+)(.*)$", re.IGNORECASE)
+_COPY_FROM_RE = re.compile(r"^(\s*(?:COPY|ADD)\s+(?:--\S+\s+)*?--from=)(\S+)(.*)$", re.IGNORECASE)
+_AS_RE = re.compile(r"^\s+AS\s+(\S+)\s*$", re.IGNORECASE)
+
+
+@dataclass
+class BaseRef:
+    line: int          # 1-based line of the Dockerfile
+    name: str          # the dsec image it names
+
+
+def _logical_lines(text: str) -> list[tuple[int, str]]:
+    """(first line number, line) with comments dropped; continuation lines are kept as they
+    are (FROM never spans lines in practice; RUN bodies are not rewritten)."""
+    out = []
+    for i, line in enumerate(text.splitlines(), 1):
+        out.append((i, line))
+    return out
+
+
+def find_bases(text: str) -> tuple[list[BaseRef], list[str]]:
+    """The dsec images a Dockerfile builds on, and its stage names. Raises InvalidArgument for
+    a FROM this build cannot resolve (variables)."""
+    stages: list[str] = []
+    bases: list[BaseRef] = []
+    for n, line in _logical_lines(text):
+        m = _FROM_RE.match(line)
+        if m:
+            ref = m.group(3)
+            alias = _AS_RE.match(m.group(4))
+            if "$" in ref:
+                raise InvalidArgument(f"Dockerfile line {n}: FROM {ref} uses a build variable; dsec "
+                                      "resolves FROM to its own images before the build", field="dockerfile",
+                                      fix="write the dsec image name literally, e.g. FROM debian-python")
+            if ref.lower() != "scratch" and ref not in stages:
+                bases.append(BaseRef(n, ref))
+            if alias:
+                stages.append(alias.group(1))
+            continue
+        m = _COPY_FROM_RE.match(line)
+        if m and m.group(2) not in stages and not m.group(2).isdigit():
+            bases.append(BaseRef(n, m.group(2)))
+    if not any(_FROM_RE.match(line) for _, line in _logical_lines(text)):
+        raise InvalidArgument("the Dockerfile has no FROM line", field="dockerfile",
+                              fix="start it with FROM <dsec image>, e.g. FROM debian-python")
+    return bases, stages
+
+
+def base_tag(info: ImageInfo) -> str:
+    return f"localhost/dsec-base-{info.digest.removeprefix('sha256:')[:24]}:latest"
+
+
+def rewrite_bases(text: str, tags: dict[str, str], stages: list[str]) -> str:
+    """The Dockerfile with every FROM / COPY --from naming a dsec image pointed at its tag."""
+    out = []
+    for line in text.splitlines():
+        m = _FROM_RE.match(line)
+        if m and m.group(3) in tags and m.group(3) not in stages:
+            line = f"{m.group(1)}{m.group(2)}{tags[m.group(3)]}{m.group(4)}"
+        else:
+            m = _COPY_FROM_RE.match(line)
+            if m and m.group(2) in tags and m.group(2) not in stages:
+                line = f"{m.group(1)}{tags[m.group(2)]}{m.group(3)}"
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def resolve_bases(svc: ImageService, bases: list[BaseRef],
+                  usable: Callable[[ImageInfo], bool] | None = None) -> dict[str, ImageInfo]:
+    """The dsec image of every base; one the caller may not use looks missing (tenancy)."""
+    found: dict[str, ImageInfo] = {}
+    for b in bases:
+        if b.name in found:
+            continue
+        try:
+            info = svc.get(b.name)
+            if usable is not None and not usable(info):
+                raise NotFound(b.name)
+        except NotFound:
+            names = [i.name for i in svc.list() if i.kind == "image" and (usable is None or usable(i))][:8]
+            raise NotFound(
+                f"Dockerfile line {b.line}: FROM {b.name}: no dsec image {b.name!r} on this node, and "
+                "builds cannot pull from registries", field="dockerfile",
+                fix=f"FROM one of the local images ({', '.join(names) or 'none built yet'}), or bring "
+                    f"{b.name} in first: dsec image pull {b.name} docker://REGISTRY/{b.name} or "
+                    f"dsec image import {b.name} --docker-archive TAR (docker save)") from None
+        if info.kind != "image":
+            raise InvalidArgument(f"Dockerfile line {b.line}: {b.name} is a {info.kind}, not a base image",
+                                  field="dockerfile", fix="FROM a base image (dsec image ls)")
+        found[b.name] = info
+    return found
+
+
+@contextmanager
+def _merged_view(svc: ImageService, info: ImageInfo, work: Path) -> Iterator[Path]:
+    """The image's root tree: its one mounted layer, or a read-only overlay of all of them."""
+    dirs = svc.mount_image(info.name)
+    if len(dirs) == 1:
+        yield dirs[0]
+        return
+    target = work / "merged"
+    target.mkdir()
+    lower = ":".join(str(d) for d in reversed(dirs))     # overlay: topmost first
+    sys_mount("overlay", str(target), "overlay", 0x1, f"lowerdir={lower}")
+    try:
+        yield target
+    finally:
+        sys_umount(str(target))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+def _put_blob(layout: Path, data: bytes) -> tuple[str, int]:
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    (layout / "blobs" / "sha256" / digest[7:]).write_bytes(data)
+    return digest, len(data)
+
+
+def _top_entries(root: Path) -> list[str]:
+    """The root's entries, without "." itself: a layer whose tar holds "./" keeps that entry's
+    owner (host root) on the root dir of buildah's id-mapped copy, and RUN steps' root (a mapped
+    uid) could then not create /run or any other top-level directory."""
+    return sorted(os.listdir(root))
+
+
+def export_oci(svc: ImageService, info: ImageInfo, layout: Path, work: Path, tag: str = "latest") -> None:
+    """Write the dsec image as a one-layer OCI image layout (uncompressed tar layer)."""
+    blobs = layout / "blobs" / "sha256"
+    blobs.mkdir(parents=True)
+    (layout / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+    tar = work / "layer.tar"
+    with _merged_view(svc, info, work) as root:
+        r = subprocess.run(["tar", "--numeric-owner", "--xattrs", "--xattrs-include=*", "--acls",
+                            "--one-file-system", "-C", str(root), "-cf", str(tar), "--", *_top_entries(root)],
+                           capture_output=True, text=True)
+    if r.returncode not in (0, 1):       # 1: "file changed as we read it" cannot happen on EROFS
+        raise DsecError(f"exporting {info.name} for the build failed: {r.stderr[-2000:]}")
+    digest = _sha256(tar)
+    size = tar.stat().st_size
+    tar.rename(blobs / digest[7:])
+    config = {"architecture": "amd64", "os": "linux",
+              "config": {"Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]},
+              "rootfs": {"type": "layers", "diff_ids": [digest]}}
+    cdig, csize = _put_blob(layout, json.dumps(config).encode())
+    manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": cdig, "size": csize},
+                "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": digest, "size": size}]}
+    mdig, msize = _put_blob(layout, json.dumps(manifest).encode())
+    index = {"schemaVersion": 2, "manifests": [
+        {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": mdig, "size": msize,
+         "annotations": {"org.opencontainers.image.ref.name": tag}}]}
+    (layout / "index.json").write_text(json.dumps(index))
+
+
+def ensure_base(svc: ImageService, bah: Buildah, info: ImageInfo, progress: Progress | None) -> str:
+    """The dsec image in buildah's storage (exported once per image digest); returns its tag."""
+    tag = base_tag(info)
+    with FileLock(bah.root / f".base-{info.digest[7:23]}.lock"):
+        if bah.has_image(tag):
+            return tag
+        report(progress, f"exporting {info.name} ({info.digest[:19]}) as a build base", None, level=logging.INFO)
+        with scratch_dir(svc.paths, "base") as work:
+            export_oci(svc, info, work / "layout", work)
+            # pulled from an OCI layout the image has no name: --quiet prints its id, tag that
+            out = bah.run("pull", "--signature-policy", str(bah.policy), "--quiet",
+                          f"oci:{work / 'layout'}:latest", progress=progress, what="buildah pull")
+            image_id = out.strip().splitlines()[-1] if out.strip() else ""
+            if not re.fullmatch(r"[0-9a-f]{64}", image_id):
+                raise DsecError(f"buildah pull of {info.name} printed no image id: {out[-500:]}")
+            bah.run("tag", image_id, tag, what="buildah tag")
+            # the pull also named the image after the layout's path: drop that name (rmi of one
+            # of several names only untags)
+            subprocess.run(bah.argv("rmi", f"localhost{work / 'layout'}:latest"), capture_output=True,
+                           env=bah.env(), timeout=120)
+    return tag
+
+
+def prune_bases(svc: ImageService, bah: Buildah) -> None:
+    """Drop exported bases whose dsec image digest no image has any more (best effort)."""
+    live = {base_tag(i) for i in svc.list()}
+    r = subprocess.run(bah.argv("images", "--noheading", "--format", "{{.Name}}:{{.Tag}}"),
+                       capture_output=True, text=True, env=bah.env())
+    for name in r.stdout.split():
+        if name.startswith("localhost/dsec-base-") and name not in live:
+            subprocess.run(bah.argv("rmi", "-f", name), capture_output=True, env=bah.env())
+
+
+# ---------------------------------------------------------------------------------------
+# The build's id range
+# ---------------------------------------------------------------------------------------
+
+
+@contextmanager
+def build_id_range() -> Iterator[int]:
+    """A host id range no other build uses now (flock: freed when the build's process dies)."""
+    BUILD_SLOT_DIR.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for slot in range(BUILD_SLOTS):
+        fd = os.open(BUILD_SLOT_DIR / str(slot), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        try:
+            yield BUILD_ID_FIRST + slot * BUILD_ID_RANGE
+        finally:
+            os.close(fd)
+        return
+    raise Unavailable(f"{BUILD_SLOTS} image builds already run on this node", fix="retry when one has finished")
+
+
+# ---------------------------------------------------------------------------------------
+# Config kept beside the store
+# ---------------------------------------------------------------------------------------
+
+
+def _config_file(paths: Paths, digest: str) -> Path:
+    return paths.home / "image-configs" / f"{digest.removeprefix('sha256:')}.json"
+
+
+def save_config(paths: Paths, digest: str, config: ImageConfig) -> None:
+    f = _config_file(paths, digest)
+    f.parent.mkdir(parents=True, exist_ok=True)
+    tmp = f.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(config.model_dump_json())
+    tmp.replace(f)
+
+
+def image_config(svc: ImageService, name: str) -> ImageConfig:
+    """The config a Dockerfile gave the image; empty for images built otherwise."""
+    info = svc.get(name)
+    f = _config_file(svc.paths, info.digest)
+    return ImageConfig.model_validate_json(f.read_text()) if f.is_file() else ImageConfig()
+
+
+def config_from_layout(layout: Path) -> ImageConfig:
+    index = json.loads((layout / "index.json").read_text())
+    blobs = layout / "blobs" / "sha256"
+    manifest = json.loads((blobs / index["manifests"][0]["digest"][7:]).read_text())
+    cfg = json.loads((blobs / manifest["config"]["digest"][7:]).read_text()).get("config") or {}
+    env = dict(e.split("=", 1) for e in cfg.get("Env") or [] if "=" in e)
+    return ImageConfig(env=env, workdir=cfg.get("WorkingDir") or None, user=cfg.get("User") or None,
+                       entrypoint=cfg.get("Entrypoint") or [], cmd=cfg.get("Cmd") or [],
+                       labels=cfg.get("Labels") or {})
+
+
+# ---------------------------------------------------------------------------------------
+# Layers written by RUN steps: back to the image's own ids
+# ---------------------------------------------------------------------------------------
+
+
+def _mapped(tar: Path, first: int, count: int) -> bool:
+    with tarfile.open(tar, "r:*") as tf:
+        return any(first <= m.uid < first + count or first <= m.gid < first + count for m in tf)
+
+
+def _unmap_tar(src: Path, dst: Path, first: int, count: int) -> None:
+    """Copy a layer tar with owners in the build's host id range moved back to 0..count-1
+    (buildah 1.28 with overlay and a userns map commits RUN steps' files with host ids)."""
+    with tarfile.open(src, "r:*") as tin, tarfile.open(dst, "w", format=tarfile.PAX_FORMAT) as tout:
+        for m in tin:
+            if first <= m.uid < first + count:
+                m.uid -= first
+            if first <= m.gid < first + count:
+                m.gid -= first
+            for k in ("uid", "gid", "uname", "gname"):   # PAX copies would override the fields
+                m.pax_headers.pop(k, None)
+            m.uname = m.gname = ""
+            tout.addfile(m, tin.extractfile(m) if m.isreg() else None)
+
+
+def unmap_layout(layout: Path, first: int, count: int) -> None:
+    """Rewrite the layout's layers whose files carry the build's host ids (manifest and index
+    follow the new digests)."""
+    blobs = layout / "blobs" / "sha256"
+    index = json.loads((layout / "index.json").read_text())
+    mdesc = index["manifests"][0]
+    manifest = json.loads((blobs / mdesc["digest"][7:]).read_text())
+    changed = False
+    for lay in manifest["layers"]:
+        src = blobs / lay["digest"][7:]
+        if not _mapped(src, first, count):
+            continue
+        tmp = blobs / ".unmap.tmp"
+        _unmap_tar(src, tmp, first, count)
+        digest = _sha256(tmp)
+        tmp.rename(blobs / digest[7:])
+        lay.update(digest=digest, size=(blobs / digest[7:]).stat().st_size,
+                   mediaType="application/vnd.oci.image.layer.v1.tar")
+        changed = True
+    if changed:
+        mdig, msize = _put_blob(layout, json.dumps(manifest).encode())
+        mdesc.update(digest=mdig, size=msize)
+        (layout / "index.json").write_text(json.dumps(index))
+
+
+# ---------------------------------------------------------------------------------------
+# The build
+# ---------------------------------------------------------------------------------------
+
+
+def _check_context(context: Path, dockerfile: str) -> Path:
+    if not context.is_dir():
+        raise InvalidArgument(f"{context} is not a directory", field="dockerfile",
+                              fix="pass the build context: the directory that holds the Dockerfile")
+    df = (context / dockerfile).resolve()
+    if not df.is_relative_to(context.resolve()) or not df.is_file():
+        raise InvalidArgument(f"no Dockerfile {dockerfile!r} in {context}", field="dockerfile",
+                              fix="put a file named Dockerfile in the directory, or name it with --file")
+    return df
+
+
+def build_dockerfile(svc: ImageService, name: str, context: str | os.PathLike, *,
+                     dockerfile: str = "Dockerfile", build_args: dict[str, str] | None = None,
+                     network: bool = False, replace: bool = False, memory_mb: int = 2048,
+                     timeout_s: float = DEFAULT_TIMEOUT_S,
+                     progress: Progress | None = None,
+                     usable: Callable[[ImageInfo], bool] | None = None,
+                     owner: str | None = None) -> ImageBuildResult:
+    """Build the Dockerfile in `context` and register the result as dsec image NAME.
+    `network`: RUN steps reach the network (default: none, loopback only)."""
+    check_name(name)
+    ctx = Path(context).absolute()
+    df = _check_context(ctx, dockerfile)
+    text = df.read_text(encoding="utf-8", errors="replace")
+    bases, stages = find_bases(text)
+    infos = resolve_bases(svc, bases, usable)
+    for k in (build_args or {}):
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,127}", k):
+            raise InvalidArgument(f"bad build arg name {k!r}", field="build_args", fix="use ARG names: letters, digits, _")
+    existing = svc.registry.get_image(name)
+    if existing is not None:
+        if not replace:
+            raise Conflict(f"image {name!r} already exists", field="name", fix="pass replace=True (--replace)")
+        check_may_replace(existing, owner)
+    bah = Buildah.for_home(svc.paths)
+    t0 = time.monotonic()
+    prune_bases(svc, bah)
+    tags = {n: ensure_base(svc, bah, info, progress) for n, info in infos.items()}
+    target = f"localhost/dsec-build-{os.urandom(6).hex()}:latest"
+    with scratch_dir(svc.paths, "dockerfile") as work, build_id_range() as id_base:
+        rewritten = work / "Dockerfile"
+        rewritten.write_text(rewrite_bases(text, tags, stages))
+        idmap = f"0:{id_base}:{BUILD_ID_RANGE}"
+        args = ["bud", "--pull=never", "--signature-policy", str(bah.policy),
+                "--isolation", "oci", "--runtime", shutil.which("crun") or "crun",
+                "--userns-uid-map", idmap, "--userns-gid-map", idmap,
+                "--network", "host" if network else "none",
+                "--cgroup-manager", "cgroupfs", "--memory", f"{memory_mb}m",
+                "--ulimit", "nproc=4096:4096", "--layers=false", "--rm", "--force-rm",
+                "--format", "oci", "-f", str(rewritten), "-t", target]
+        for k, v in (build_args or {}).items():
+            args += ["--build-arg", f"{k}={v}"]
+        args.append(str(ctx))
+        report(progress, f"buildah bud {name} (RUN steps as host uids {id_base}.., network "
+                         f"{'on' if network else 'off'})", None, level=logging.INFO)
+        try:
+            try:
+                bah.run(*args, timeout_s=timeout_s, progress=progress, what="the build")
+            except _BuildahFailed as e:
+                raise InvalidArgument(f"building {name} failed (buildah exited {e.rc}); last lines of "
+                                      f"the build log:\n{e.tail}", field="dockerfile",
+                                      fix="fix the failing step of the Dockerfile (see the log above)") from None
+            layout = work / "out"
+            bah.run("push", "--signature-policy", str(bah.policy), "--quiet", target,
+                    f"oci:{layout}:latest", progress=progress, what="buildah push")
+        finally:
+            subprocess.run(bah.argv("rmi", "-f", target), capture_output=True, env=bah.env())
+        config = config_from_layout(layout)
+        unmap_layout(layout, id_base, BUILD_ID_RANGE)
+        image = svc.import_oci(name, oci=layout, ref="latest", replace=replace, progress=progress,
+                               source=f"dockerfile:{df}")
+        if owner is not None:        # the caller's project owns what it built (tenancy.py)
+            image = svc.registry.set_owner(name, owner)
+        save_config(svc.paths, image.digest, config)
+        safe_rmtree(layout)
+    log.info("built %s from %s in %.1fs", name, df, time.monotonic() - t0)
+    return ImageBuildResult(image=image, config=config)
+
+
+def parse_build_args(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        k, eq, v = item.partition("=")
+        if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+            raise InvalidArgument(f"bad build arg {item!r}", field="build_args", fix="write KEY=VALUE")
+        out[k] = v
+    return out

@@ -1,0 +1,206 @@
+"""A small database layer over SQLite (one file, the single-machine default) and PostgreSQL
+(shared by every apiserver of a cluster), chosen by the DSN.
+
+Callers hand a function to `run()`; it executes in one transaction and gets a `Tx` to issue
+statements on. On PostgreSQL a lost connection (the server restarted, a failover) or a
+serialization/deadlock abort rolls the transaction back and runs the function again on a fresh
+connection until DSEC_DB_RETRY_S passes, so a restart mid-use costs latency, not data. The
+function must therefore only touch the database (no side effects outside it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+from dsec.store.dialect import POSTGRES, SQLITE, Dialect
+from dsec.types import Unavailable
+
+log = logging.getLogger("dsec.store")
+
+T = TypeVar("T")
+Row = dict[str, Any]
+RETRY_S = float(os.environ.get("DSEC_DB_RETRY_S", "30"))   # how long to ride out a PostgreSQL restart
+POOL_MAX = int(os.environ.get("DSEC_DB_POOL", "8"))
+
+
+def is_postgres_dsn(dsn: str | Path) -> bool:
+    return isinstance(dsn, str) and dsn.startswith(("postgresql://", "postgres://"))
+
+
+def redact(dsn: str) -> str:
+    """The DSN without its password, for logs and errors."""
+    parts = urlsplit(dsn)
+    if parts.password is None:
+        return dsn
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+class Tx:
+    """Statements of one transaction; rows come back as dicts."""
+
+    def __init__(self, cursor: Any, dialect: Dialect):
+        self._cur = cursor
+        self.dialect = dialect
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
+        """Run a statement; the number of rows it changed."""
+        self._cur.execute(self.dialect.sql(sql), tuple(params))
+        return int(self._cur.rowcount)
+
+    def one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
+        self._cur.execute(self.dialect.sql(sql), tuple(params))
+        r = self._cur.fetchone()
+        return dict(r) if r is not None else None
+
+    def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        self._cur.execute(self.dialect.sql(sql), tuple(params))
+        return [dict(r) for r in self._cur.fetchall()]
+
+
+class Database:
+    """One database, SQLite or PostgreSQL. Thread-safe. A `run()` inside a `run()` on the same
+    thread joins the outer transaction."""
+
+    dialect: Dialect
+    url: str          # for logs and errors: a path, or the DSN without its password
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def run(self, fn: Callable[[Tx], T], *, write: bool = True) -> T:
+        outer: Tx | None = getattr(self._local, "tx", None)
+        if outer is not None:
+            return fn(outer)
+        return self._run(fn, write)
+
+    def _run(self, fn: Callable[[Tx], T], write: bool) -> T:
+        raise NotImplementedError
+
+    def _enter(self, tx: Tx, fn: Callable[[Tx], T]) -> T:
+        self._local.tx = tx
+        try:
+            return fn(tx)
+        finally:
+            self._local.tx = None
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+def _dict_row(cur: sqlite3.Cursor, row: tuple[Any, ...]) -> Row:
+    return {d[0]: v for d, v in zip(cur.description, row)}
+
+
+class SQLiteDatabase(Database):
+    """One connection guarded by a lock (calls are short); writes open BEGIN IMMEDIATE so that
+    two processes sharing the file serialise instead of failing on a lock upgrade."""
+
+    dialect = SQLITE
+
+    def __init__(self, path: Path | str):
+        super().__init__()
+        self.path = Path(path)
+        self.url = str(self.path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        self._conn = sqlite3.connect(self.path, check_same_thread=False, timeout=10.0, isolation_level=None)
+        self._conn.row_factory = _dict_row
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA foreign_keys=ON")
+        self._conn.execute("PRAGMA synchronous=NORMAL")
+
+    def _run(self, fn: Callable[[Tx], T], write: bool) -> T:
+        with self._lock:
+            cur = self._conn.cursor()
+            if not write:   # reads run in autocommit: no BEGIN/COMMIT round (authenticate is one per request)
+                return self._enter(Tx(cur, self.dialect), fn)
+            cur.execute(self.dialect.begin_write)
+            try:
+                out = self._enter(Tx(cur, self.dialect), fn)
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+            return out
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+
+class PostgresDatabase(Database):
+    """A pool of connections (psycopg_pool): threads run transactions in parallel, and a
+    connection broken by a server restart is dropped and replaced."""
+
+    dialect = POSTGRES
+
+    def __init__(self, dsn: str, *, retry_s: float = RETRY_S):
+        super().__init__()
+        import psycopg
+        from psycopg.rows import dict_row
+        from psycopg_pool import ConnectionPool, PoolTimeout
+        self._psycopg = psycopg
+        self._transient: tuple[type[BaseException], ...] = (psycopg.OperationalError, PoolTimeout)
+        self.url = redact(dsn)
+        self.retry_s = retry_s
+        self._pool = ConnectionPool(dsn, min_size=1, max_size=POOL_MAX, open=False, name="dsec",
+                                    kwargs={"row_factory": dict_row, "autocommit": True})
+        self._pool.open()
+        try:
+            self._pool.wait(timeout=retry_s)
+        except PoolTimeout:
+            self._pool.close()
+            raise Unavailable(f"cannot connect to PostgreSQL at {self.url} within {retry_s:.0f} s",
+                              field="DSEC_DB_URL",
+                              fix="check that the server runs and the DSN (user, password, host, port, "
+                                  "database) is right, e.g. postgresql://dsec:PASS@db-host:5432/dsec") from None
+
+    def _run(self, fn: Callable[[Tx], T], write: bool) -> T:
+        deadline = time.monotonic() + self.retry_s
+        delay, attempt = 0.02, 0
+        while True:
+            attempt += 1
+            try:
+                # a write transaction commits on a clean exit, rolls back on an exception; a
+                # broken connection is discarded when it goes back to the pool
+                with self._pool.connection(timeout=max(0.1, deadline - time.monotonic())) as conn:
+                    if not write:     # autocommit: one round trip per statement, no BEGIN/COMMIT
+                        with conn.cursor() as cur:
+                            return self._enter(Tx(cur, self.dialect), fn)
+                    with conn.transaction(), conn.cursor() as cur:
+                        return self._enter(Tx(cur, self.dialect), fn)
+            except self._transient as e:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Unavailable(f"PostgreSQL at {self.url} unreachable for {self.retry_s:.0f} s: {e}",
+                                      fix="check the database server; dsec retries by itself meanwhile "
+                                          "(DSEC_DB_RETRY_S)") from e
+                log.warning("database transaction retried", extra={"attempt": attempt, "error": str(e)[:200]})
+                time.sleep(min(delay, left))
+                delay = min(delay * 2, 0.5)
+
+    def close(self) -> None:
+        self._pool.close()
+
+
+def connect(dsn: str | Path) -> Database:
+    """A SQLite path (or sqlite:///path) or a postgresql:// DSN, without migrating it."""
+    if is_postgres_dsn(dsn):
+        return PostgresDatabase(str(dsn))
+    s = str(dsn)
+    if s.startswith("sqlite:///"):
+        s = s[len("sqlite://"):]
+    elif "://" in s:
+        from dsec.types import InvalidArgument
+        raise InvalidArgument(f"unsupported database URL {redact(s)!r}", field="DSEC_DB_URL",
+                              fix="use a SQLite file path or postgresql://USER:PASS@HOST:PORT/DB")
+    return SQLiteDatabase(s)

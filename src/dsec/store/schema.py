@@ -1,0 +1,78 @@
+"""dsec's durable control state, as numbered migrations (both engines run the same text).
+
+Append a migration to change the schema; never edit one that has shipped. Migration 1 is the
+schema the SQLite-only IAM created (IF NOT EXISTS: an iam.db from before this layer adopts it
+unchanged). Types: BIGINT where values pass 2^31 (the root's memory quota), DOUBLE PRECISION
+for times (epoch seconds) and cores, INTEGER 0/1 for booleans.
+"""
+
+from __future__ import annotations
+
+MIGRATIONS: list[tuple[int, str, list[str]]] = [
+    (1, "projects, api keys, project policies", [
+        """CREATE TABLE IF NOT EXISTS projects (
+            id            TEXT PRIMARY KEY,
+            name          TEXT NOT NULL,
+            parent_id     TEXT REFERENCES projects(id) ON DELETE RESTRICT,
+            max_sandboxes BIGINT NOT NULL CHECK (max_sandboxes >= 0),
+            max_cpu_cores DOUBLE PRECISION NOT NULL CHECK (max_cpu_cores >= 0),
+            max_memory_mb BIGINT NOT NULL CHECK (max_memory_mb >= 0),
+            created_at    DOUBLE PRECISION NOT NULL,
+            UNIQUE (parent_id, name)
+        )""",
+        # UNIQUE(parent_id, name) does not cover NULL parents: top-level names get their own index
+        "CREATE UNIQUE INDEX IF NOT EXISTS projects_top_name ON projects(name) WHERE parent_id IS NULL",
+        "CREATE INDEX IF NOT EXISTS projects_parent ON projects(parent_id)",
+        """CREATE TABLE IF NOT EXISTS api_keys (
+            id         TEXT PRIMARY KEY,
+            project_id TEXT NOT NULL REFERENCES projects(id) ON DELETE CASCADE,
+            prefix     TEXT NOT NULL,
+            hash       TEXT NOT NULL UNIQUE,
+            created_at DOUBLE PRECISION NOT NULL,
+            revoked    INTEGER NOT NULL DEFAULT 0
+        )""",
+        "CREATE INDEX IF NOT EXISTS api_keys_project ON api_keys(project_id)",
+        """CREATE TABLE IF NOT EXISTS project_policies (
+            project_id TEXT PRIMARY KEY REFERENCES projects(id) ON DELETE CASCADE,
+            policy     TEXT NOT NULL,
+            updated_at DOUBLE PRECISION NOT NULL
+        )""",
+    ]),
+    (2, "quota ledger, cross-node sandbox index", [
+        # what a project and everything below it holds now (kept with the ledger, one transaction)
+        """CREATE TABLE quota_usage (
+            project_id TEXT PRIMARY KEY REFERENCES projects(id) ON DELETE CASCADE,
+            sandboxes  BIGINT NOT NULL DEFAULT 0,
+            cpu_millis BIGINT NOT NULL DEFAULT 0,
+            memory_mb  BIGINT NOT NULL DEFAULT 0
+        )""",
+        # one row per sandbox holding quota: reserved before creation, bound to the sandbox id
+        # once the edge created it, deleted when it ends
+        """CREATE TABLE quota_reservations (
+            id           TEXT PRIMARY KEY,
+            project_id   TEXT NOT NULL REFERENCES projects(id) ON DELETE RESTRICT,
+            sandbox_id   TEXT UNIQUE,
+            cpu_millis   BIGINT NOT NULL,
+            memory_mb    BIGINT NOT NULL,
+            created_at   DOUBLE PRECISION NOT NULL,
+            activated_at DOUBLE PRECISION
+        )""",
+        "CREATE INDEX quota_reservations_project ON quota_reservations(project_id)",
+        "INSERT INTO quota_usage (project_id) SELECT id FROM projects",   # projects made before v2
+        # every sandbox of the cluster, by project: listing without asking every edge
+        """CREATE TABLE sandbox_index (
+            id         TEXT PRIMARY KEY,
+            node       TEXT NOT NULL,
+            project_id TEXT NOT NULL,
+            labels     TEXT NOT NULL DEFAULT '{}',
+            state      TEXT NOT NULL,
+            created_at DOUBLE PRECISION NOT NULL,
+            updated_at DOUBLE PRECISION NOT NULL,
+            ended_at   DOUBLE PRECISION
+        )""",
+        "CREATE INDEX sandbox_index_project ON sandbox_index(project_id, ended_at)",
+        "CREATE INDEX sandbox_index_node ON sandbox_index(node, ended_at)",
+    ]),
+]
+
+LATEST = MIGRATIONS[-1][0]

@@ -1,0 +1,192 @@
+"""`dsec image build NAME --dockerfile DIR` and POST /v1/images/build: buildah builds a Dockerfile
+whose FROM names dsec images; the result is imported through the OCI import, and a sandbox from
+it sees what the Dockerfile made. RUN steps are contained (unprivileged user namespace, no
+network, nothing written to the host) and leave no mounts or containers behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dsec.types import ContainerArgs, Forbidden, InvalidArgument, NotFound
+
+from conftest import stranger_key
+
+pytestmark = pytest.mark.skipif(shutil.which("buildah") is None,
+                                reason="buildah is not installed (apt-get install buildah; scripts/install.sh)")
+
+DOCKERFILE = """\
+FROM debian-python
+ARG FLAVOUR=plain
+ENV GREETING="hello from a dockerfile" FLAVOUR=$FLAVOUR
+WORKDIR /app
+COPY hello.txt /app/hello.txt
+COPY pkg/ /app/pkg/
+RUN python3 -c "open('/app/built.txt', 'w').write('built by RUN')" && mkdir /data && echo x > /data/x
+"""
+
+
+def _context(tmp_path: Path, dockerfile: str, files: dict[str, str] | None = None) -> Path:
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "Dockerfile").write_text(dockerfile)
+    for rel, text in (files or {}).items():
+        (ctx / rel).parent.mkdir(parents=True, exist_ok=True)
+        (ctx / rel).write_text(text)
+    return ctx
+
+
+def _buildah_state(home: Path) -> tuple[list[str], list[str]]:
+    """Working containers and built (non-base) images left in the home's buildah storage."""
+    base = ["buildah", "--root", str(home / "buildah" / "storage"), "--runroot", str(home / "buildah" / "run"),
+            "--storage-driver", "overlay"]
+    env = {"PATH": os.environ["PATH"], "CONTAINERS_REGISTRIES_CONF": str(home / "buildah" / "registries.conf")}
+    containers = subprocess.run([*base, "containers", "--noheading", "--format", "{{.ContainerName}}"],
+                                capture_output=True, text=True, env=env).stdout.split()
+    images = subprocess.run([*base, "images", "--noheading", "--format", "{{.Name}}"],
+                            capture_output=True, text=True, env=env).stdout.split()
+    return containers, [i for i in images if "dsec-base-" not in i]
+
+
+def _mounts_under(path: Path) -> list[str]:
+    with open("/proc/self/mountinfo") as f:
+        return [ln.split()[4] for ln in f if ln.split()[4].startswith(str(path))]
+
+
+async def test_dockerfile_build_then_sandbox_sees_files_and_env(server, client, tmp_path):
+    ctx = _context(tmp_path, DOCKERFILE, {"hello.txt": "hi from the context\n", "pkg/mod.py": "X = 42\n"})
+    lines: list[str] = []
+    res = await client.build_image("df-test", ctx, on_progress=lambda ev: lines.append(ev.message))
+    assert res.image.name == "df-test" and res.image.layers
+    assert any("STEP 7/7" in ln for ln in lines), lines[-10:]          # buildah's log came as progress
+    assert res.config.env["GREETING"] == "hello from a dockerfile" and res.config.env["FLAVOUR"] == "plain"
+    assert res.config.workdir == "/app"
+    cfg = await client.image_config("df-test")
+    assert cfg == res.config
+    assert any(i.name == "df-test" for i in await client.images())
+
+    sb = await client.create_container(ContainerArgs(image="df-test", env=cfg.env, workdir=cfg.workdir or "/work"))
+    try:
+        r = await sb.run('pwd; echo "$GREETING"; cat hello.txt built.txt; echo; '
+                         'python3 -c "import sys; sys.path.insert(0, \'pkg\'); import mod; print(mod.X)"; '
+                         'cat /data/x; stat -c %u:%g /app/built.txt /data')
+        assert r.exit_code == 0, r.stderr
+        assert r.stdout.split("\n") == ["/app", "hello from a dockerfile", "hi from the context",
+                                        "built by RUN", "42", "x", "0:0", "0:0", ""]
+    finally:
+        await sb.stop()
+
+    containers, images = _buildah_state(server.home)
+    assert containers == [] and images == []
+    assert _mounts_under(server.home / "buildah") == [] and _mounts_under(server.home / "build") == []
+    assert not list((server.home / "build").glob("*")), list((server.home / "build").glob("*"))
+
+
+async def test_bad_from_names_the_image_and_the_fix(client, tmp_path):
+    ctx = _context(tmp_path, "FROM python:3.11-slim\nRUN true\n")
+    with pytest.raises(NotFound) as e:
+        await client.build_image("df-bad", ctx)
+    assert "python:3.11-slim" in str(e.value) and "line 1" in str(e.value)
+    assert e.value.field == "dockerfile"
+    assert "dsec image pull" in (e.value.fix or "") and "debian-python" in (e.value.fix or "")
+
+    (ctx / "Dockerfile").write_text("ARG BASE=debian-python\nFROM $BASE\n")
+    with pytest.raises(InvalidArgument) as e2:
+        await client.build_image("df-bad", ctx)
+    assert "variable" in str(e2.value) and e2.value.field == "dockerfile"
+
+
+async def test_failing_run_gives_log_tail_and_run_steps_are_contained(server, client, tmp_path):
+    """A RUN step is root only inside its own user namespace (host uids from 2^27), sees no
+    network but loopback, and cannot write to the host: not to a host path, not through a
+    read-write bind mount of the build context, not to /proc/sysrq-trigger."""
+    marker = Path(f"/var/tmp/dsec-build-escape-{os.getpid()}")
+    shutil.rmtree(marker, ignore_errors=True)
+    df = f"""\
+FROM busybox
+RUN --mount=type=bind,target=/ctx,rw sh -c '\\
+  echo "UIDMAP $(cat /proc/self/uid_map)"; echo "NETS $(ls /sys/class/net | tr "\\n" " ")"; \\
+  mkdir -p {marker} && echo pwned > {marker}/x; \\
+  echo pwned > /ctx/escaped 2>/dev/null || echo "CTX-DENIED"; \\
+  echo b > /proc/sysrq-trigger 2>/dev/null || echo "SYSRQ-DENIED"; \\
+  echo "step failing now"; exit 7'
+"""
+    ctx = _context(tmp_path, df)
+    with pytest.raises(InvalidArgument) as e:
+        await client.build_image("df-fail", ctx)
+    msg = str(e.value)
+    assert e.value.field == "dockerfile" and "buildah exited" in msg
+    assert "step failing now" in msg and "exit status 7" in msg          # the log's tail
+    uid_map = re.search(r"UIDMAP\s+0\s+(\d+)\s+(\d+)", msg)
+    assert uid_map and int(uid_map.group(1)) >= 1 << 27 and int(uid_map.group(2)) == 65536, msg
+    assert re.search(r"NETS lo\s*$", msg, re.M), msg
+    assert "CTX-DENIED" in msg and "SYSRQ-DENIED" in msg
+    assert not marker.exists()                                           # written in the build's root only
+    assert not (ctx / "escaped").exists()
+    assert not any(i.name == "df-fail" for i in await client.images())
+    containers, images = _buildah_state(server.home)
+    assert containers == [] and images == []
+    assert _mounts_under(server.home / "buildah") == []
+
+
+async def test_network_and_other_projects_images_refused_to_tenants(server, tmp_path):
+    from dsec.sdk.client import Client
+    ctx = _context(tmp_path, "FROM busybox\nRUN true\n")
+    async with Client(server.url, api_key=stranger_key(server, "df")) as c:
+        with pytest.raises(Forbidden) as e:
+            await c.build_image("df-net", ctx, network=True)
+        assert e.value.field == "network"
+
+
+def test_cli_dockerfile_build(server, tmp_path):
+    ctx = _context(tmp_path, "FROM busybox\nENV A=1\nRUN echo cli > /cli.txt\n")
+    env = {**os.environ, "DSEC_HOME": str(server.home)}
+    dsec = Path(os.sys.executable).with_name("dsec")
+    r = subprocess.run([str(dsec), "image", "build", "df-cli", "--dockerfile", str(ctx)], capture_output=True,
+                       text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "df-cli sha256:" in r.stdout
+    r = subprocess.run([str(dsec), "image", "build", "df-cli2", "--dockerfile", str(ctx / "nope")],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode != 0 and "Dockerfile" in (r.stdout + r.stderr)
+
+
+async def test_import_route_takes_an_oci_layout_and_refuses_escaping_tars(server, client, images, tmp_path):
+    """POST /v1/images/import: an OCI layout sent as a tar becomes an image sandboxes run; a
+    tar whose members would land outside the upload dir is refused (tarfile's data filter)."""
+    import io
+    import tarfile
+
+    import httpx
+
+    from dsec.images.dockerfile import export_oci
+    layout, work = tmp_path / "layout", tmp_path / "work"
+    work.mkdir()
+    export_oci(images, images.get("busybox"), layout, work)
+    lines: list[str] = []
+    info = await client.import_image("imp-test", oci=layout, ref="latest", on_progress=lambda ev: lines.append(ev.message))
+    assert info.name == "imp-test" and lines
+    sb = await client.create_container(ContainerArgs(image="imp-test"))
+    try:
+        assert (await sb.run("echo imported")).stdout == "imported\n"
+    finally:
+        await sb.stop()
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        data = b"pwned"
+        ti = tarfile.TarInfo("../../escaped-by-import")
+        ti.size = len(data)
+        tf.addfile(ti, io.BytesIO(data))
+    async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": f"Bearer {server.key}"}) as h:
+        r = await h.post("/v1/images/import", params={"name": "imp-bad"}, content=buf.getvalue())
+    assert r.status_code == 200
+    last = r.text.strip().splitlines()[-1]
+    assert '"error"' in last and '"field":"body"' in last, last
+    assert not (server.home / "escaped-by-import").exists() and not (server.home / "build" / "escaped-by-import").exists()
+    assert not any(i.name == "imp-bad" for i in await client.images())

@@ -17,9 +17,13 @@ python3 -m venv .venv
 .venv/bin/pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/pip install -q -e '.[server,test]'    # client + server + test tools
 # Harbor (dsec.adapters.harbor, tests/test_harbor_adapter.py) needs Python >= 3.12: its own venv
-PY312="$(command -v python3.12 || ls /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -1 || true)"
+# (a pyenv shim on PATH may exist without a usable 3.12 behind it: try each candidate for real)
+PY312=""
+for c in $(command -v python3.13 python3.12 2>/dev/null) /root/.pyenv/versions/3.1[2-9]*/bin/python3; do
+  if [ -x "$c" ] && "$c" -c 'import sys; assert sys.version_info >= (3, 12)' >/dev/null 2>&1; then PY312="$c"; break; fi
+done
 if [ -n "$PY312" ]; then
-  [ -x .venv-harbor/bin/python ] || "$PY312" -m venv .venv-harbor
+  [ -x .venv-harbor/bin/python ] || "$PY312" -m venv .venv-harbor || echo "warning: could not make .venv-harbor"
   .venv-harbor/bin/pip install -q -e '.[harbor]' || echo "warning: .venv-harbor: pip install failed (Harbor tests will skip)"
 else
   echo "note: no python3.12 found: the Harbor adapter's tests will skip"

@@ -116,6 +116,7 @@ class WarmPools:
         self._retry_at: dict[str, float] = {}
         self._slots = asyncio.Semaphore(parallel)
         self._wake = asyncio.Event()
+        self._closing = False
         self._task: asyncio.Task[None] | None = None
         self._starts: set[asyncio.Task[None]] = set()
         self._drains: set[asyncio.Task[None]] = set()   # finished at close, never cancelled: no leak
@@ -206,6 +207,10 @@ class WarmPools:
 
     async def close(self) -> None:
         """Stop refilling and free every idle sandbox (a cache: nothing of it is kept)."""
+        # the flag ends the loop even if a cancel is lost (3.11's wait_for could swallow one
+        # that raced its timeout, leaving close() waiting on a loop that went round again)
+        self._closing = True
+        self._wake.set()
         tasks = [t for t in (self._task, *self._starts) if t is not None]
         for t in tasks:
             t.cancel()
@@ -222,11 +227,14 @@ class WarmPools:
 
     # -- refill ------------------------------------------------------------------------------
     async def _refill_loop(self) -> None:
-        while True:
+        while not self._closing:
             try:
-                await asyncio.wait_for(self._wake.wait(), RETRY_S)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(RETRY_S):
+                    await self._wake.wait()
+            except TimeoutError:
                 pass
+            if self._closing:
+                return
             self._wake.clear()
             deferred = time.monotonic()
             while time.monotonic() - self._last_take < QUIET_S and time.monotonic() - deferred < DEFER_MAX_S:

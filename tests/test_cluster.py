@@ -9,6 +9,7 @@ no Ray processes, containers, mounts or cgroups of the edges' homes.
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
@@ -21,22 +22,27 @@ pytest.importorskip("ray", reason="cluster mode needs ray: pip install -e '.[clu
 
 
 class Cluster:
-    def __init__(self, local, clients: list[Client]):
+    def __init__(self, local, clients: list[Client], pg):
         self.local = local
         self.clients = clients
         self.nodes = local.nodes        # dsec node id -> its Ray node (None: the head)
+        self.pg = pg                    # the PostgreSQL server the replicas use
 
 
 @pytest.fixture(scope="module")
-async def cluster():
+async def cluster(pg_cluster):
+    """The replicas share a real PostgreSQL (the session's, a database of its own)."""
     requires_root()
+    import time as _time
+
     from dsec.cluster.local import local_cluster
 
+    db_url = pg_cluster.create_database(f"cluster_{_time.monotonic_ns()}")
     node_ids: list[str] = []
-    async with local_cluster(nodes=3, replicas=2, edge_env=NO_PSI_ADMISSION) as local:
+    async with local_cluster(nodes=3, replicas=2, edge_env=NO_PSI_ADMISSION, db_url=db_url) as local:
         print(f"ray cluster {local.started_s['ray_s']:.1f}s, dsec cluster up {local.started_s['dsec_up_s']:.1f}s")
         clients = [Client(url, local.admin_key) for url in local.replica_urls]
-        cl = Cluster(local, clients)
+        cl = Cluster(local, clients, pg_cluster)
         try:
             yield cl
         finally:
@@ -154,6 +160,28 @@ async def test_node_killed_mid_burst_fails_only_its_sandboxes(cluster):
         assert victim not in {n.node_id for n in await c.nodes()}
     after = await asyncio.gather(*(_create(cluster.clients[i % 2], "after") for i in range(6)))
     assert all(f"sb-{victim}." not in sb.id for sb in after)
+
+
+async def test_postgres_restarted_nothing_lost(cluster):
+    """PostgreSQL restarted under the replicas: projects, keys and quota reservations made
+    before are all there after; the replicas reconnect and create again."""
+    c0, c1 = cluster.clients
+    root = (await c0.projects())[0].id
+    team = await c0.create_project(f"pg-{os.urandom(3).hex()}", root, max_sandboxes=2)
+    key = (await c0.create_key(team.id)).key
+    before = await _create(c1, "pg")
+    used = (await c0.quota(root)).used.sandboxes
+    await asyncio.to_thread(cluster.pg.restart)
+    after = await _create(c0, "pg")                          # the replicas reconnected
+    assert {before.id, after.id} <= {s.id for s in await c1.list()}
+    assert (await c1.quota(root)).used.sandboxes == used + 1
+    assert team.id in {p.id for p in await c1.projects()}
+    async with Client(cluster.local.replica_urls[1], key) as tenant:   # its key still works
+        sb = await tenant.create_container(image="busybox", memory_mb=64, cpu_cores=0.1)
+        assert (await sb.run("echo t")).stdout == "t\n"
+        await sb.stop()
+    for sb in (before, after):
+        await sb.stop()
 
 
 async def test_replica_killed_the_other_serves_everything(cluster):

@@ -50,7 +50,8 @@ async def test_environment_interface_through_harbors_factory(server, client):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     seen = json.loads(r.stdout.strip().splitlines()[-1])
     assert seen["type"] == "dsec" and "timed out after 1 seconds" in seen["timeout"]
-    assert set(await _sandboxes(client)) == before             # stop() left no sandbox running
+    # stop() left no sandbox running (others' may have ended meanwhile: only new ones count)
+    assert set(await _sandboxes(client)) <= before
     assert seen["sandbox_id"] not in set(await _sandboxes(client))
 
 
@@ -64,7 +65,7 @@ async def test_harbor_trial_with_oracle_agent_and_dockerfile(server, client, tmp
     assert out["exception"] is None, out
     assert out["reward"] == 1, out
     assert any(i.name.startswith("harbor-toy-calc-") for i in await client.images())
-    assert set(await _sandboxes(client)) == before
+    assert set(await _sandboxes(client)) <= before             # the trial left no sandbox running
 
 
 def test_adapter_not_importable_without_harbor():

@@ -72,7 +72,9 @@ def _seed_bin(base: Path) -> str:
 
 @asynccontextmanager
 async def local_cluster(nodes: int = 3, replicas: int = 2, edge_env: dict[str, str] | None = None,
-                        builtin_images: tuple[str, ...] = ("busybox",)) -> AsyncIterator[LocalCluster]:
+                        builtin_images: tuple[str, ...] = ("busybox",),
+                        db_url: str | None = None) -> AsyncIterator[LocalCluster]:
+    """`db_url`: the replicas' control database (PostgreSQL DSN); None: one SQLite file."""
     import ray
     from ray.cluster_utils import Cluster as RayCluster
 
@@ -110,6 +112,7 @@ async def local_cluster(nodes: int = 3, replicas: int = 2, edge_env: dict[str, s
             home=base / "cluster", node_homes=base / "nodes", replicas=replicas, api_host="127.0.0.1", api_port=0,
             subnet_pool=f"10.{90 + os.getpid() % 8}.0.0/16", subnet_prefix=24, node_resource="dsec_edge",
             api_resource="dsec_api", builtin_images=list(builtin_images), seed_bin=_seed_bin(base),
+            db_url=db_url or os.environ.get("DSEC_DB_URL"),
             edge_env={"DSEC_VM": "0", "DSEC_LOG_LEVEL": "WARNING", **(edge_env or {})})
         st = await rc.up(settings)
         homes = [Path(e["home"]) for e in st["edges"]]

@@ -50,6 +50,18 @@ def link_downloads(home: Path) -> None:
 _cleanup_home = cleanup_home
 
 
+def side_home(dsec_home: Path, tmp_path_factory, name: str) -> Path:
+    """A home for a second server: the session's layer files and image records, its own
+    mounts, records and settings."""
+    import sqlite3
+    home = Path(tmp_path_factory.mktemp(name, numbered=True))
+    home.chmod(0o711)
+    (home / "store").symlink_to(dsec_home / "store")          # same layer files, own mounts
+    with sqlite3.connect(dsec_home / "images.db") as src, sqlite3.connect(home / "images.db") as dst:
+        src.backup(dst)
+    return home
+
+
 @pytest.fixture(scope="session")
 def dsec_home():
     requires_root()

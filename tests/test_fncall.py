@@ -9,14 +9,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import signal
-import sqlite3
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from conftest import ServerProc, _cleanup_home
+from conftest import ServerProc, _cleanup_home, side_home
 from dsec import SyncClient
 from dsec.types import FnCallRequest, FnCallStatus, InvalidArgument, NotFound
 
@@ -245,11 +243,7 @@ def test_bad_requests_name_the_field(server):
 @pytest.fixture
 def tight_server(images, dsec_home, tmp_path_factory):
     """A server whose pools have floor 1, ceiling 2, 1 s idle time and 4 calls per container."""
-    home = Path(tmp_path_factory.mktemp("fncall", numbered=True))
-    home.chmod(0o711)
-    (home / "store").symlink_to(dsec_home / "store")
-    with sqlite3.connect(dsec_home / "images.db") as src, sqlite3.connect(home / "images.db") as dst:
-        src.backup(dst)
+    home = side_home(dsec_home, tmp_path_factory, "fncall")
     srv = ServerProc(home, env={"DSEC_FNCALL_MAX_WARM": "2", "DSEC_FNCALL_IDLE_S": "1",
                                 "DSEC_FNCALL_MAX_CALLS": "4"})
     srv.start()

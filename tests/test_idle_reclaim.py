@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import sqlite3
 import time
 import warnings
 from pathlib import Path
@@ -20,7 +19,7 @@ from conftest import wait_file
 from dsec.backends.container import cgroups
 from dsec.backends.container.spec import cgroup_path
 
-from conftest import ServerProc, _cleanup_home
+from conftest import ServerProc, _cleanup_home, side_home
 
 IDLE_S = 2
 
@@ -41,11 +40,7 @@ open("/work/checked", "w").write(hashlib.sha256(buf).hexdigest())
 @pytest.fixture(scope="module")
 def reclaim_server(images, dsec_home, tmp_path_factory):
     """A server on its own home that reclaims sandboxes idle for IDLE_S seconds."""
-    home = Path(tmp_path_factory.mktemp("reclaim", numbered=True))
-    home.chmod(0o711)
-    (home / "store").symlink_to(dsec_home / "store")          # same layer files, own mounts
-    with sqlite3.connect(dsec_home / "images.db") as src, sqlite3.connect(home / "images.db") as dst:
-        src.backup(dst)
+    home = side_home(dsec_home, tmp_path_factory, "reclaim")
     srv = ServerProc(home, env={"DSEC_RECLAIM_IDLE_S": str(IDLE_S)})
     srv.start()
     yield srv

@@ -16,7 +16,7 @@ from dsec.backends.container.idmap import REGISTRY
 from dsec.backends.container.spec import cgroup_path
 from dsec.types import CapacityExceeded
 
-from conftest import ServerProc, _cleanup_home
+from conftest import ServerProc, _cleanup_home, side_home
 
 
 def _crun_ids(server) -> set[str]:
@@ -88,12 +88,7 @@ async def test_busy_sandbox_is_not_reaped(client):
 @pytest.fixture
 def small_server(images, dsec_home, tmp_path_factory):
     """A second server on its own home that admits at most 3 sandboxes."""
-    import sqlite3
-    home = Path(tmp_path_factory.mktemp("small", numbered=True))
-    home.chmod(0o711)
-    (home / "store").symlink_to(dsec_home / "store")          # same layer files, own mounts
-    with sqlite3.connect(dsec_home / "images.db") as src, sqlite3.connect(home / "images.db") as dst:
-        src.backup(dst)
+    home = side_home(dsec_home, tmp_path_factory, "small")
     srv = ServerProc(home, env={"DSEC_MAX_SANDBOXES": "3"})
     srv.start()
     yield srv

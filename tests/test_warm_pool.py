@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import sqlite3
 import subprocess
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from conftest import ServerProc, _cleanup_home
+from conftest import ServerProc, _cleanup_home, side_home
 from dsec.backends.container import cgroups
 from dsec.backends.container.spec import cgroup_path
 from dsec.edge.warm_pool import parse_targets
@@ -74,11 +72,7 @@ def _limits(sandbox_id: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def pool_server(images, dsec_home, tmp_path_factory):
     """A server on its own home with a warm pool of 2 busybox containers."""
-    home = Path(tmp_path_factory.mktemp("warmpool", numbered=True))
-    home.chmod(0o711)
-    (home / "store").symlink_to(dsec_home / "store")          # same layer files, own mounts
-    with sqlite3.connect(dsec_home / "images.db") as src, sqlite3.connect(home / "images.db") as dst:
-        src.backup(dst)
+    home = side_home(dsec_home, tmp_path_factory, "warmpool")
     srv = ServerProc(home, env={"DSEC_WARM_POOL": POOL})
     try:
         srv.start(timeout_s=START_S)

@@ -9,7 +9,6 @@ import os
 import secrets
 import signal
 import socket
-import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -267,12 +266,8 @@ OUT["seqpacket"] = attempt(socket.socket, 40, socket.SOCK_SEQPACKET, 0)
 def netserver(images, dsec_home, tmp_path_factory):
     """A second server with its own bridge and subnet, so plugging sandboxes in cannot disturb
     other dsec instances on this host (they all default to dsec0 / 10.88.0.0/16)."""
-    from conftest import ServerProc, _cleanup_home
-    home = Path(tmp_path_factory.mktemp("cxnet", numbered=True))
-    home.chmod(0o711)
-    (home / "store").symlink_to(dsec_home / "store")
-    with sqlite3.connect(dsec_home / "images.db") as src, sqlite3.connect(home / "images.db") as dst:
-        src.backup(dst)
+    from conftest import ServerProc, _cleanup_home, side_home
+    home = side_home(dsec_home, tmp_path_factory, "cxnet")
     n = 100 + os.getpid() % 100
     srv = ServerProc(home, env={"DSEC_NET_BRIDGE": f"dsecx{n}", "DSEC_NET_SUBNET": f"10.201.{n}.0/24"})
     srv.start()

@@ -30,6 +30,7 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -96,6 +97,35 @@ class Opts:
 def _stats(xs: list[float]) -> dict:
     return {"n": len(xs), "p50_ms": _pct(xs, 50) if xs else None, "p99_ms": _pct(xs, 99) if xs else None,
             "max_ms": max(xs) if xs else None}
+
+
+async def crun_burst(raw: Raw, cids: list[str], done: Callable[[], None] = lambda: None) -> dict:
+    """The raw-crun baseline: `crun run` of the same rootfs once per id, all at once; time to
+    the first line of output each (and the wall time), bundles removed after."""
+    ttfo: list[float] = []
+    errs: list[str] = []
+
+    async def one(cid: str) -> None:
+        t0 = time.perf_counter()
+        p = await asyncio.create_subprocess_exec(*raw.crun("run", "--bundle", str(raw.root / "bundles" / cid), cid),
+                                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                                 stderr=subprocess.PIPE)
+        assert p.stdout is not None
+        line = await p.stdout.readline()
+        if line:
+            ttfo.append((time.perf_counter() - t0) * 1000)
+        _, err = await p.communicate()
+        if p.returncode != 0 or not line:
+            errs.append(f"{cid}: exit {p.returncode} {err.decode(errors='replace')[-200:]!r}")
+        done()
+    try:
+        await asyncio.to_thread(lambda: [raw._bundle(cid) for cid in cids])
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(cid) for cid in cids))
+        wall = time.perf_counter() - t0
+    finally:
+        await asyncio.to_thread(raw.cleanup)
+    return {**_stats(ttfo), "wall_s": wall, "failed": len(errs), "errors": errs[:5], "ttfo_ms": ttfo}
 
 
 def _err(e: BaseException) -> str:
@@ -496,29 +526,7 @@ class Bench:
         cids = [f"b{self.run_id}-{i}" for i in range(o.burst)]
         self.raw_ids += cids
         task = self.task(f"raw: {o.burst} x crun run echo hi", o.burst)
-        ttfo, errs = [], []
-
-        async def one(cid: str) -> None:
-            t0 = time.perf_counter()
-            p = await asyncio.create_subprocess_exec(*raw.crun("run", "--bundle", str(raw.root / "bundles" / cid), cid),
-                                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                                     stderr=subprocess.PIPE)
-            assert p.stdout is not None
-            line = await p.stdout.readline()
-            if line:
-                ttfo.append((time.perf_counter() - t0) * 1000)
-            _, err = await p.communicate()
-            if p.returncode != 0 or not line:
-                errs.append(f"{cid}: exit {p.returncode} {err.decode(errors='replace')[-200:]!r}")
-            self.progress.advance(task)
-        try:
-            await asyncio.to_thread(lambda: [raw._bundle(cid) for cid in cids])
-            t0 = time.perf_counter()
-            await asyncio.gather(*(one(cid) for cid in cids))
-            wall = time.perf_counter() - t0
-        finally:
-            await asyncio.to_thread(raw.cleanup)
-        return {**_stats(ttfo), "wall_s": wall, "failed": len(errs), "errors": errs[:5], "ttfo_ms": ttfo}
+        return await crun_burst(raw, cids, lambda: self.progress.advance(task))
 
     # -- 6. teardown -------------------------------------------------------------------------
     async def teardown(self) -> None:

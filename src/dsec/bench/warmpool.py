@@ -21,7 +21,6 @@ import json
 import shutil
 import os
 import platform
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -32,7 +31,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from dsec.bench.density import Raw, _err, _stats
+from dsec.bench.density import Raw, _err, _stats, crun_burst
 from dsec.bench.server import BenchServer
 from dsec.images.service import ImageService
 from dsec.sdk.client import Client, Sandbox
@@ -160,29 +159,9 @@ class WarmBench:
         raw = Raw(layers[0], ["echo", "hi"])
         run_id = f"{os.getpid()}-{int(time.time())}"
         cids = [f"w{run_id}-{i}" for i in range(n)]
-        ttfo: list[float] = []
-        errs: list[str] = []
-
-        async def one(cid: str) -> None:
-            t0 = time.perf_counter()
-            p = await asyncio.create_subprocess_exec(*raw.crun("run", "--bundle", str(raw.root / "bundles" / cid), cid),
-                                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                                     stderr=subprocess.PIPE)
-            assert p.stdout is not None
-            line = await p.stdout.readline()
-            if line:
-                ttfo.append((time.perf_counter() - t0) * 1000)
-            _, err = await p.communicate()
-            if p.returncode != 0 or not line:
-                errs.append(f"{cid}: exit {p.returncode} {err.decode(errors='replace')[-200:]!r}")
-        try:
-            await asyncio.to_thread(lambda: [raw._bundle(cid) for cid in cids])
-            t0 = time.perf_counter()
-            await asyncio.gather(*(one(cid) for cid in cids))
-            wall = time.perf_counter() - t0
-        finally:
-            await asyncio.to_thread(raw.cleanup)
-        return {**_stats(ttfo), "wall_s": wall, "failed": len(errs), "errors": errs[:5]}
+        res = await crun_burst(raw, cids)
+        del res["ttfo_ms"]          # this bench reports the summary only
+        return res
 
 
 async def bench(srv: BenchServer, o: Opts) -> dict:

@@ -345,17 +345,13 @@ class S3LayerStore(RemoteLayerStore):
     def get_range(self, key: str, offset: int, length: int) -> bytes:
         if length <= 0:
             return b""
-        body = self._get(key, f"bytes={offset}-{offset + length - 1}")
-        try:
-            data: bytes = body.read()
-            return data
-        except Exception as e:
-            raise self._fail(key, e) from e
-        finally:
-            body.close()
+        return self._read(key, f"bytes={offset}-{offset + length - 1}")
 
     def get_bytes(self, key: str) -> bytes:
-        body = self._get(key, None)
+        return self._read(key, None)
+
+    def _read(self, key: str, byte_range: str | None) -> bytes:
+        body = self._get(key, byte_range)
         try:
             data: bytes = body.read()
             return data

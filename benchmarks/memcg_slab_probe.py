@@ -1,6 +1,7 @@
 """Kernel slab a new memory cgroup costs on this host (D35): make 200 v1 memory cgroups, diff
 /proc/slabinfo after drop_caches, remove them. Run as root: python3 benchmarks/memcg_slab_probe.py"""
-import os, time, sys
+import os
+import time
 N=200
 def slabs():
     d={}

@@ -190,3 +190,22 @@ async def test_import_route_takes_an_oci_layout_and_refuses_escaping_tars(server
     assert '"error"' in last and '"field":"body"' in last, last
     assert not (server.home / "escaped-by-import").exists() and not (server.home / "build" / "escaped-by-import").exists()
     assert not any(i.name == "imp-bad" for i in await client.images())
+
+
+def test_base_export_works_under_a_home_whose_path_is_no_image_reference(dsec_home, images, tmp_path_factory):
+    """buildah names an image pulled from an OCI layout after the layout's path. A home with
+    upper case or a trailing "_" in its path (mkdtemp makes those) once failed every build with
+    "invalid reference format" (CI, stop 17)."""
+    from dsec.images.dockerfile import Buildah, ensure_base
+    from dsec.images.service import ImageService
+    from dsec.config import Paths
+
+    from conftest import side_home
+    home = side_home(dsec_home, tmp_path_factory, "Home_Upper_")
+    svc = ImageService(Paths(home))
+    bah = Buildah.for_home(svc.paths)
+    tag = ensure_base(svc, bah, svc.get("busybox"), None)
+    assert bah.has_image(tag)
+    names = subprocess.run(bah.argv("images", "--noheading", "--format", "{{.Name}}"), capture_output=True,
+                           text=True, env=bah.env()).stdout.split()
+    assert names == [tag.rsplit(":", 1)[0]], names    # the layout's path-derived name is gone

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import shlex
 import shutil
 import signal
@@ -113,7 +114,7 @@ class Buildah:
         return conf
 
     def run(self, *args: str, timeout_s: float = 600, progress: Progress | None = None,
-            what: str = "buildah") -> str:
+            what: str = "buildah", cwd: Path | None = None) -> str:
         """Run buildah; its output lines go to progress and the log tail. Raises on failure."""
         tmp = self.root / "tmp"
         tmp.mkdir(exist_ok=True)
@@ -122,7 +123,7 @@ class Buildah:
         log.debug("running %s", shlex.join(argv))
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=self.env(), start_new_session=True,
-                                umask=0o022)   # RUN steps' mapped root walks buildah's dirs
+                                umask=0o022, cwd=cwd)   # RUN steps' mapped root walks buildah's dirs
         # a watchdog, not a check per output line: a silent step must time out too
         fired = threading.Event()
 
@@ -377,17 +378,21 @@ def ensure_base(svc: ImageService, bah: Buildah, info: ImageInfo, progress: Prog
             return tag
         report(progress, f"exporting {info.name} ({info.digest[:19]}) as a build base", None, level=logging.INFO)
         with scratch_dir(svc.paths, "base") as work:
-            export_oci(svc, info, work / "layout", work)
+            # buildah 1.28 names an image pulled from an OCI layout after the layout's path, which
+            # must then be a valid reference: no upper case, no trailing "_" (a DSEC_HOME or a
+            # mkdtemp name may have both). So the layout is pulled by a relative, lower-hex name.
+            layout = f"l{secrets.token_hex(8)}"
+            export_oci(svc, info, work / layout, work)
             # pulled from an OCI layout the image has no name: --quiet prints its id, tag that
             out = bah.run("pull", "--signature-policy", str(bah.policy), "--quiet",
-                          f"oci:{work / 'layout'}:latest", progress=progress, what="buildah pull")
+                          f"oci:{layout}:latest", progress=progress, what="buildah pull", cwd=work)
             image_id = out.strip().splitlines()[-1] if out.strip() else ""
             if not re.fullmatch(r"[0-9a-f]{64}", image_id):
                 raise DsecError(f"buildah pull of {info.name} printed no image id: {out[-500:]}")
             bah.run("tag", image_id, tag, what="buildah tag")
             # the pull also named the image after the layout's path: drop that name (rmi of one
             # of several names only untags)
-            subprocess.run(bah.argv("rmi", f"localhost{work / 'layout'}:latest"), capture_output=True,
+            subprocess.run(bah.argv("rmi", f"localhost/{layout}:latest"), capture_output=True,
                            env=bah.env(), timeout=120)
     return tag
 

@@ -28,6 +28,12 @@ if [ -n "$PY312" ]; then
 else
   echo "note: no python3.12 found: the Harbor adapter's tests will skip"
 fi
+# verl (dsec.adapters.verl_tool, tests/test_adapter_verl.py) pulls torch and its CUDA wheels
+# (~6 GB): its own venv, so the server's stays small; DSEC_SKIP_VERL=1 leaves it out
+if [ "${DSEC_SKIP_VERL:-0}" != 1 ]; then
+  [ -x .venv-verl/bin/python ] || python3 -m venv .venv-verl || echo "warning: could not make .venv-verl"
+  .venv-verl/bin/pip install -q -e '.[verl]' || echo "warning: .venv-verl: pip install failed (verl tests will skip)"
+fi
 echo "== built-in images (busybox, debian-python, fncall-python via debootstrap; cached after the first run)"
 .venv/bin/dsec image build busybox --builtin
 .venv/bin/dsec image build debian-python --builtin

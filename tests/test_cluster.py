@@ -1,6 +1,6 @@
 """Cluster mode on a real multi-node Ray cluster on this one machine (ray.cluster_utils: a head
 and two more raylets, each its own Ray node): `cluster up` starts an edge per node (own
-DSEC_HOME, bridge, subnet) and two apiserver replicas; sandboxes created through both replicas
+DSEC_HOME, network namespace, bridge, subnet) and two apiserver replicas; sandboxes created through both replicas
 land on the three edges; a node killed mid-burst fails only its own sandboxes and placement
 moves on; a replica killed leaves the other serving everything. Torn down with nothing left:
 no Ray processes, containers, mounts or cgroups of the edges' homes.
@@ -39,7 +39,8 @@ async def cluster(pg_cluster):
 
     db_url = pg_cluster.create_database(f"cluster_{_time.monotonic_ns()}")
     node_ids: list[str] = []
-    async with local_cluster(nodes=3, replicas=2, edge_env=NO_PSI_ADMISSION, db_url=db_url) as local:
+    # each edge in a network namespace of its own (D40), as on separate machines
+    async with local_cluster(nodes=3, replicas=2, edge_env=NO_PSI_ADMISSION, db_url=db_url, edge_netns=True) as local:
         print(f"ray cluster {local.started_s['ray_s']:.1f}s, dsec cluster up {local.started_s['dsec_up_s']:.1f}s")
         clients = [Client(url, local.admin_key) for url in local.replica_urls]
         cl = Cluster(local, clients, pg_cluster)

@@ -515,6 +515,9 @@ class SnapshotList(BaseModel):
 
 class SandboxList(BaseModel):
     sandboxes: list[SandboxInfo]
+    unreachable_nodes: list[str] = Field(default_factory=list, description=(
+        "nodes that did not answer in time: their sandboxes are listed as last known (their state "
+        "may have changed since)"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -634,9 +637,13 @@ class FileList(BaseModel):
 
 
 class NodeCapacity(BaseModel):
-    cpu_cores: float
+    cpu_cores: float        # ceilings on committed limits: the node's share x the overcommit ratios
     memory_mb: int
     max_sandboxes: int
+    # the edge's share of its host when not all of it (its cgroup's limits, DSEC_NODE_SHARE,
+    # DSEC_NODE_CPU_CORES / DSEC_NODE_MEMORY_MB: edge/node_share.py); None: the whole host
+    node_cpu_cores: float | None = None
+    node_memory_mb: int | None = None
 
 
 class NodeStatus(BaseModel):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Annotated
 
 from fastapi import Body, Depends, FastAPI, Query, Request
@@ -17,7 +18,8 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dsec.apiserver import control
+from dsec.apiserver import control, listing
+from dsec.apiserver.index import keeper
 from dsec.apiserver.context import ApiContext, EdgeHandle
 from dsec.apiserver.tenancy import visible
 from dsec.apiserver.guard import (MAX_FILE_BYTES, QUERY_KEY_PATHS, BodyTooLarge, RequestGuard, principal_of,
@@ -31,7 +33,7 @@ from dsec.types import ErrorBody, InternalError
 from dsec.types import FnCallRequest
 from dsec.types import ImageInfo, PackDiffRequest
 from dsec.types import MicroVMArgs, SandboxArgs, SnapshotInfo, SnapshotList, VMArgs, node_of_snapshot
-from dsec.types import BulkItem, BulkResult, BulkSelector, ExecInfo, ExecList, SignalRequest, TimeoutRequest
+from dsec.types import BulkResult, BulkSelector, ExecInfo, ExecList, SignalRequest, TimeoutRequest
 
 log = logging.getLogger("dsec.apiserver")
 
@@ -137,7 +139,12 @@ def _add_openapi(app: FastAPI, public_paths: frozenset[str]) -> None:
 
 
 def create_app(ctx: ApiContext) -> FastAPI:
-    app = FastAPI(title="dsec", version="0.1.0",
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await keeper(ctx).stop()     # the sandbox index's queued writes (apiserver/index.py)
+
+    app = FastAPI(title="dsec", version="0.1.0", lifespan=lifespan,
                   description="Elastic sandboxes for agent training and evaluation")
     app.state.ctx = ctx
     public = frozenset(p for p in ("/healthz", app.openapi_url, app.docs_url, app.redoc_url,
@@ -224,10 +231,9 @@ def create_app(ctx: ApiContext) -> FastAPI:
 
     @app.get("/v1/sandboxes", response_model=SandboxList)
     async def list_sandboxes(who: Who, include_ended: bool = False) -> SandboxList:
-        out: list[SandboxInfo] = []
-        for edge in ctx.edges.values():
-            out += [s for s in await edge.list(None, include_ended) if ctx.iam.can_access(who, s.project)]
-        return SandboxList(sandboxes=out)
+        """The caller's sandboxes on every node; a node that does not answer within seconds is
+        named in `unreachable_nodes` and its sandboxes listed as last indexed (listing.py)."""
+        return await listing.list_sandboxes(ctx, who, include_ended)
 
     @app.get("/v1/sandboxes/{sandbox_id}", response_model=SandboxInfo)
     async def get_sandbox(sandbox_id: str, who: Who) -> SandboxInfo:
@@ -278,14 +284,9 @@ def create_app(ctx: ApiContext) -> FastAPI:
 
     # before /v1/sandboxes/{sandbox_id}/...: "bulk" is not a sandbox id
     async def bulk(sel: BulkSelector, who: Principal, verb: str) -> BulkResult:
-        """The caller's sandboxes with all of sel.labels, on every node, through each edge's bulk verb."""
-        out: list[BulkItem] = []
-        for edge in ctx.edges.values():
-            ids = [s.id for s in await edge.list(None) if ctx.iam.can_access(who, s.project)
-                   and all(s.labels.get(k) == v for k, v in sel.labels.items())]
-            if ids:
-                out += await getattr(edge, verb)(ids)
-        return BulkResult(sandboxes=out)
+        """The caller's sandboxes with all of sel.labels, on every node, through each edge's bulk
+        verb; those of a node that does not answer come back with an error naming it."""
+        return await listing.bulk(ctx, who, dict(sel.labels), verb)
 
     @app.post("/v1/sandboxes/bulk/suspend", response_model=BulkResult)
     async def suspend_many(sel: BulkSelector, who: Who) -> BulkResult:

@@ -5,10 +5,12 @@ a node, and the policy check of commands that loosen something."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 
-from dsec.apiserver import quotas
+from dsec.apiserver import idempotent, quotas
 from dsec.apiserver.context import ApiContext, EdgeHandle
-from dsec.apiserver.tenancy import check_usable
+from dsec.apiserver.index import keeper
+from dsec.apiserver.tenancy import check_usable, check_usable_on
 from dsec.iam import Principal
 from dsec.iam.policy import check_create, is_root
 from dsec.types import (CapacityExceeded, DsecError, ExecRequest, NodeUnreachable, NotFound, SandboxArgs,
@@ -46,17 +48,30 @@ async def create_sandbox(ctx: ApiContext, who: Principal, args: SandboxArgs) -> 
         check_usable(ctx.iam, ctx.images, who, args)
         if getattr(args, "image", None):
             image = ctx.images.get(args.image, "image").digest
-    return await quotas.with_quota(ctx, who.project_id, args, lambda: _place(ctx, who, args, image))
+    return await _indexed(ctx, who, args, lambda: quotas.with_quota(ctx, who.project_id, args,
+                                                                     lambda: _place(ctx, who, args, image)))
 
 
 async def create_on(ctx: ApiContext, edge: EdgeHandle, who: Principal, args: SandboxArgs) -> SandboxInfo:
     """Create on a given edge (a snapshot's node), holding the project's quota for it."""
-    return await quotas.with_quota(ctx, who.project_id, args, lambda: edge.create(who.project_id, args))
+    return await _indexed(ctx, who, args, lambda: quotas.with_quota(ctx, who.project_id, args,
+                                                                     lambda: edge.create(who.project_id, args)))
+
+
+async def _indexed(ctx: ApiContext, who: Principal, args: SandboxArgs,
+                   create: Callable[[], Awaitable[SandboxInfo]]) -> SandboxInfo:
+    """Run `create` once per idempotency key across the cluster (idempotent.py), and record
+    the sandbox in the cross-node index (queued: the answer does not wait for the write)."""
+    key = getattr(args, "idempotency_key", None)
+    info = await (idempotent.once(ctx, who.project_id, key, create) if key else create())
+    keeper(ctx).created(info)
+    return info
 
 
 async def stop_sandbox(ctx: ApiContext, edge: EdgeHandle, sandbox_id: str) -> SandboxInfo:
     """Stop it and give its quota back at once (reconcile would find it later)."""
     info = await edge.stop(sandbox_id)
+    keeper(ctx).ended(sandbox_id, info.state.value)
     await quotas.ended(ctx, sandbox_id)
     return info
 
@@ -73,6 +88,8 @@ async def _place(ctx: ApiContext, who: Principal, args: SandboxArgs, image: str 
                 raise last from None
             raise
         try:
+            if ctx.images is None:    # no registry of its own (cluster replicas): the node's says the owners
+                await check_usable_on(ctx.iam, ctx.edges[node], who, args)
             info = await ctx.edges[node].create(who.project_id, args)
             ctx.placer.landed(node, args.cpu_cores, args.memory_mb, ctx.watcher.interval_s)
             return info

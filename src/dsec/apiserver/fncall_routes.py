@@ -37,14 +37,14 @@ from dsec.apiserver.guard import RUN_CODE_AUTH_FIX, principal_of, request_key
 from dsec.apiserver.sf_jupyter import RunJupyterRequest, RunJupyterResponse, run_jupyter
 from dsec.apiserver.sf_jupyter import sandbox_error as jupyter_sandbox_error
 from dsec.apiserver.sf_keypath import PathKeyMiddleware
-from dsec.apiserver.tenancy import visible
+from dsec.apiserver.tenancy import check_visible
 from dsec.fncall import languages
 from dsec.iam import Principal
 from dsec.types import (FNCALL_DEFAULT_IMAGE, FNCALL_MAX_TIMEOUT_S, DsecError, FnCallBatch, FnCallBatchItem, FnCallRequest, FnCallResult,
                         FnCallStatus, InvalidArgument, NotFound, Unauthorized, Unavailable)
 
 if TYPE_CHECKING:
-    from dsec.apiserver.context import ApiContext, FnCallHandle
+    from dsec.apiserver.context import ApiContext
 
 log = logging.getLogger("dsec.apiserver.fncall")
 
@@ -165,21 +165,23 @@ def add_fncall_routes(app: FastAPI, ctx: "ApiContext") -> None:
         # the guard (guard.py) authenticated it before the body was read; the key may be ?api_key=
         return principal_of(request) or ctx.iam.authenticate(request_key(request))
 
-    def nodes_for(req: FnCallRequest) -> list["FnCallHandle"]:
+    def nodes_for(req: FnCallRequest) -> list[str]:
         healthy = [n.node_id for n in ctx.watcher.nodes()
                    if n.healthy and "fncall" in n.backends and n.node_id in ctx.fncall]
         if not healthy:
             raise Unavailable("no healthy node offers the fncall backend", fix="retry later; see `dsec nodes`")
-        return [ctx.fncall[n] for n in _rendezvous(healthy, f"{req.image}\0{req.language.lower()}")]
+        return _rendezvous(healthy, f"{req.image}\0{req.language.lower()}")
 
     async def run_one(req: FnCallRequest, who: Principal) -> FnCallResult:
-        if ctx.images is not None and not visible(ctx.iam, who, ctx.images.get(req.image, "image")):
-            raise NotFound(f"no image {req.image!r} for this project (image)", field="image",
-                           fix="use an image of your project or one published to all")
+        if ctx.images is not None:
+            check_visible(ctx.iam, who, "image", req.image, ctx.images.get(req.image, "image"))
         last: DsecError | None = None
-        for service in nodes_for(req)[:2]:    # the preferred node, then one fallback
+        for node in nodes_for(req)[:2]:       # the preferred node, then one fallback
             try:
-                return await service.run(req, project=who.project_id)   # its own compile cache
+                if ctx.images is None:        # no registry here (cluster replicas): the node's says the owner
+                    info = (await ctx.edges[node].resolve_images([("image", req.image)]))[0]
+                    check_visible(ctx.iam, who, "image", req.image, info)
+                return await ctx.fncall[node].run(req, project=who.project_id)   # its own compile cache
             except Unavailable as e:          # that node is shutting down
                 last = e
         assert last is not None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dsec.apiserver.context import EdgeHandle
 from dsec.iam import IAM, Principal
 from dsec.images.service import ImageService
 from dsec.types import ImageInfo, NotFound
@@ -22,16 +23,33 @@ def visible(iam: IAM, who: Principal, info: ImageInfo) -> bool:
     return info.owner in iam.ancestors(who.project_id) or iam.can_access(who, info.owner)
 
 
-def check_usable(iam: IAM, images: ImageService, who: Principal, args: Any) -> None:
-    """Every image a sandbox would be composed of (image, workspace, toolkits) exists and is
-    visible to the caller; else NotFound naming the field, the same as a missing one."""
+def image_refs(args: Any) -> list[tuple[str, str]]:
+    """(field, name) of every image a sandbox would be composed of: image, workspace, toolkits."""
     refs = [("image", args.image)]
     if getattr(args, "workspace", None):
         refs.append(("workspace", args.workspace))
     refs += [(f"toolkits[{i}]", name) for i, name in enumerate(getattr(args, "toolkits", []))]
-    for field, name in refs:
-        info = images.get(name, field)
-        if not visible(iam, who, info):
-            raise NotFound(f"no {field.split('[')[0].rstrip('s')} {name!r} for this project ({field})",
-                           field=field, fix="use an image or layer of your project (or one published to all); "
-                                            "list them with `dsec image ls`")
+    return refs
+
+
+def check_visible(iam: IAM, who: Principal, field: str, name: str, info: ImageInfo) -> None:
+    """NotFound naming the field, the same as a missing image, unless the caller may see it."""
+    if not visible(iam, who, info):
+        raise NotFound(f"no {field.split('[')[0].rstrip('s')} {name!r} for this project ({field})",
+                       field=field, fix="use an image or layer of your project (or one published to all); "
+                                        "list them with `dsec image ls`")
+
+
+def check_usable(iam: IAM, images: ImageService, who: Principal, args: Any) -> None:
+    """Every image a sandbox would be composed of (image, workspace, toolkits) exists and is
+    visible to the caller; else NotFound naming the field, the same as a missing one."""
+    for field, name in image_refs(args):
+        check_visible(iam, who, field, name, images.get(name, field))
+
+
+async def check_usable_on(iam: IAM, edge: EdgeHandle, who: Principal, args: Any) -> None:
+    """check_usable against the registry of the node that would create it (an apiserver
+    without one of its own: cluster replicas): one call to the edge for all the refs."""
+    refs = image_refs(args)
+    for (field, name), info in zip(refs, await edge.resolve_images(refs)):
+        check_visible(iam, who, field, name, info)

@@ -82,7 +82,10 @@ def up(host: str = "127.0.0.1", port: int = DEFAULT_PORT, node_id: str = "local"
         console.print(f"dsec is serving at http://{host}:{port} (log: {Paths.from_env().server_log})")
         return
     from dsec.embedded.server import ServerOptions, serve
-    serve(Paths.from_env(), ServerOptions(host=host, port=port, node_id=node_id, log_level=log_level))
+    try:
+        serve(Paths.from_env(), ServerOptions(host=host, port=port, node_id=node_id, log_level=log_level))
+    except DsecError as e:      # a bad setting (e.g. DSEC_NODE_CPU_CORES): its message and fix, no traceback
+        _fail(e)
 
 
 @app.command()
@@ -488,10 +491,14 @@ def sandbox_ls(all: Annotated[bool, typer.Option("--all", help="include stopped 
     async def go() -> None:
         async with _client() as c:
             t = Table("id", "state", "image", "cpu", "mem MiB", "created", "error")
-            for s in await c.list(include_ended=all):
+            listed = await c.listing(include_ended=all)
+            for s in listed.sandboxes:
                 t.add_row(s.id, s.state.value, s.image, f"{s.cpu_cores:g}", str(s.memory_mb),
                           s.created_at.isoformat(timespec="seconds"), s.error or "")
             console.print(t)
+            if listed.unreachable_nodes:     # their sandboxes are shown as last known
+                typer.echo(f"warning: node(s) {', '.join(listed.unreachable_nodes)} did not answer: their "
+                           "sandboxes are shown with their last known state", err=True)
     _run(go())
 
 

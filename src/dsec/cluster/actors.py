@@ -34,7 +34,8 @@ class EdgeNode:
     """One node's edge + FnCall, served over HTTP on the node's address (edge_service.py)."""
 
     def __init__(self, node_id: str, home: str, secret: str, system_project: str, host: str,
-                 builtin_images: list[str] | None = None, seed_bin: str | None = None):
+                 builtin_images: list[str] | None = None, seed_bin: str | None = None,
+                 netns: dict[str, str] | None = None):
         self.node_id = node_id
         self._seed_bin = Path(seed_bin) if seed_bin else None
         self.home = Path(home)
@@ -42,39 +43,65 @@ class EdgeNode:
         self._system_project = system_project
         self._host = host
         self._builtin = list(builtin_images or [])
+        self._netns = netns            # EdgeNetns.to_json(): run the edge in the node's own netns
         self._stack: AsyncExitStack | None = None
         self._url: str | None = None
+        self._child: asyncio.subprocess.Process | None = None
+        self._watch: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
 
     async def _start(self) -> None:
-        from dsec import log as dlog
-        from dsec.cluster.edge_service import bind, edge_app, serve, stop
-        from dsec.config import Paths
-        from dsec.embedded.server import make_private, node_services
-        from dsec.images.builtin import ensure_builtin
-        from dsec.images.service import ImageService
+        if self._netns is not None:
+            await self._start_in_netns()
+            return
+        self._stack, self._url = await start_edge(self.node_id, str(self.home), self._secret, self._system_project,
+                                                  self._host, self._builtin, self._seed_bin)
 
-        dlog.configure(os.environ.get("DSEC_LOG_LEVEL", "INFO"))
-        paths = Paths(self.home)
-        make_private(paths)
-        (paths.home / "cache").mkdir(exist_ok=True)
-        if self._seed_bin is not None:
-            seed_native_helpers(self._seed_bin, paths.bin)
-        for name in self._builtin:      # until the shared layer store: each node builds its own
-            await asyncio.to_thread(ensure_builtin, ImageService(paths), name)
+    async def _start_in_netns(self) -> None:
+        """The edge as a child process inside the node's netns (edge_proc.py, D40)."""
+        import json
+        import sys
+        from dsec.cluster import netns
+        from dsec.types import Unavailable
+        assert self._netns is not None
+        ns = netns.EdgeNetns.from_json(self._netns)
+        await asyncio.to_thread(netns.ensure, ns)
+        # spawned from the actor's event loop thread, which lives as long as the actor
+        proc = await asyncio.create_subprocess_exec(
+            "nsenter", f"--net={ns.path}", "--", sys.executable, "-m", "dsec.cluster.edge_proc",
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            env={**os.environ, "DSEC_EDGE_PARENT_PID": str(os.getpid())})
         stack = AsyncExitStack()
+        stack.push_async_callback(_end_child, proc)
         try:
-            edge, fncall = await stack.enter_async_context(node_services(paths, self.node_id, self._system_project))
-            sock = bind(self._host)
-            server = await serve(edge_app(edge, self._secret, fncall), sock)
-            stack.push_async_callback(stop, server)
+            assert proc.stdin is not None and proc.stdout is not None
+            cfg = {"node_id": self.node_id, "home": str(self.home), "secret": self._secret,
+                   "system_project": self._system_project, "host": ns.ns_ip, "builtin_images": self._builtin,
+                   "seed_bin": str(self._seed_bin) if self._seed_bin else None}
+            proc.stdin.write(json.dumps(cfg).encode() + b"\n")
+            await proc.stdin.drain()
+            line = await proc.stdout.readline()      # stdin stays open: its end is the actor's death
+            if not line:
+                raise Unavailable(f"the edge process of {self.node_id} exited ({await proc.wait()}) before serving",
+                                  fix="see this Ray worker's log (the edge logs to its stderr)")
+            ready = json.loads(line)
         except BaseException:
             await stack.aclose()
+            if not await asyncio.to_thread(netns.plugged_sandboxes, ns):
+                await asyncio.to_thread(netns.remove, self.node_id)
             raise
-        self._stack = stack
-        host, port = sock.getsockname()[:2]
-        self._url = f"http://{host}:{port}"
-        log.info("edge serving", extra={"node": self.node_id, "url": self._url, "home": str(self.home)})
+        self._stack, self._url, self._child = stack, ready["url"], proc
+        self._watch = asyncio.create_task(self._exit_with_child(proc))
+        log.info("edge serving in its network namespace",
+                 extra={"node": self.node_id, "url": self._url, "netns": ns.name, "pid": proc.pid})
+
+    async def _exit_with_child(self, proc: asyncio.subprocess.Process) -> None:
+        """The edge process died under a live actor: end the actor too, so that Ray restarts it
+        on its node (a new edge adopts the sandboxes), as when an in-process edge crashes."""
+        code = await proc.wait()
+        if self._child is proc:            # not stop()'s doing
+            log.error("edge process died; restarting the actor", extra={"node": self.node_id, "exit": code})
+            os._exit(1)
 
     async def address(self) -> dict[str, Any]:
         """{node_id, url, ray_node, home}; starts the edge first if it is not serving."""
@@ -83,14 +110,76 @@ class EdgeNode:
                 await self._start()
         import ray
         return {"node_id": self.node_id, "url": self._url, "home": str(self.home), "pid": os.getpid(),
-                "subnet": os.environ.get("DSEC_NET_SUBNET"), "ray_node": ray.get_runtime_context().get_node_id()}
+                "subnet": os.environ.get("DSEC_NET_SUBNET"), "ray_node": ray.get_runtime_context().get_node_id(),
+                "edge_pid": self._child.pid if self._child else os.getpid(),
+                "netns": ("dsec-" + self.node_id) if self._netns else None}
 
     async def stop(self) -> None:
         """Close the edge (sandboxes keep running; an edge started on this home adopts them)."""
         async with self._lock:
             stack, self._stack = self._stack, None
+            self._child = None
             if stack is not None:
                 await stack.aclose()
+            if self._netns is not None:
+                # its bridge carries the plugged sandboxes' veths: kept for the next edge then
+                from dsec.cluster import netns
+                ns = netns.EdgeNetns.from_json(self._netns)
+                plugged = await asyncio.to_thread(netns.plugged_sandboxes, ns)
+                if plugged:
+                    log.warning("edge network namespace kept: sandboxes are plugged into it",
+                                extra={"netns": ns.name, "veths": len(plugged)})
+                else:
+                    await asyncio.to_thread(netns.remove, self.node_id)
+
+
+async def _end_child(proc: asyncio.subprocess.Process, grace_s: float = 10.0) -> None:
+    """SIGTERM (a clean edge stop), SIGKILL after `grace_s`."""
+    if proc.returncode is None:
+        try:
+            proc.terminate()
+            await asyncio.wait_for(proc.wait(), grace_s)
+        except ProcessLookupError:
+            pass
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+    if proc.stdin is not None:
+        proc.stdin.close()
+
+
+async def start_edge(node_id: str, home: str, secret: str, system_project: str, host: str,
+                     builtin_images: list[str], seed_bin: Path | str | None) -> tuple[AsyncExitStack, str]:
+    """One node's edge + FnCall served over HTTP on `host` (a free port): (what stops it, its URL).
+    Runs in the EdgeNode actor, or in its child inside the node's netns (edge_proc.py)."""
+    from dsec import log as dlog
+    from dsec.cluster.edge_service import bind, edge_app, serve, stop
+    from dsec.config import Paths
+    from dsec.embedded.server import make_private, node_services
+    from dsec.images.builtin import ensure_builtin
+    from dsec.images.service import ImageService
+
+    dlog.configure(os.environ.get("DSEC_LOG_LEVEL", "INFO"))
+    paths = Paths(Path(home))
+    make_private(paths)
+    (paths.home / "cache").mkdir(exist_ok=True)
+    if seed_bin is not None:
+        seed_native_helpers(Path(seed_bin), paths.bin)
+    for name in builtin_images:      # until the shared layer store: each node builds its own
+        await asyncio.to_thread(ensure_builtin, ImageService(paths), name)
+    stack = AsyncExitStack()
+    try:
+        edge, fncall = await stack.enter_async_context(node_services(paths, node_id, system_project))
+        sock = bind(host)
+        server = await serve(edge_app(edge, secret, fncall), sock)
+        stack.push_async_callback(stop, server)
+    except BaseException:
+        await stack.aclose()
+        raise
+    bound, port = sock.getsockname()[:2]
+    url = f"http://{bound}:{port}"
+    log.info("edge serving", extra={"node": node_id, "url": url, "home": home})
+    return stack, url
 
 
 class ApiReplica:

@@ -53,13 +53,24 @@ def up(address: Address = "auto",
        subnet_pool: str = "10.90.0.0/16", subnet_prefix: int = 22,
        node_resource: Annotated[Optional[str], typer.Option(help="only Ray nodes with this resource get an edge")] = None,
        builtin: Annotated[Optional[list[str]], typer.Option(help="built-in images each edge builds at start")] = None,
+       share_hosts: Annotated[bool, typer.Option(help="N edges on one host each admit up to 1/N of it")] = True,
+       node_cpu_cores: Annotated[Optional[float], typer.Option(help="CPU cores each edge counts as its node's "
+                                                               "(default: its share of the host)")] = None,
+       node_memory_mb: Annotated[Optional[int], typer.Option(help="memory (MiB) each edge counts as its node's "
+                                                             "(default: its share of the host)")] = None,
+       edge_netns: Annotated[bool, typer.Option(envvar="DSEC_EDGE_NETNS",
+                                                help="each edge in a network namespace of its own (Ray nodes "
+                                                     "sharing one host, the replicas on it too)")] = False,
+       netns_pool: Annotated[str, typer.Option(help="the edges' netns links: a /30 each")] = "10.89.0.0/16",
        ) -> None:
     """Start an edge on every eligible Ray node and the apiserver replicas (what is missing)."""
     from dsec.cluster import ray_cluster as rc
     _connect(address)
     settings = rc.ClusterSettings(home=home, node_homes=node_homes, db_url=db_url, replicas=replicas,
                                   api_host=host, api_port=port, subnet_pool=subnet_pool, subnet_prefix=subnet_prefix,
-                                  node_resource=node_resource, builtin_images=list(builtin or []))
+                                  node_resource=node_resource, builtin_images=list(builtin or []),
+                                  share_hosts=share_hosts, node_cpu_cores=node_cpu_cores,
+                                  node_memory_mb=node_memory_mb, edge_netns=edge_netns, netns_pool=netns_pool)
     _print(asyncio.run(rc.up(settings)))
     typer.echo(f"admin key: {settings.home / 'admin.key'}")
 

@@ -204,6 +204,9 @@ class HttpEdge(_Rpc):
     async def pack_diff(self, sandbox_id: str, req: PackDiffRequest) -> ImageInfo:
         return await self._c("pack_diff", sandbox_id=sandbox_id, req=req)
 
+    async def resolve_images(self, refs: builtins.list[tuple[str, str]]) -> builtins.list[ImageInfo]:
+        return await self._c("resolve_images", refs=refs)
+
     @asynccontextmanager
     async def port_connection(self, sandbox_id: str, port: int
                               ) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:

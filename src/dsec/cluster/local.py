@@ -73,13 +73,15 @@ def _seed_bin(base: Path) -> str:
 @asynccontextmanager
 async def local_cluster(nodes: int = 3, replicas: int = 2, edge_env: dict[str, str] | None = None,
                         builtin_images: tuple[str, ...] = ("busybox",),
-                        db_url: str | None = None) -> AsyncIterator[LocalCluster]:
-    """`db_url`: the replicas' control database (PostgreSQL DSN); None: one SQLite file."""
+                        db_url: str | None = None, edge_netns: bool | None = None) -> AsyncIterator[LocalCluster]:
+    """`db_url`: the replicas' control database (PostgreSQL DSN); None: one SQLite file.
+    `edge_netns`: each edge in a network namespace of its own (D40); None: DSEC_EDGE_NETNS=1."""
     import ray
     from ray.cluster_utils import Cluster as RayCluster
 
+    from dsec.cluster import netns
     from dsec.cluster import ray_cluster as rc
-    from dsec.cluster.discovery import EDGE_PREFIX, actor_address
+    from dsec.cluster.discovery import EDGE_PREFIX, actor_address, edge_node_id
     from dsec.testing.isolated import cleanup_home
 
     base = Path(tempfile.mkdtemp(prefix="dsec-cluster-", dir="/var/tmp"))
@@ -88,6 +90,7 @@ async def local_cluster(nodes: int = 3, replicas: int = 2, edge_env: dict[str, s
     rcl = None
     clean = False
     homes: list[Path] = []
+    node_ids: list[str] = []          # every Ray node's dsec id: whose netns the teardown removes
     try:
         t0 = time.monotonic()
         # the head hosts the replicas (dsec_api), every node an edge (dsec_edge)
@@ -113,7 +116,11 @@ async def local_cluster(nodes: int = 3, replicas: int = 2, edge_env: dict[str, s
             subnet_pool=f"10.{90 + os.getpid() % 8}.0.0/16", subnet_prefix=24, node_resource="dsec_edge",
             api_resource="dsec_api", builtin_images=list(builtin_images), seed_bin=_seed_bin(base),
             db_url=db_url or os.environ.get("DSEC_DB_URL"),
+            **({} if edge_netns is None else {"edge_netns": edge_netns}),
+            netns_pool=f"10.{80 + os.getpid() % 8}.0.0/16",
             edge_env={"DSEC_VM": "0", "DSEC_LOG_LEVEL": "WARNING", **(edge_env or {})})
+        if settings.edge_netns:
+            node_ids = [edge_node_id(n.node_id) for n in [rcl.head_node, *workers]]
         st = await rc.up(settings)
         homes = [Path(e["home"]) for e in st["edges"]]
         by_ray_id = {n.node_id: n for n in workers}
@@ -141,6 +148,8 @@ async def local_cluster(nodes: int = 3, replicas: int = 2, edge_env: dict[str, s
             else:
                 os.environ[k] = v
         leaked = [pid for h in homes for pid in cleanup_home(h)]    # the killed node's containers, mounts
+        for node in node_ids:       # after the containers: nothing is plugged into a bridge in there
+            netns.remove(node)
         shutil.rmtree(base, ignore_errors=True)
         if leaked:
             log.warning("killed leftover QEMUs of cluster homes", extra={"pids": leaked})

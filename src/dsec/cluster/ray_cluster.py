@@ -11,7 +11,10 @@ Node-global on one host, per edge: DSEC_HOME (edge.db, crun root, layer mounts, 
 bridge + nft table (named after the bridge) + subnet, the edge service's port (bound to a free
 one, reported through Ray). Shared and safe to share: the cgroup tree /dsec/<sandbox id> (ids
 carry the node), the uid-range registry in /run/dsec/idranges (host-wide by design), zram swap,
-sysctls the edges set to the same values.
+sysctls the edges set to the same values. Split between them: the host's CPU and memory, the
+base of each edge's admission ceilings (share_env: 1/N each for N edges on one host).
+With edge_netns (D40, netns.py) the bridge, nft table and sandbox veths of each edge live in
+its own network namespace instead of beside the others'.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import ipaddress
 import logging
 import os
 import secrets
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +57,15 @@ class ClusterSettings:
     edge_env: dict[str, str] = field(default_factory=dict)
     images_home: str | None = None  # replicas' image registry (tenancy checks) until the shared layer store
     seed_bin: str | None = None     # a bin/ of compiled helpers on every node's host to copy from (tests)
+    # N edges on one host (same hostname) each count 1/N of it (DSEC_NODE_SHARE, edge/node_share.py);
+    # False: each counts the whole host (or its cgroup), overcommitting it N times
+    share_hosts: bool = True
+    node_cpu_cores: float | None = None   # every edge's CPU cores (DSEC_NODE_CPU_CORES); None: its share
+    node_memory_mb: int | None = None     # every edge's memory (DSEC_NODE_MEMORY_MB); None: its share
+    # each edge in a network namespace of its own, dsec-<node>, joined to its host by a veth on a
+    # /30 of netns_pool (netns.py, D40); for Ray nodes sharing a host whose replicas run there too
+    edge_netns: bool = field(default_factory=lambda: os.environ.get("DSEC_EDGE_NETNS", "") == "1")
+    netns_pool: str = "10.89.0.0/16"
 
     @property
     def iam_url(self) -> str:
@@ -77,6 +90,41 @@ def _subnets(pool: str, prefix: int) -> list[str]:
         raise InvalidArgument(f"subnet_prefix /{prefix} does not fit the pool {pool}", field="subnet_prefix",
                               fix=f"use a prefix between /{net.prefixlen} and /28")
     return [str(s) for s in net.subnets(new_prefix=prefix)]
+
+
+def share_env(settings: ClusterSettings, nodes: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
+    """Per Ray node id, the environment that sizes its edge's share of its host: 1/N for the N
+    eligible nodes on one host (Ray nodes sharing a hostname: raylets started side by side),
+    explicit amounts for every edge where set. The edge validates the values (node_share.py)."""
+    for name, value in (("node_cpu_cores", settings.node_cpu_cores), ("node_memory_mb", settings.node_memory_mb)):
+        if value is not None and not value > 0:      # the edge checks the rest against its host
+            raise InvalidArgument(f"{name}={value} is not positive", field=name,
+                                  fix=f"give a positive {name}, or leave it out for each edge's share of its host")
+
+    def host(n: dict[str, Any]) -> str:   # a hostname, not an address: raylets in their own netns share it
+        return str(n.get("NodeManagerHostname") or n.get("NodeManagerAddress", ""))
+
+    per_host = Counter(host(n) for n in nodes)
+    out = {}
+    for n in nodes:
+        env = {}
+        k = per_host[host(n)]
+        if settings.share_hosts and k > 1:
+            env["DSEC_NODE_SHARE"] = f"1/{k}"
+        if settings.node_cpu_cores is not None:
+            env["DSEC_NODE_CPU_CORES"] = f"{settings.node_cpu_cores:g}"
+        if settings.node_memory_mb is not None:
+            env["DSEC_NODE_MEMORY_MB"] = str(settings.node_memory_mb)
+        out[n["NodeID"]] = env
+    return out
+
+
+def _netns(settings: ClusterSettings, node: str, index: int) -> dict[str, str] | None:
+    """The edge's own netns (its /30: the index-th, as its subnet is the index-th), if enabled."""
+    if not settings.edge_netns:
+        return None
+    from dsec.cluster.netns import EdgeNetns, link_for
+    return EdgeNetns(node, link_for(settings.netns_pool, index)).to_json()
 
 
 def eligible_nodes(settings: ClusterSettings) -> list[dict[str, Any]]:
@@ -119,8 +167,10 @@ async def up(settings: ClusterSettings) -> dict[str, Any]:
     existing -= gone
     taken = {a["subnet"] for a in await asyncio.gather(*(actor_address(EDGE_PREFIX + n) for n in existing))
              if a is not None and a.get("subnet")}
-    free = [s for s in _subnets(settings.subnet_pool, settings.subnet_prefix) if s not in taken]
+    pool = _subnets(settings.subnet_pool, settings.subnet_prefix)
+    free = [s for s in pool if s not in taken]
     edge_cls = ray.remote(EdgeNode)
+    shares = share_env(settings, nodes)
     started = []
     for n in nodes:
         node = edge_node_id(n["NodeID"])
@@ -131,13 +181,14 @@ async def up(settings: ClusterSettings) -> dict[str, Any]:
                               field="subnet_pool", fix="use a larger pool or a longer subnet_prefix")
         subnet = free.pop(0)
         home = settings.node_homes / node
-        env = {**settings.edge_env, "DSEC_HOME": str(home), "DSEC_NET_BRIDGE": f"dc{node}"[:15],
-               "DSEC_NET_SUBNET": subnet}
+        env = {**shares[n["NodeID"]], **settings.edge_env, "DSEC_HOME": str(home),
+               "DSEC_NET_BRIDGE": f"dc{node}"[:15], "DSEC_NET_SUBNET": subnet}
         edge_cls.options(name=EDGE_PREFIX + node, namespace=NAMESPACE, lifetime="detached", num_cpus=0,
                          max_restarts=-1, max_concurrency=10_000,
                          scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False),
                          runtime_env={"env_vars": env}).remote(
-            node, str(home), secret, system, n["NodeManagerAddress"], settings.builtin_images, settings.seed_bin)
+            node, str(home), secret, system, n["NodeManagerAddress"], settings.builtin_images, settings.seed_bin,
+            _netns(settings, node, pool.index(subnet)))
         started.append(node)
     # every edge answers (starts) before the replicas look for them
     answers = await asyncio.gather(*(actor_address(EDGE_PREFIX + n, START_TIMEOUT_S) for n in started))
@@ -177,7 +228,7 @@ async def status() -> dict[str, Any]:
         a = await actor_address(name, 10) if name.removeprefix(EDGE_PREFIX) in live else None
         edges.append({"node_id": name.removeprefix(EDGE_PREFIX), "url": a and a["url"],
                       "alive": a is not None and a["ray_node"] in alive, "home": a and a["home"],
-                      "subnet": a and a.get("subnet")})
+                      "subnet": a and a.get("subnet"), "netns": a and a.get("netns")})
     replicas = []
     for name in await asyncio.to_thread(named_actors, API_PREFIX):
         a = await actor_address(name, 10)

@@ -27,6 +27,10 @@ they ask for), so 3,200 one-core sandboxes on a 2-core node are normal. In order
    (layer store, records, VM disks, the scratch image's growth) or the sandboxes' scratch
    filesystem (their writable layers) has less free than its reserve, or is read-only.
 
+The base of the ceilings is this edge's share of the host (node_share.py: its cgroup's limits,
+DSEC_NODE_SHARE, DSEC_NODE_CPU_CORES / DSEC_NODE_MEMORY_MB), not always the whole host: several
+edges on one host must not each admit up to all of it.
+
 A refusal is CapacityExceeded (429; placement tries another node) naming the resource, the
 measured value, the limit and the variable that sets it; disk is StorageLow (503). `resume` of
 a parked sandbox goes through the same check. Each check is O(1) in the number of sandboxes,
@@ -40,6 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dsec.edge.node_share import CgroupLimits, cgroup_limits, node_share
 from dsec.edge.pressure import HostProbe, Reading
 from dsec.types import CapacityExceeded, NodeCapacity, NodeStatus, Unavailable
 
@@ -122,15 +127,21 @@ class Admission:
     psi: tuple[PsiLimit, ...] = ()     # none: pressure is not checked (tests, and nodes built by hand)
     sandbox_mb: int = 0                # resident memory a new sandbox needs at first
     probe: HostProbe = field(default_factory=HostProbe)
+    # what the ceilings are multiples of, as refusals name it (node_share.py)
+    cpu_basis: str = "cores"
+    memory_basis: str = "MemTotal"
 
     @classmethod
     def for_this_host(cls, home: Path | None = None, probe: HostProbe | None = None,
                       cores: int | None = None) -> Admission:
         env = os.environ
         probe = probe or HostProbe()
-        cpu = (cores or os.cpu_count() or 1) * float(env.get("DSEC_CPU_OVERCOMMIT", CPU_OVERCOMMIT))
         total_mb = probe.read().mem_total_mb or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
-        mem = int(total_mb * float(env.get("DSEC_MEM_OVERCOMMIT", MEM_OVERCOMMIT)))
+        # the cgroup this process runs in, read through the probe's /proc (a fake one has none)
+        cgroup = cgroup_limits(probe.proc) if (probe.proc / "self").exists() else CgroupLimits()
+        share = node_share(env, cores or os.cpu_count() or 1, total_mb, cgroup)
+        cpu = share.cpu_cores * float(env.get("DSEC_CPU_OVERCOMMIT", CPU_OVERCOMMIT))
+        mem = int(share.memory_mb * float(env.get("DSEC_MEM_OVERCOMMIT", MEM_OVERCOMMIT)))
         disks: tuple[DiskReserve, ...] = ()
         if home is not None:
             disks = (DiskReserve("the DSEC_HOME filesystem", home, int(env.get("DSEC_HOME_RESERVE_MB", "1024")),
@@ -139,10 +150,12 @@ class Admission:
                                  int(env.get("DSEC_SCRATCH_RESERVE_MB", "256")), "DSEC_SCRATCH_RESERVE_MB",
                                  separate_mount=True))
         return cls(NodeCapacity(cpu_cores=cpu, memory_mb=mem,
-                                max_sandboxes=int(env.get("DSEC_MAX_SANDBOXES", MAX_SANDBOXES))),
+                                max_sandboxes=int(env.get("DSEC_MAX_SANDBOXES", MAX_SANDBOXES)),
+                                node_cpu_cores=share.cpu_cores if share.explicit else None,
+                                node_memory_mb=share.memory_mb if share.explicit else None),
                    mem_reserve_mb=int(env.get("DSEC_MEM_RESERVE_MB", MEM_RESERVE_MB)), disks=disks,
                    psi=psi_limits_from_env(env), sandbox_mb=int(env.get("DSEC_ADMIT_SANDBOX_MB", SANDBOX_MB)),
-                   probe=probe)
+                   probe=probe, cpu_basis=share.cpu_basis, memory_basis=share.memory_basis)
 
     # -- what the watcher sees ---------------------------------------------------------
     def host_problem(self) -> str | None:
@@ -180,15 +193,19 @@ class Admission:
                                    fix="stop idle sandboxes, place it on another node, or raise DSEC_MAX_SANDBOXES")
         if status.committed_memory_mb + memory_mb > c.memory_mb:
             raise CapacityExceeded(f"node {node} is full: memory limits committed {status.committed_memory_mb}"
-                                   f"+{memory_mb} MiB > ceiling {c.memory_mb} MiB (MemTotal x DSEC_MEM_OVERCOMMIT)",
+                                   f"+{memory_mb} MiB > ceiling {c.memory_mb} MiB ({self.memory_basis} x "
+                                   "DSEC_MEM_OVERCOMMIT)",
                                    field="memory_mb",
-                                   fix="ask for a smaller memory_mb, stop idle sandboxes, or raise "
+                                   fix="ask for a smaller memory_mb, stop idle sandboxes, place it on another node, "
+                                       f"or raise {_setting(self.memory_basis, 'DSEC_NODE_MEMORY_MB')}"
                                        "DSEC_MEM_OVERCOMMIT (a ceiling on limits; real use is checked apart)")
         if status.committed_cpu_cores + cpu_cores > c.cpu_cores:
             raise CapacityExceeded(f"node {node} is full: cpu limits committed {status.committed_cpu_cores:g}"
-                                   f"+{cpu_cores:g} > ceiling {c.cpu_cores:g} cores (cores x DSEC_CPU_OVERCOMMIT)",
+                                   f"+{cpu_cores:g} > ceiling {c.cpu_cores:g} cores ({self.cpu_basis} x "
+                                   "DSEC_CPU_OVERCOMMIT)",
                                    field="cpu_cores",
-                                   fix="ask for fewer cpu_cores, stop idle sandboxes, or raise "
+                                   fix="ask for fewer cpu_cores, stop idle sandboxes, place it on another node, "
+                                       f"or raise {_setting(self.cpu_basis, 'DSEC_NODE_CPU_CORES')}"
                                        "DSEC_CPU_OVERCOMMIT (a ceiling on limits; real use is checked apart)")
 
     def _check_pressure(self, node: str, reading: Reading) -> None:
@@ -209,3 +226,10 @@ class Admission:
                 f"MiB (DSEC_MEM_RESERVE_MB) + {self.sandbox_mb} MiB a new sandbox needs (DSEC_ADMIT_SANDBOX_MB)",
                 field="memory_mb",
                 fix="stop or park idle sandboxes, place it on another node, or lower DSEC_MEM_RESERVE_MB")
+
+
+def _setting(basis: str, explicit: str) -> str:
+    """The share's own setting when the ceiling's base is one ("X or " for a fix), else ""."""
+    if basis.startswith(explicit):
+        return f"{explicit} or "
+    return "DSEC_NODE_SHARE or " if "DSEC_NODE_SHARE" in basis else ""

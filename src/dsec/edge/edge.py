@@ -554,6 +554,12 @@ class Edge:
         log.info("pack_diff", extra={"sandbox": rec.id, "layer": req.name, "digest": info.digest})
         return info
 
+    async def resolve_images(self, refs: builtins.list[tuple[str, str]]) -> builtins.list[ImageInfo]:
+        """The image each (field, name) means on this node, owner included, as a create here
+        would resolve it (the same cache); NotFound naming the field for a missing one. An
+        apiserver without the node's registry checks tenancy with it (control._place)."""
+        return [await self.stacks.resolve(name, field) for field, name in refs]
+
     async def snapshot(self, sandbox_id: str) -> SnapshotInfo:
         """Save a running sandbox so it can be restored as new sandboxes (`snapshot=` in its args)."""
         live = self._running(sandbox_id)

@@ -265,8 +265,13 @@ class Client:
         return Sandbox(self, SandboxInfo.model_validate_json(resp.content))
 
     async def list(self, include_ended: bool = False) -> list[SandboxInfo]:
+        return (await self.listing(include_ended)).sandboxes
+
+    async def listing(self, include_ended: bool = False) -> SandboxList:
+        """The listing with `unreachable_nodes`: nodes that did not answer, whose sandboxes are
+        shown as last known."""
         resp = await self._request("GET", "/v1/sandboxes", params={"include_ended": include_ended})
-        return SandboxList.model_validate_json(resp.content).sandboxes
+        return SandboxList.model_validate_json(resp.content)
 
     async def nodes(self) -> builtins.list[NodeStatus]:
         resp = await self._request("GET", "/v1/nodes")

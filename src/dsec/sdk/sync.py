@@ -25,8 +25,8 @@ from dsec.sdk.client import Client, Created, Files, Sandbox
 from dsec.sdk.iam_types import KeyInfo, NewKey, ProjectInfo, QuotaInfo
 from dsec.types import (BulkItem, ContainerArgs, DsecError, ExecEvent, ExecInfo, ExecResult, FileEntry,
                         FnCallRequest, FnCallResult, ImageBuildResult, ImageConfig, ImageInfo, ImageProgress,
-                        MicroVMArgs, NetworkPolicy, NodeStatus, SandboxArgs, SandboxInfo, SnapshotInfo,
-                        VMArgs)
+                        MicroVMArgs, NetworkPolicy, NodeStatus, SandboxArgs, SandboxInfo, SandboxList,
+                        SnapshotInfo, VMArgs)
 
 __all__ = ["SyncClient", "SyncCreated", "SyncSandbox", "SyncFiles"]
 
@@ -139,6 +139,12 @@ class SyncClient(_sync.Synchronized):
 
     def list(self, include_ended: bool = False) -> builtins.list[SandboxInfo]:
         return cast("builtins.list[SandboxInfo]", _sync.call(self, "list", include_ended))
+
+    def listing(self, include_ended: bool = False) -> SandboxList:
+        """The listing with `unreachable_nodes`: nodes that did not answer, whose sandboxes are
+        shown as last known.
+        """
+        return cast("SandboxList", _sync.call(self, "listing", include_ended))
 
     def nodes(self) -> builtins.list[NodeStatus]:
         return cast("builtins.list[NodeStatus]", _sync.call(self, "nodes"))

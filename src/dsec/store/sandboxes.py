@@ -25,18 +25,22 @@ class IndexedSandbox:
     labels: dict[str, str] = field(default_factory=dict)
     created_at: float = 0.0
     ended_at: float | None = None
+    info: str | None = None     # the SandboxInfo last seen, as JSON (what listing shows while its node is away)
+    updated_at: float = 0.0
 
 
 def _row(r: Row) -> IndexedSandbox:
     return IndexedSandbox(id=r["id"], node=r["node"], project_id=r["project_id"], state=r["state"],
                           labels=json.loads(r["labels"] or "{}"), created_at=float(r["created_at"]),
-                          ended_at=None if r["ended_at"] is None else float(r["ended_at"]))
+                          ended_at=None if r["ended_at"] is None else float(r["ended_at"]),
+                          info=r.get("info"), updated_at=float(r.get("updated_at") or 0.0))
 
 
-_UPSERT = ("INSERT INTO sandbox_index (id, node, project_id, labels, state, created_at, updated_at, ended_at) "
-           "VALUES (?,?,?,?,?,?,?,NULL) ON CONFLICT(id) DO UPDATE SET state=excluded.state, "
-           "labels=excluded.labels, updated_at=excluded.updated_at "
+_UPSERT = ("INSERT INTO sandbox_index (id, node, project_id, labels, state, created_at, updated_at, ended_at, info) "
+           "VALUES (?,?,?,?,?,?,?,NULL,?) ON CONFLICT(id) DO UPDATE SET state=excluded.state, "
+           "labels=excluded.labels, updated_at=excluded.updated_at, info=COALESCE(excluded.info, sandbox_index.info) "
            "WHERE sandbox_index.ended_at IS NULL")   # an ended sandbox never comes back
+_END = "UPDATE sandbox_index SET state=?, ended_at=?, updated_at=? WHERE id=? AND ended_at IS NULL"
 
 
 class SandboxIndex:
@@ -53,7 +57,7 @@ class SandboxIndex:
         """Several in one transaction (a burst of creations)."""
         now = time.time()
         rows = [(s.id, s.node, s.project_id, json.dumps(s.labels, sort_keys=True), s.state,
-                 s.created_at or now, now) for s in sandboxes]
+                 s.created_at or now, now, s.info) for s in sandboxes]
 
         def put(tx: Tx) -> None:
             for r in rows:
@@ -63,10 +67,42 @@ class SandboxIndex:
 
     def end(self, sandbox_id: str, state: str = "stopped", at: float | None = None) -> bool:
         """Mark a sandbox ended; False if it was not indexed or already ended."""
+        return self.end_many([(sandbox_id, state)], at) > 0
+
+    def end_many(self, ended: Sequence[tuple[str, str]], at: float | None = None) -> int:
+        """Several (id, final state) in one transaction; how many were live in the index."""
         t = at if at is not None else time.time()
-        return self.db.run(lambda tx: tx.execute(
-            "UPDATE sandbox_index SET state=?, ended_at=?, updated_at=? WHERE id=? AND ended_at IS NULL",
-            (state, t, t, sandbox_id))) > 0
+
+        def put(tx: Tx) -> int:
+            return sum(tx.execute(_END, (state, t, t, sid)) for sid, state in ended)
+        return self.db.run(put) if ended else 0
+
+    def sync_node(self, node: str, live: Sequence[IndexedSandbox], listed_at: float) -> tuple[int, int]:
+        """Make the node's rows what its edge listed (`live`, asked at `listed_at`): new or
+        changed ones upserted, rows it no longer has ended (a TTL, a failure, a stop through
+        another front). Rows written after `listed_at` (a create racing the listing) are kept.
+        Writes only what differs: (upserted, ended)."""
+        now = time.time()
+        seen = {s.id: s for s in live}
+
+        def sync(tx: Tx) -> tuple[int, int]:
+            rows = {r["id"]: r for r in tx.all("SELECT id, state, labels, updated_at FROM sandbox_index "
+                                               "WHERE node=? AND ended_at IS NULL", (node,))}
+            put = [s for s in live if s.id not in rows or rows[s.id]["state"] != s.state
+                   or json.loads(rows[s.id]["labels"] or "{}") != s.labels]
+            for s in put:
+                tx.execute(_UPSERT, (s.id, s.node, s.project_id, json.dumps(s.labels, sort_keys=True), s.state,
+                                     s.created_at or now, now, s.info))
+            gone = [i for i, r in rows.items() if i not in seen and float(r["updated_at"]) < listed_at]
+            for i in gone:
+                tx.execute(_END, ("stopped", now, now, i))
+            return len(put), len(gone)
+        return self.db.run(sync)
+
+    def live_nodes(self) -> set[str]:
+        """Nodes that have live sandboxes in the index."""
+        return {r["node"] for r in self.db.run(lambda tx: tx.all(
+            "SELECT DISTINCT node FROM sandbox_index WHERE ended_at IS NULL"), write=False)}
 
     def end_node(self, node: str, state: str = "lost") -> int:
         """A node left the cluster: its live sandboxes ended with it. How many."""

@@ -73,6 +73,22 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
         "CREATE INDEX sandbox_index_project ON sandbox_index(project_id, ended_at)",
         "CREATE INDEX sandbox_index_node ON sandbox_index(node, ended_at)",
     ]),
+    (3, "sandbox index info, idempotency claims", [
+        # the SandboxInfo last seen (JSON): what listing shows for a node that does not answer
+        "ALTER TABLE sandbox_index ADD COLUMN info TEXT",
+        # a create's idempotency key, claimed cluster-wide before placement (D38): a retry that
+        # lands on another replica or node returns the sandbox the first made (sandbox_id set),
+        # or waits while it is still being made (sandbox_id NULL)
+        """CREATE TABLE idempotency_claims (
+            project_id TEXT NOT NULL,
+            key        TEXT NOT NULL,
+            sandbox_id TEXT,
+            claim      TEXT NOT NULL,
+            claimed_at DOUBLE PRECISION NOT NULL,
+            PRIMARY KEY (project_id, key)
+        )""",
+        "CREATE INDEX idempotency_claims_at ON idempotency_claims(claimed_at)",
+    ]),
 ]
 
 LATEST = MIGRATIONS[-1][0]

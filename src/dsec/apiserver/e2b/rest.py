@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dsec.apiserver import listing
 from dsec.apiserver.context import ApiContext
 from dsec.apiserver.e2b import control, mapping
 from dsec.apiserver.e2b.auth import AccessTokens
@@ -88,8 +89,8 @@ def build_rest_app(ctx: ApiContext, tokens: AccessTokens, domain: str | None = N
                     template: str | None = None, next_token: Annotated[str | None, Query(alias="nextToken")] = None,
                     limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[dict]:
         who = _who(request)
-        infos = [i for edge in ctx.edges.values() for i in await edge.list(None, False)
-                 if ctx.iam.can_access(who, i.project)]
+        # every node at once, a dead one's sandboxes as last indexed (apiserver/listing.py)
+        infos = (await listing.list_sandboxes(ctx, who)).sandboxes
         picked = _filter(infos, _metadata_query(metadata), _states(state), started_after, template)
         picked.sort(key=lambda i: (i.created_at, i.id), reverse=order == "desc")
         page, token = _page(picked, next_token, limit)

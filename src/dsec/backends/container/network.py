@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import sqlite3
 import threading
 import time
@@ -40,7 +41,6 @@ from dsec.types import SandboxFailed, Unavailable
 
 log = logging.getLogger("dsec.backends.container.network")
 
-SYS_NET = Path("/sys/class/net")
 VETH_PREFIX = "dsv"
 SANDBOX_IFNAME = "eth0"
 
@@ -101,6 +101,16 @@ async def _run(*argv: str, stdin: str | None = None, check: bool = True) -> tupl
         raise SandboxFailed(f"{' '.join(argv[:3])} failed (exit {proc.returncode}): {text[-1000:]}",
                             fix="see the edge log; the host needs iproute2 and nftables (scripts/install.sh)")
     return proc.returncode or 0, text
+
+
+def _link_exists(name: str) -> bool:
+    """In this process's network namespace, which need not be /sys's: an edge in a netns of its
+    own (cluster mode, D40) keeps the host's mount namespace and so the host's /sys/class/net."""
+    try:
+        socket.if_nametoindex(name)
+        return True
+    except OSError:
+        return False
 
 
 def _write_sysctl(path: str, value: str) -> str | None:
@@ -258,7 +268,7 @@ class SandboxNetworks:
         if cgid is not None and self._prog is not None:
             self._prog.clear(cgid)
         if row is None:
-            if (SYS_NET / veth_name(sandbox_id)).exists():   # plugged, then killed before the row was read
+            if _link_exists(veth_name(sandbox_id)):   # plugged, then killed before the row was read
                 await self._unplug(sandbox_id)
             return
         await self._unplug(sandbox_id)
@@ -330,13 +340,16 @@ class SandboxNetworks:
 
     async def _unplug(self, sandbox_id: str) -> None:
         veth = veth_name(sandbox_id)
-        if (SYS_NET / veth).exists():
+        if _link_exists(veth):
             await _run("ip", "link", "del", veth, check=False)
 
-    def _bridge_ports(self) -> list[str]:
+    async def _bridge_ports(self) -> list[str]:
+        if not _link_exists(self.settings.bridge):
+            return []
+        _, out = await _run("ip", "-j", "link", "show", "master", self.settings.bridge, check=False)
         try:
-            return sorted(p.name for p in (SYS_NET / self.settings.bridge / "brif").iterdir())
-        except FileNotFoundError:
+            return sorted(str(link["ifname"]) for link in json.loads(out or "[]"))
+        except (ValueError, TypeError, KeyError):
             return []
 
     # -- node infrastructure (bridge, NAT), present only while a sandbox is plugged in --------
@@ -367,12 +380,12 @@ table inet {t} {{
 
     async def _ensure_infra(self) -> None:
         s = self.settings
-        if self._infra_ready and (SYS_NET / s.bridge).exists():
+        if self._infra_ready and _link_exists(s.bridge):
             return
         for tool, pkg in (("ip", "iproute2"), ("nft", "nftables"), ("nsenter", "util-linux")):
             if not shutil.which(tool):
                 raise Unavailable(f"sandbox networking needs `{tool}`", fix=f"apt-get install {pkg}")
-        if not (SYS_NET / s.bridge).exists():
+        if not _link_exists(s.bridge):
             await _run("ip", "link", "add", s.bridge, "type", "bridge")
             _write_sysctl(f"net/ipv6/conf/{s.bridge}/disable_ipv6", "1")
             await _run("ip", "-batch", "-", stdin=f"addr add {s.gateway}/{s.network.prefixlen} dev {s.bridge}\n"
@@ -398,11 +411,11 @@ table inet {t} {{
     async def _maybe_teardown(self) -> None:
         """Remove bridge and NAT once no sandbox (of any dsec instance) is plugged in."""
         async with self._infra_lock:
-            if any(r["ip"] for r in self._rows.values()) or self._bridge_ports():
+            if any(r["ip"] for r in self._rows.values()) or await self._bridge_ports():
                 return
             s = self.settings
             self._infra_ready = False
-            if (SYS_NET / s.bridge).exists():
+            if _link_exists(s.bridge):
                 await _run("ip", "link", "del", s.bridge, check=False)
                 log.info("removed sandbox bridge", extra={"bridge": s.bridge})
             if shutil.which("nft"):

@@ -45,9 +45,7 @@ async def create_sandbox(ctx: ApiContext, who: Principal, args: SandboxArgs) -> 
     check_create(ctx.iam.effective_policy(who.project_id), args, who.project_id)
     image: str | None = None      # its digest: placement prefers nodes that hold it (D34)
     if ctx.images is not None:
-        check_usable(ctx.iam, ctx.images, who, args)
-        if getattr(args, "image", None):
-            image = ctx.images.get(args.image, "image").digest
+        image = check_usable(ctx.iam, ctx.images, who, args)[0].digest
     return await _indexed(ctx, who, args, lambda: quotas.with_quota(ctx, who.project_id, args,
                                                                      lambda: _place(ctx, who, args, image)))
 

@@ -40,11 +40,16 @@ def check_visible(iam: IAM, who: Principal, field: str, name: str, info: ImageIn
                                         "list them with `dsec image ls`")
 
 
-def check_usable(iam: IAM, images: ImageService, who: Principal, args: Any) -> None:
+def check_usable(iam: IAM, images: ImageService, who: Principal, args: Any) -> list[ImageInfo]:
     """Every image a sandbox would be composed of (image, workspace, toolkits) exists and is
-    visible to the caller; else NotFound naming the field, the same as a missing one."""
+    visible to the caller; else NotFound naming the field, the same as a missing one. Returns
+    them, in image_refs order."""
+    infos = []
     for field, name in image_refs(args):
-        check_visible(iam, who, field, name, images.get(name, field))
+        info = images.get(name, field)
+        check_visible(iam, who, field, name, info)
+        infos.append(info)
+    return infos
 
 
 async def check_usable_on(iam: IAM, edge: EdgeHandle, who: Principal, args: Any) -> None:

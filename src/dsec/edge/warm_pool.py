@@ -40,8 +40,8 @@ RETRY_S = 5.0                  # after a failed start (refused by admission, bro
 RECHECK_S = 30.0               # the pools' keys are re-resolved this often (an image re-published)
 # Refills wait until claims pause this long (at most DEFER_MAX_S): a container start costs tens
 # of ms of CPU (crun, mounts), which a burst's claims and their first commands need more.
-QUIET_S = 0.2
-DEFER_MAX_S = 2.0
+QUIET_S = 1.0
+DEFER_MAX_S = 5.0
 FIX = "use a comma-separated list of image:size, e.g. DSEC_WARM_POOL='debian-python:8,busybox:4'"
 
 

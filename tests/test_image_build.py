@@ -200,12 +200,16 @@ def test_base_export_works_under_a_home_whose_path_is_no_image_reference(dsec_ho
     from dsec.images.service import ImageService
     from dsec.config import Paths
 
-    from conftest import side_home
+    from conftest import _cleanup_home, side_home
     home = side_home(dsec_home, tmp_path_factory, "Home_Upper_")
-    svc = ImageService(Paths(home))
-    bah = Buildah.for_home(svc.paths)
-    tag = ensure_base(svc, bah, svc.get("busybox"), None)
-    assert bah.has_image(tag)
-    names = subprocess.run(bah.argv("images", "--noheading", "--format", "{{.Name}}"), capture_output=True,
-                           text=True, env=bah.env()).stdout.split()
-    assert names == [tag.rsplit(":", 1)[0]], names    # the layout's path-derived name is gone
+    try:
+        svc = ImageService(Paths(home))
+        bah = Buildah.for_home(svc.paths)
+        tag = ensure_base(svc, bah, svc.get("busybox"), None)
+        assert bah.has_image(tag)
+        names = subprocess.run(bah.argv("images", "--noheading", "--format", "{{.Name}}"), capture_output=True,
+                               text=True, env=bah.env()).stdout.split()
+        assert names == [tag.rsplit(":", 1)[0]], names    # the layout's path-derived name is gone
+    finally:
+        _cleanup_home(home)           # the export mounted busybox's layer under this home
+    assert _mounts_under(home) == []

@@ -221,7 +221,7 @@ class ApiReplica:
             stack.push_async_callback(watcher.stop)
             await discovery.start()
             stack.push_async_callback(discovery.stop)
-            images = ImageService(Paths(Path(self._images_home))) if self._images_home else None
+            images = ImageService(Paths(Path(self._images_home)), keep_reader=True) if self._images_home else None
             ctx = ApiContext(iam=iam, edges=discovery.edges, watcher=watcher, placer=Placer(k=2), images=images,
                              fncall=discovery.fncall)
             import ray

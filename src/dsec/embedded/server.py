@@ -73,7 +73,7 @@ async def node_services(paths: Paths, node_id: str, system_project_id: str
     """One node's edge (its backends named here) and the FnCall service beside it: what the
     embedded server runs in-process and a cluster node serves over HTTP (dsec.cluster)."""
     paths.ensure()
-    images = ImageService(paths)
+    images = ImageService(paths, keep_reader=True)
     rulesets = Rulesets(paths.home / RULESETS_FILE)   # operator's named network rule sets
     backends: list[Backend] = [ContainerDriver(paths, agent_binary(paths.bin), rulesets)]
     vm, vm_problem = await asyncio.to_thread(vm_driver, paths)

@@ -83,11 +83,12 @@ class HeavyWork:
 
 
 class ImageService:
-    def __init__(self, paths: Paths | None = None):
+    def __init__(self, paths: Paths | None = None, keep_reader: bool = False):
         self.paths = paths or Paths.from_env()
         for d in (self.paths.home, self.paths.store, self.paths.layer_mounts):
             d.mkdir(parents=True, exist_ok=True)
-        self.registry = Registry(self.paths.images_db)
+        # keep_reader: the server's own instance keeps a read connection per thread (D42)
+        self.registry = Registry(self.paths.images_db, keep_reader=keep_reader)
         # DSEC_LAYER_STORE: the layer store shared by all nodes (publish to it, fetch from it)
         self.shared = SharedStore.from_env(self.paths)
         self._fetch_lock = threading.Lock()

@@ -29,7 +29,6 @@ log = logging.getLogger("dsec.images")
 DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 _NAME_RE = re.compile(NAME_RE)
 TMP_PREFIX = ".tmp-"
-_readers = threading.local()      # Registry.reader: per thread, {db path: (file id, connection)}
 
 
 def now_utc() -> datetime:
@@ -137,8 +136,10 @@ class Registry:
     """Images and layers in SQLite (WAL). One short-lived connection per operation, so an
     instance can be shared by threads; writers use BEGIN IMMEDIATE."""
 
-    def __init__(self, db_path: Path):
+    def __init__(self, db_path: Path, keep_reader: bool = False):
         self.db_path = Path(db_path)
+        self.keep_reader = keep_reader
+        self._readers = threading.local()     # reader(): per thread, (file id, connection)
         self.db_path.parent.mkdir(parents=True, exist_ok=True)
         with self.connect() as db:
             db.execute("PRAGMA journal_mode=WAL")
@@ -168,18 +169,23 @@ class Registry:
 
     @contextmanager
     def reader(self) -> Iterator[sqlite3.Connection]:
-        """A connection for plain reads, kept per thread and database file. Opening one (and
-        SQLite parsing the schema on its first statement) costs ~0.5 ms, 10x the queries, and
-        every create resolves its image names on the apiserver's event loop (D42)."""
+        """A connection for plain reads. With keep_reader (the long-lived server) it is kept,
+        one per thread: opening one (and SQLite parsing the schema on its first statement)
+        costs ~0.5 ms, 10x the queries, and every create resolves its image names on the
+        apiserver's event loop (D42). Short-lived users open and close one as before, so no
+        file of a home stays open after them (a home on its own mount can be unmounted)."""
+        if not self.keep_reader:
+            with self.connect() as db:
+                yield db
+            return
         st = os.stat(self.db_path)
-        conns: dict[Path, tuple[tuple[int, int], sqlite3.Connection]] = _readers.__dict__.setdefault("conns", {})
-        held = conns.get(self.db_path)
+        held: tuple[tuple[int, int], sqlite3.Connection] | None = getattr(self._readers, "held", None)
         if held is None or held[0] != (st.st_dev, st.st_ino):     # a new file at that path: reopen
             if held is not None:
                 held[1].close()
             db = sqlite3.connect(self.db_path, timeout=60, isolation_level=None)
             db.execute("PRAGMA busy_timeout=60000")
-            held = conns[self.db_path] = ((st.st_dev, st.st_ino), db)
+            held = self._readers.held = ((st.st_dev, st.st_ino), db)
         yield held[1]
 
     @contextmanager

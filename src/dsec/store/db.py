@@ -114,7 +114,7 @@ class SQLiteDatabase(Database):
         self._lock = threading.RLock()
         self._conn = sqlite3.connect(self.path, check_same_thread=False, timeout=10.0, isolation_level=None)
         self._conn.row_factory = _dict_row
-        self._conn.execute("PRAGMA journal_mode=WAL")
+        _set_wal(self._conn)
         self._conn.execute("PRAGMA foreign_keys=ON")
         self._conn.execute("PRAGMA synchronous=NORMAL")
 
@@ -190,6 +190,20 @@ class PostgresDatabase(Database):
 
     def close(self) -> None:
         self._pool.close()
+
+
+def _set_wal(conn: sqlite3.Connection, deadline_s: float = 30.0) -> None:
+    """Switching a new file to WAL takes an exclusive lock, and SQLite may answer "database is
+    locked" at once (without its busy handler) while other starters hold the file: retry."""
+    end = time.monotonic() + deadline_s
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > end:
+                raise
+            time.sleep(0.05)
 
 
 def connect(dsn: str | Path) -> Database:

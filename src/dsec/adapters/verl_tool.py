@@ -46,6 +46,12 @@ DEFAULT_SCHEMA = {
 LANGUAGES = {"python": "python3 -", "bash": "bash -s"}
 
 
+def _trajectory(instance_id: str, kwargs: dict[str, Any]) -> str:
+    """The trajectory a call belongs to: verl's request id (in the agent data it passes), else
+    the instance (a direct call without agent data)."""
+    return getattr(kwargs.get("agent_data"), "request_id", None) or instance_id
+
+
 class DsecSandboxTool(BaseTool):
     """verl BaseTool: run_code in one dsec sandbox per trajectory."""
 
@@ -64,7 +70,7 @@ class DsecSandboxTool(BaseTool):
                                    labels={"verl-tool": self.name})
         self._url, self._key = config.get("url"), config.get("api_key")
         self._clients: dict[int, Client] = {}          # one per event loop (httpx pools are per loop)
-        self._instances: dict[str, tuple[str, dict[str, Any]]] = {}  # instance -> (trajectory, create_kwargs)
+        self._create_kwargs: dict[str, dict[str, Any]] = {}   # instance -> its create_kwargs
         self._sandboxes: dict[str, Sandbox] = {}       # trajectory -> its sandbox
         self._creating: dict[str, asyncio.Task[Sandbox]] = {}
 
@@ -79,14 +85,13 @@ class DsecSandboxTool(BaseTool):
 
     async def create(self, instance_id: str | None = None, **kwargs: Any) -> tuple[str, ToolResponse]:
         instance_id = instance_id or str(uuid4())
-        self._instances[instance_id] = (instance_id, dict(kwargs.get("create_kwargs") or {}))
+        self._create_kwargs[instance_id] = dict(kwargs.get("create_kwargs") or {})
         return instance_id, ToolResponse()
 
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
                       ) -> tuple[ToolResponse, float, dict]:
-        own, create_kwargs = self._instances.get(instance_id, (instance_id, {}))
-        agent_data = kwargs.get("agent_data")
-        trajectory = getattr(agent_data, "request_id", None) or own
+        create_kwargs = self._create_kwargs.get(instance_id, {})
+        trajectory = _trajectory(instance_id, kwargs)
         code = parameters.get("code")
         if not isinstance(code, str) or not code.strip():
             return ToolResponse(text="Error: the `code` argument is missing or empty."), 0.0, {}
@@ -107,8 +112,7 @@ class DsecSandboxTool(BaseTool):
     async def calc_reward(self, instance_id: str, **kwargs: Any) -> float:
         """1.0 when config.reward_command exits 0 in the trajectory's sandbox, else 0.0."""
         command = self.config.get("reward_command")
-        trajectory = self._instances.get(instance_id, (instance_id, {}))[0]
-        sandbox = self._sandboxes.get(getattr(kwargs.get("agent_data"), "request_id", None) or trajectory)
+        sandbox = self._sandboxes.get(_trajectory(instance_id, kwargs))
         if not command or sandbox is None:
             return 0.0
         r = await sandbox.run(str(command), timeout_s=float(self.config.get("reward_timeout_s", 60)))
@@ -116,7 +120,7 @@ class DsecSandboxTool(BaseTool):
 
     async def release(self, instance_id: str, **kwargs: Any) -> None:
         # verl releases after every call: the trajectory's sandbox stays for its next call
-        self._instances.pop(instance_id, None)
+        self._create_kwargs.pop(instance_id, None)
 
     # -- dsec's part
 

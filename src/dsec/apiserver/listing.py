@@ -10,8 +10,6 @@ sandboxes as items with an error naming the node; the call itself never fails fo
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-
 from dsec.apiserver.context import ApiContext
 from dsec.apiserver.fanout import fan_out
 from dsec.apiserver.index import IndexKeeper, from_index, keeper
@@ -33,8 +31,7 @@ async def _away(ctx: ApiContext, k: IndexKeeper, failed: dict[str, str],
     return await asyncio.to_thread(read)
 
 
-async def list_sandboxes(ctx: ApiContext, who: Principal, include_ended: bool = False,
-                         keep: Callable[[SandboxInfo], bool] | None = None) -> SandboxList:
+async def list_sandboxes(ctx: ApiContext, who: Principal, include_ended: bool = False) -> SandboxList:
     """The caller's sandboxes on every node (those of unreachable nodes as last indexed)."""
     k = keeper(ctx)
     answers, failed, listed_at = await fan_out(ctx.edges, include_ended)
@@ -49,8 +46,6 @@ async def list_sandboxes(ctx: ApiContext, who: Principal, include_ended: bool = 
             if info is not None:
                 out.append(info)
                 unreachable.add(node)
-    if keep is not None:
-        out = [s for s in out if keep(s)]
     return SandboxList(sandboxes=out, unreachable_nodes=sorted(unreachable))
 
 

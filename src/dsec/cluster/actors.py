@@ -87,8 +87,7 @@ class EdgeNode:
             ready = json.loads(line)
         except BaseException:
             await stack.aclose()
-            if not await asyncio.to_thread(netns.plugged_sandboxes, ns):
-                await asyncio.to_thread(netns.remove, self.node_id)
+            await _release_netns(ns)
             raise
         self._stack, self._url, self._child = stack, ready["url"], proc
         self._watch = asyncio.create_task(self._exit_with_child(proc))
@@ -112,7 +111,13 @@ class EdgeNode:
         return {"node_id": self.node_id, "url": self._url, "home": str(self.home), "pid": os.getpid(),
                 "subnet": os.environ.get("DSEC_NET_SUBNET"), "ray_node": ray.get_runtime_context().get_node_id(),
                 "edge_pid": self._child.pid if self._child else os.getpid(),
-                "netns": ("dsec-" + self.node_id) if self._netns else None}
+                "netns": self._netns_name()}
+
+    def _netns_name(self) -> str | None:
+        if self._netns is None:
+            return None
+        from dsec.cluster import netns
+        return netns.EdgeNetns.from_json(self._netns).name
 
     async def stop(self) -> None:
         """Close the edge (sandboxes keep running; an edge started on this home adopts them)."""
@@ -122,15 +127,20 @@ class EdgeNode:
             if stack is not None:
                 await stack.aclose()
             if self._netns is not None:
-                # its bridge carries the plugged sandboxes' veths: kept for the next edge then
                 from dsec.cluster import netns
-                ns = netns.EdgeNetns.from_json(self._netns)
-                plugged = await asyncio.to_thread(netns.plugged_sandboxes, ns)
-                if plugged:
-                    log.warning("edge network namespace kept: sandboxes are plugged into it",
-                                extra={"netns": ns.name, "veths": len(plugged)})
-                else:
-                    await asyncio.to_thread(netns.remove, self.node_id)
+                await _release_netns(netns.EdgeNetns.from_json(self._netns))
+
+
+async def _release_netns(ns: Any) -> None:
+    """Remove an edge's netns (a netns.EdgeNetns) unless sandboxes are plugged into it: its
+    bridge carries their veths, so it is kept for the next edge on this node then."""
+    from dsec.cluster import netns
+    plugged = await asyncio.to_thread(netns.plugged_sandboxes, ns)
+    if plugged:
+        log.warning("edge network namespace kept: sandboxes are plugged into it",
+                    extra={"netns": ns.name, "veths": len(plugged)})
+    else:
+        await asyncio.to_thread(netns.remove, ns.node_id)
 
 
 async def _end_child(proc: asyncio.subprocess.Process, grace_s: float = 10.0) -> None:

@@ -10,6 +10,10 @@ import httpx
 import pytest
 from conftest import stranger_key
 
+from dsec.apiserver.e2b.ids import to_dsec
+from dsec.store import open_db
+from dsec.store.sandboxes import SandboxIndex
+
 pytest.importorskip("e2b", reason="the e2b SDK is not installed: pip install 'dsec[e2b]'")
 
 from e2b import AsyncSandbox, CommandExitException, Sandbox, SandboxQuery, SandboxState
@@ -103,8 +107,6 @@ def test_files(sbx):
         sbx.files.read("/tmp/e2b/a.txt")
     with pytest.raises(SandboxException, match="metadata"):
         sbx.files.write("/tmp/e2b/x", "x", metadata={"k": "v"})
-    with pytest.raises(SandboxException, match="watching directories is not available"):
-        sbx.files.watch_dir("/tmp/e2b")
 
 
 def test_list_with_metadata_filter_and_pages(e2b_env):
@@ -137,6 +139,34 @@ def test_kill_ends_the_sandbox(e2b_env):
     assert Sandbox.kill(s.sandbox_id) is False
     with pytest.raises(NotFoundException):
         Sandbox.get_info(s.sandbox_id)
+
+
+def test_kill_ends_the_index_row_and_the_quota_at_once(server, e2b_env):
+    """An E2B kill stops through the same path as dsec's stop: the cross-node index row ends and
+    the quota reservation is given back at once, not at the next index sync (15 s) or reconcile."""
+    s = Sandbox.create("busybox", timeout=120)
+    sid = to_dsec(s.sandbox_id)
+    db = open_db(server.paths.iam_db)
+    try:
+        index = SandboxIndex(db)
+        reserved = lambda: db.run(lambda tx: tx.all(                       # noqa: E731
+            "SELECT id FROM quota_reservations WHERE sandbox_id=?", (sid,)), write=False)
+        def row_when(done) -> object:
+            deadline = time.monotonic() + 3.0     # the index writer batches for a fraction of a second
+            row = index.get(sid)
+            while not done(row) and time.monotonic() < deadline:
+                time.sleep(0.1)
+                row = index.get(sid)
+            return row
+
+        assert reserved()
+        assert row_when(lambda r: r is not None) is not None, "the create was not indexed"
+        assert s.kill() is True
+        row = row_when(lambda r: r is not None and r.ended_at is not None)
+        assert row is not None and row.ended_at is not None, "the killed sandbox's index row did not end"
+        assert not reserved(), "the killed sandbox still holds its quota reservation"
+    finally:
+        db.close()
 
 
 def test_set_timeout_ends_the_sandbox_after_its_lifetime(e2b_env):

@@ -626,6 +626,14 @@ class FileEntry(BaseModel):
     mtime: float
 
 
+class FsEvent(BaseModel):
+    """One item of a directory watch (Edge.watch_dir): `start` once the watch is in place, then
+    one per change below the directory (`overflow`: the kernel dropped events; re-list)."""
+    type: Literal["start", "create", "write", "remove", "rename", "chmod", "overflow"]
+    name: str = Field("", description="path relative to the watched directory")
+    is_dir: bool = False
+
+
 class FileList(BaseModel):
     path: str
     entries: list[FileEntry]

@@ -78,6 +78,33 @@ class DirEntry:
     mtime: float
 
 
+@dataclass
+class Change:
+    """One change below a watched directory (fsnotify's names, as E2B's envd reports them)."""
+    kind: Literal["create", "write", "remove", "rename", "chmod", "overflow"]
+    name: str          # relative to the watched directory; "" for overflow
+    is_dir: bool
+
+
+def _change_from_wire(mask: int, name: bytes) -> Change | None:
+    if mask & P.IN_Q_OVERFLOW:
+        return Change("overflow", "", False)
+    kind: Literal["create", "write", "remove", "rename", "chmod"]
+    if mask & (P.IN_CREATE | P.IN_MOVED_TO):
+        kind = "create"
+    elif mask & P.IN_DELETE:
+        kind = "remove"
+    elif mask & P.IN_MOVED_FROM:
+        kind = "rename"
+    elif mask & P.IN_MODIFY:
+        kind = "write"
+    elif mask & P.IN_ATTRIB:
+        kind = "chmod"
+    else:
+        return None
+    return Change(kind, os.fsdecode(name), bool(mask & P.IN_ISDIR))
+
+
 def _exit_from_wire(info: P.ExitInfo) -> Exit:
     signalled = info.signal != 0
     return Exit(
@@ -446,6 +473,24 @@ class AgentClient:
             MsgType.MKDIR, P.encode_fields([(Tag.PATH, path), (Tag.UID, uid), (Tag.GID, gid), (Tag.MODE, mode)])
         )
 
+    async def watch(self, path: str, *, uid: int, gid: int, recursive: bool = False) -> "WatchStream":
+        """Watch directory `path` (its tree with `recursive`) as uid/gid. Returns once the agent
+        has the watch in place (AgentError if it refused); the stream then yields the changes
+        as they come, in batches, until it is closed (which ends the watch in the agent) or the
+        directory is removed (AgentError ENOENT)."""
+        chan = self._alloc_chan()
+        q = self._register(chan)
+        try:
+            await self._send(MsgType.WATCH, chan, P.encode_fields(
+                [(Tag.PATH, path), (Tag.UID, uid), (Tag.GID, gid), (Tag.RECURSIVE, int(recursive))]))
+            t, _ = await self._next(q)
+            if t != MsgType.OK:
+                raise P.ProtocolError(f"WATCH answered with frame type {t}")
+        except BaseException:
+            self._unregister(chan, q)
+            raise
+        return WatchStream(self, chan, q)
+
     async def refresh(self, *, seed: bytes, time_ns: int) -> None:
         """VM guests only: set the guest clock and reseed its CRNG (a restored guest is a copy)."""
         await self._request(MsgType.REFRESH, P.encode_fields([(Tag.TIME_NS, P.U64.pack(time_ns)), (Tag.DATA, seed)]))
@@ -456,3 +501,44 @@ class AgentClient:
     async def list_execs(self) -> list[tuple[int, bool]]:
         _, payload = await self._request(MsgType.LIST_EXECS)
         return P.decode_execs(payload)
+
+
+class WatchStream:
+    """The changes of one WATCH, in batches. aclose() ends the watch in the agent, whether or
+    not iteration ever started (an async generator's cleanup would not run then)."""
+
+    def __init__(self, client: AgentClient, chan: int, q: asyncio.Queue):
+        self._client = client
+        self._chan = chan
+        self._q = q
+        self._done = False
+
+    def __aiter__(self) -> "WatchStream":
+        return self
+
+    async def __anext__(self) -> list[Change]:
+        while not self._done:
+            try:
+                t, payload = await self._client._next(self._q)
+            except (AgentError, AgentDisconnected):
+                self._finish()      # the agent ended the watch, or the connection went
+                raise
+            if t == MsgType.EVENT:
+                batch = [c for m, n in P.decode_events(payload) if (c := _change_from_wire(m, n)) is not None]
+                if batch:
+                    return batch
+        raise StopAsyncIteration
+
+    def _finish(self) -> None:
+        self._done = True
+        self._client._unregister(self._chan, self._q)
+
+    async def aclose(self) -> None:
+        if self._done:
+            return
+        self._finish()
+        if not self._client.closed:
+            try:
+                await self._client._send(MsgType.UNWATCH, self._chan)
+            except AgentDisconnected:
+                pass

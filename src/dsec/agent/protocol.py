@@ -21,6 +21,7 @@ MAX_DATA_CHUNK = 1 << 20  # DATA frames of FILE_READ are at most this big
 EXIT_PAYLOAD = struct.Struct("<iiBBBBQQ")  # 28 bytes
 LISTING_ENTRY = struct.Struct("<BIQqH")  # 23 bytes, then name
 EXECS_ENTRY = struct.Struct("<IB")
+EVENT_ENTRY = struct.Struct("<IH")  # then name
 PONG_PAYLOAD = struct.Struct("<II")
 ERROR_HEAD = struct.Struct("<i")
 U32 = struct.Struct("<I")
@@ -44,6 +45,8 @@ class MsgType(IntEnum):
     REMOVE = 12
     MKDIR = 13
     REFRESH = 14
+    WATCH = 15
+    UNWATCH = 16
     # agent -> edge
     STDOUT = 101
     STDERR = 102
@@ -54,6 +57,7 @@ class MsgType(IntEnum):
     LISTING = 107
     PONG = 108
     EXECS = 109
+    EVENT = 110
 
 
 class Tag(IntEnum):
@@ -73,6 +77,7 @@ class Tag(IntEnum):
     MAXLEN = 14
     KEEP_STDIN = 15
     TIME_NS = 16
+    RECURSIVE = 17
 
 
 KIND_NAMES = {0: "file", 1: "dir", 2: "symlink", 3: "other"}
@@ -212,3 +217,24 @@ def decode_execs(payload: bytes) -> list[tuple[int, bool]]:
     if len(payload) % EXECS_ENTRY.size:
         raise ProtocolError("bad EXECS payload")
     return [(c, bool(f)) for c, f in EXECS_ENTRY.iter_unpack(payload)]
+
+
+# inotify(7) bits an EVENT record carries
+IN_MODIFY, IN_ATTRIB, IN_MOVED_FROM, IN_MOVED_TO = 0x2, 0x4, 0x40, 0x80
+IN_CREATE, IN_DELETE, IN_Q_OVERFLOW, IN_ISDIR = 0x100, 0x200, 0x4000, 0x40000000
+
+
+def decode_events(payload: bytes) -> list[tuple[int, bytes]]:
+    """EVENT payload -> [(inotify mask, name relative to the watched directory)]."""
+    out: list[tuple[int, bytes]] = []
+    i = 0
+    while i < len(payload):
+        if len(payload) - i < EVENT_ENTRY.size:
+            raise ProtocolError("truncated EVENT record")
+        mask, n = EVENT_ENTRY.unpack_from(payload, i)
+        i += EVENT_ENTRY.size
+        if n > len(payload) - i:
+            raise ProtocolError("truncated EVENT name")
+        out.append((mask, bytes(payload[i : i + n])))
+        i += n
+    return out

@@ -66,9 +66,11 @@ async def _indexed(ctx: ApiContext, who: Principal, args: SandboxArgs,
     return info
 
 
-async def stop_sandbox(ctx: ApiContext, edge: EdgeHandle, sandbox_id: str) -> SandboxInfo:
-    """Stop it and give its quota back at once (reconcile would find it later)."""
-    info = await edge.stop(sandbox_id)
+async def stop_sandbox(ctx: ApiContext, edge: EdgeHandle, sandbox_id: str,
+                       reason: str | None = None) -> SandboxInfo:
+    """Stop it, end its index row and give its quota back at once (the index sync and reconcile
+    would find it later)."""
+    info = await edge.stop(sandbox_id, reason=reason)
     keeper(ctx).ended(sandbox_id, info.state.value)
     await quotas.ended(ctx, sandbox_id)
     return info

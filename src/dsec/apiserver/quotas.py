@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from dsec.apiserver.context import ApiContext
+from dsec.apiserver.fanout import fan_out
 from dsec.iam import QuotaExceeded
 from dsec.types import SandboxInfo, node_of
 
@@ -70,14 +71,11 @@ async def reconcile(ctx: ApiContext, since: float = 0.0) -> bool:
         t0 = time.time()
         ctx.extra[_LAST] = t0
         held = await asyncio.to_thread(ctx.iam.quotas.held, t0)
-        live: set[str] = set()
-        listed: set[str] = set()
-        for node, edge in list(ctx.edges.items()):
-            try:
-                live.update(s.id for s in await edge.list(None, False))
-                listed.add(node)
-            except Exception as e:    # an unreachable edge: its sandboxes keep their quota
-                log.warning("quota reconcile could not list a node", extra={"node": node, "error": str(e)})
+        # every node at once, each within the listing deadline (fanout.py, D38); a node that
+        # did not answer keeps its sandboxes' quota
+        answers, _failed, _ = await fan_out(dict(ctx.edges))
+        live = {s.id for infos in answers.values() for s in infos}
+        listed = set(answers)
         gone = [h for h in held if h.sandbox_id not in live and _node(h.sandbox_id) in listed]
         freed = 0
         for h in gone:

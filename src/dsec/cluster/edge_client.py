@@ -21,7 +21,7 @@ import httpx
 from dsec.apiserver.context import EdgeHandle, FnCallHandle
 from dsec.cluster.wire import (EDGE_PREFIX, FNCALL_PREFIX, TUNNEL_EOF, TUNNEL_OK, TUNNEL_PATH, EdgeUnreachable,
                                MethodSpec, error_from, specs)
-from dsec.types import (BulkItem, DsecError, ExecEvent, ExecInfo, ExecRequest, ExecResult, FileEntry, FnCallRequest,
+from dsec.types import (BulkItem, DsecError, ExecEvent, ExecInfo, ExecRequest, ExecResult, FileEntry, FnCallRequest, FsEvent,
                         FnCallResult, ImageInfo, NetworkPolicy, NodeStatus, PackDiffRequest, SandboxArgs, SandboxInfo,
                         SnapshotInfo)
 
@@ -74,7 +74,7 @@ class _Rpc:
             return resp.content
         return getattr(spec.result.model_validate_json(resp.content), "result")
 
-    async def _stream(self, method: str, **kwargs: Any) -> AsyncIterator[ExecEvent]:
+    async def _stream(self, method: str, **kwargs: Any) -> AsyncIterator[Any]:
         spec = EDGE_SPECS[method]
         body = spec.params(**kwargs).model_dump_json()
         req = self._http.build_request("POST", self.url + EDGE_PREFIX + method, content=body,
@@ -166,6 +166,10 @@ class HttpEdge(_Rpc):
 
     def exec_follow(self, sandbox_id: str, exec_id: str) -> AsyncIterator[ExecEvent]:
         return self._stream("exec_follow", sandbox_id=sandbox_id, exec_id=exec_id)
+
+    def watch_dir(self, sandbox_id: str, path: str, recursive: bool = False,
+                  user: str | None = None) -> AsyncIterator[FsEvent]:
+        return self._stream("watch_dir", sandbox_id=sandbox_id, path=path, recursive=recursive, user=user)
 
     async def exec_stdin(self, sandbox_id: str, exec_id: str, data: bytes, close: bool = False) -> None:
         await self._c("exec_stdin", sandbox_id=sandbox_id, exec_id=exec_id, data=data, close=close)

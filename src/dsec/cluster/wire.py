@@ -6,7 +6,7 @@ per method, from the method's type hints) and whose answer is `{"result": ...}` 
 from the return hint). A method added to EdgeHandle is on the wire without more code here; its
 argument and result types are the dsec.types models the apiserver already speaks. Bytes travel
 base64 inside JSON, except a `bytes` result (read_file, console), which is the raw body.
-Streams (AsyncIterator results) are NDJSON, one ExecEvent per line; an error mid-stream is a
+Streams (AsyncIterator results) are NDJSON, one item (ExecEvent, FsEvent) per line; an error mid-stream is a
 line {"error": {...}}. port_connection is a WebSocket tunnel (TUNNEL_PATH).
 """
 

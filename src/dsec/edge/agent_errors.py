@@ -45,3 +45,15 @@ def map_agent_error(e: AgentError, field: str) -> DsecError:
     if field == "cmd" and e.message.startswith("chdir "):   # the agent's start-up stage "chdir DIR: ..."
         field, fix = "cwd", CWD_FIX
     return cls(f"{e.message} ({os.strerror(e.errno) if e.errno else 'error'})", field=field, fix=fix)
+
+
+def watch_error(e: AgentError) -> DsecError:
+    """The API error for a refused or ended directory watch."""
+    if e.errno == 7:       # E2BIG
+        return InvalidArgument(e.message, field="recursive",
+                               fix="watch a smaller tree, or the directory alone (recursive=false)")
+    if e.errno == 11:      # EAGAIN: the agent's watch limit
+        return CapacityExceeded(e.message, field="path", fix="stop a watch of this sandbox first")
+    if e.errno == 2 and e.message.endswith("was removed"):
+        return NotFound(e.message, field="path", fix="watch an existing directory")
+    return map_agent_error(e, "path")

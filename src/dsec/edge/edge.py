@@ -30,7 +30,7 @@ from dsec.backends.warm import WarmClaim
 from dsec.config import Paths
 from dsec.edge import output_budget
 from dsec.edge.admission import Admission
-from dsec.edge.agent_errors import check_path, map_agent_error
+from dsec.edge.agent_errors import check_path, map_agent_error, watch_error
 from dsec.edge.exec_events import exec_events
 from dsec.edge.deadlines import Deadlines
 from dsec.edge.exec_tracker import TrackedExec, now_utc
@@ -44,7 +44,7 @@ from dsec.images.service import ImageService
 from dsec.images.stacks import Stacks
 from dsec.placement.locality import CacheSummary
 from dsec.security.users import resolve_user
-from dsec.types import (DEFAULT_SCRUB, MAX_TTL_S, BulkItem, Conflict, ContainerArgs, DsecError, ExecEvent, ExecInfo, ExecRequest, ExecResult, FileEntry, ImageInfo,
+from dsec.types import (DEFAULT_SCRUB, MAX_TTL_S, BulkItem, Conflict, ContainerArgs, DsecError, ExecEvent, ExecInfo, ExecRequest, ExecResult, FileEntry, FsEvent, ImageInfo,
                         InvalidArgument, NetworkPolicy, NodeStatus, NotFound, PackDiffRequest, SandboxArgs,
                         SandboxFailed, SandboxInfo, SandboxState, SnapshotInfo, Unavailable, make_sandbox_id,
                         make_snapshot_id)
@@ -1004,6 +1004,28 @@ class Edge:
                 await agent.remove(path, uid=live.rec.uid, gid=live.rec.gid)
             except AgentError as e:
                 raise map_agent_error(e, "path") from e
+
+    async def watch_dir(self, sandbox_id: str, path: str, recursive: bool = False,
+                        user: str | None = None) -> AsyncIterator[FsEvent]:
+        """Changes below directory `path` as they happen: first `start` once the agent watches it,
+        then one event per change, until the caller stops (or the directory goes: NotFound). As
+        the sandbox's user (or `user`); the sandbox counts as busy meanwhile."""
+        check_path(path)
+        async with self._use(sandbox_id) as (live, agent):
+            uid, gid = resolve_user(user) if user else (live.rec.uid, live.rec.gid)
+            try:
+                changes = await agent.watch(path, uid=uid, gid=gid, recursive=recursive)
+            except AgentError as e:
+                raise watch_error(e) from e
+            try:
+                yield FsEvent(type="start")
+                async for batch in changes:
+                    for c in batch:
+                        yield FsEvent(type=c.kind, name=c.name, is_dir=c.is_dir)
+            except AgentError as e:
+                raise watch_error(e) from e
+            finally:
+                await changes.aclose()
 
     # -- port ingress ------------------------------------------------------------------------
     @asynccontextmanager

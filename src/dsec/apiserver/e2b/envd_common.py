@@ -3,12 +3,14 @@ authenticated by the dispatcher), the user it acts as, and absolute paths."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import posixpath
 import re
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from dsec.apiserver.context import ApiContext, EdgeHandle
 from dsec.apiserver.e2b.errors import gone
@@ -19,6 +21,7 @@ from dsec.types import USER_RE, InvalidArgument, NotFound, SandboxInfo
 
 ENVD_PORT = 49983
 PORT_HEADER = "e2b-sandbox-port"
+KEEPALIVE_HEADER = "keepalive-ping-interval"   # seconds between keepalives of a server stream
 HOME = "/work"     # relative paths resolve here: the workdir of sandboxes created through E2B
 
 
@@ -75,3 +78,39 @@ def abs_path(path: str, field: str = "path") -> str:
     if "\0" in path:
         raise InvalidArgument("path contains a NUL byte", field=field, fix="pass a plain file path")
     return posixpath.normpath(posixpath.join(HOME, path))
+
+
+T = TypeVar("T")
+
+
+async def with_keepalive(events: AsyncIterator[T], interval_s: float | None) -> AsyncIterator[T | None]:
+    """The events, with None every `interval_s` of silence (envd's keepalive pings)."""
+    it = aiter(events)
+    nxt: asyncio.Future[T] | None = None
+    try:
+        while True:
+            nxt = nxt or asyncio.ensure_future(anext(it))
+            done, _ = await asyncio.wait({nxt}, timeout=interval_s)
+            if not done:
+                yield None
+                continue
+            try:
+                ev = nxt.result()
+            except StopAsyncIteration:
+                return
+            nxt = None
+            yield ev
+    finally:
+        if nxt is not None:
+            nxt.cancel()
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+def keepalive_s(headers: Mapping[str, str]) -> float | None:
+    raw = headers.get(KEEPALIVE_HEADER, "")
+    try:
+        return max(1.0, float(raw)) if raw else None
+    except ValueError:
+        return None

@@ -2,7 +2,7 @@
 
 ListDir and Remove use the edge's file primitives; Stat, MakeDir and Move have none, so they
 run `stat`, `mkdir -p` and `mv` inside the sandbox (one short exec each; images need those
-tools, which busybox and coreutils both have). Directory watching is not available.
+tools, which busybox and coreutils both have). Directory watching: envd_watch.py.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from datetime import datetime, timezone
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from connectrpc.request import RequestContext
+from protobuf import Oneof
 from protobuf.wkt import Timestamp
 
 from e2b.envd.filesystem import filesystem_pb as pb
@@ -23,7 +24,8 @@ from e2b.envd.filesystem.filesystem_connect import FilesystemASGIApplication
 
 from dsec.apiserver.context import ApiContext
 from dsec.apiserver.e2b.control import check_exec
-from dsec.apiserver.e2b.envd_common import Target, abs_path, target_of, user_of
+from dsec.apiserver.e2b.envd_common import Target, abs_path, keepalive_s, target_of, user_of, with_keepalive
+from dsec.apiserver.e2b.envd_watch import Watchers, fs_event, open_watch
 from dsec.apiserver.e2b.errors import connect_error
 from dsec.types import DsecError, ExecRequest, ExecResult, FileEntry, NotFound
 
@@ -33,8 +35,6 @@ KINDS = {"directory": pb.FileType.DIRECTORY, "regular file": pb.FileType.FILE,
 LIST_KINDS = {"file": pb.FileType.FILE, "dir": pb.FileType.DIRECTORY, "symlink": pb.FileType.SYMLINK}
 EXISTS = 17      # exit code of the mkdir script when the path exists (EEXIST)
 MAX_DEPTH = 16
-WATCH = ("watching directories is not available in dsec: poll with files.list, or run a watcher "
-         "(e.g. inotifywait) with commands.run")
 
 
 def stat_script(path: str) -> str:
@@ -96,6 +96,7 @@ class FilesystemService:
 
     def __init__(self, ctx: ApiContext):
         self.ctx = ctx
+        self.watchers = Watchers(ctx)
 
     async def _target(self, rc: RequestContext) -> tuple[Target, str | None]:
         try:
@@ -181,19 +182,39 @@ class FilesystemService:
         return pb.RemoveResponse()
 
     def watch_dir(self, request: pb.WatchDirRequest, ctx: RequestContext) -> AsyncIterator[pb.WatchDirResponse]:
-        raise ConnectError(Code.UNIMPLEMENTED, WATCH)     # a server stream: refused when it is opened
+        return self._watch_dir(request, ctx)
+
+    async def _watch_dir(self, request: pb.WatchDirRequest, ctx: RequestContext
+                         ) -> AsyncIterator[pb.WatchDirResponse]:
+        """start once the agent watches the directory, then its changes; keepalives in silences."""
+        t, user = await self._target(ctx)
+        events = await open_watch(self.ctx, t, user, _path(request.path), request.recursive)
+        yield pb.WatchDirResponse(event=Oneof("start", pb.WatchDirResponse.StartEvent()))
+        try:
+            async for ev in with_keepalive(events, keepalive_s(ctx.request_headers)):
+                if ev is None:
+                    yield pb.WatchDirResponse(event=Oneof("keepalive", pb.WatchDirResponse.KeepAlive()))
+                elif (m := fs_event(ev)) is not None:
+                    yield pb.WatchDirResponse(event=Oneof("filesystem", m))
+        except DsecError as e:
+            raise connect_error(e) from None
 
     async def create_watcher(self, request: pb.CreateWatcherRequest, ctx: RequestContext
                              ) -> pb.CreateWatcherResponse:
-        raise ConnectError(Code.UNIMPLEMENTED, WATCH)
+        t, user = await self._target(ctx)
+        watcher_id = await self.watchers.create(t, user, _path(request.path), request.recursive)
+        return pb.CreateWatcherResponse(watcher_id=watcher_id)
 
     async def get_watcher_events(self, request: pb.GetWatcherEventsRequest, ctx: RequestContext
                                  ) -> pb.GetWatcherEventsResponse:
-        raise ConnectError(Code.UNIMPLEMENTED, WATCH)
+        t, _ = await self._target(ctx)
+        return pb.GetWatcherEventsResponse(events=self.watchers.events(t, request.watcher_id))
 
     async def remove_watcher(self, request: pb.RemoveWatcherRequest, ctx: RequestContext
                              ) -> pb.RemoveWatcherResponse:
-        raise ConnectError(Code.UNIMPLEMENTED, WATCH)
+        t, _ = await self._target(ctx)
+        await self.watchers.remove(t, request.watcher_id)
+        return pb.RemoveWatcherResponse()
 
 
 def _path(path: str, field: str = "path") -> str:

@@ -7,7 +7,6 @@ and the list go to exec_stdin / exec_signal / list_execs. PTYs are not available
 
 from __future__ import annotations
 
-import asyncio
 import shlex
 from collections.abc import AsyncIterator
 
@@ -21,12 +20,11 @@ from e2b.envd.process.process_connect import ProcessASGIApplication
 
 from dsec.apiserver.context import ApiContext
 from dsec.apiserver.e2b.control import check_exec
-from dsec.apiserver.e2b.envd_common import Target, abs_path, target_of, user_of
+from dsec.apiserver.e2b.envd_common import Target, abs_path, keepalive_s, target_of, user_of, with_keepalive
 from dsec.apiserver.e2b.errors import connect_error
 from dsec.types import MAX_EXEC_TIMEOUT_S, DsecError, ExecEvent, ExecInfo, ExecRequest, ExecResult
 
 SHELLS = {"/bin/bash", "bash", "/bin/sh", "sh", "/usr/bin/bash", "/bin/ash", "ash"}
-KEEPALIVE_HEADER = "keepalive-ping-interval"
 SIGNALS = {pb.Signal.SIGKILL: 9, pb.Signal.SIGTERM: 15}
 
 
@@ -79,32 +77,6 @@ def end_event(result: ExecResult | None, error: str | None) -> pb.ProcessEvent:
 
 def _data(ev: ExecEvent) -> pb.ProcessEvent:
     return pb.ProcessEvent(event=Oneof("data", pb.ProcessEvent.DataEvent(output=Oneof(ev.type, ev.data.encode()))))
-
-
-async def _with_keepalive(events: AsyncIterator[ExecEvent], interval_s: float | None
-                          ) -> AsyncIterator[ExecEvent | None]:
-    """The events, with None every `interval_s` of silence (envd's keepalive pings)."""
-    it = aiter(events)
-    nxt: asyncio.Task[ExecEvent] | None = None
-    try:
-        while True:
-            nxt = nxt or asyncio.ensure_future(anext(it))
-            done, _ = await asyncio.wait({nxt}, timeout=interval_s)
-            if not done:
-                yield None
-                continue
-            try:
-                ev = nxt.result()
-            except StopAsyncIteration:
-                return
-            nxt = None
-            yield ev
-    finally:
-        if nxt is not None:
-            nxt.cancel()
-        aclose = getattr(events, "aclose", None)
-        if aclose is not None:
-            await aclose()
 
 
 class ProcessService:
@@ -166,7 +138,7 @@ class ProcessService:
             raise _process_error(e, exec_id) from None
         yield _event(pb.ProcessEvent(event=Oneof("start", pb.ProcessEvent.StartEvent(pid=int(exec_id)))), start)
         try:
-            async for ev in _with_keepalive(events, _keepalive_s(ctx)):
+            async for ev in with_keepalive(events, keepalive_s(ctx.request_headers)):
                 if ev is None:
                     yield _event(pb.ProcessEvent(event=Oneof("keepalive", pb.ProcessEvent.KeepAlive())), start)
                 elif ev.type in ("stdout", "stderr") and ev.data:
@@ -258,14 +230,6 @@ def _process_info(info: ExecInfo) -> pb.ProcessInfo:
     if info.tag:
         out.tag = info.tag
     return out
-
-
-def _keepalive_s(ctx: RequestContext) -> float | None:
-    raw = ctx.request_headers.get(KEEPALIVE_HEADER, "")
-    try:
-        return max(1.0, float(raw)) if raw else None
-    except ValueError:
-        return None
 
 
 def process_app(ctx: ApiContext) -> ProcessASGIApplication:

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsec.apiserver import listing
+from dsec.apiserver.control import stop_sandbox
 from dsec.apiserver.context import ApiContext
 from dsec.apiserver.e2b import control, mapping
 from dsec.apiserver.e2b.auth import AccessTokens
@@ -101,7 +102,7 @@ def build_rest_app(ctx: ApiContext, tokens: AccessTokens, domain: str | None = N
     @app.delete("/sandboxes/{sandbox_id}", status_code=204)
     async def kill(request: Request, sandbox_id: str) -> Response:
         info = await running(sandbox_id, _who(request))
-        await ctx.edge_for(info.id).stop(info.id, reason="killed through the E2B API")
+        await stop_sandbox(ctx, ctx.edge_for(info.id), info.id, reason="killed through the E2B API")
         return Response(status_code=204)
 
     @app.post("/sandboxes/{sandbox_id}/timeout", status_code=204)

@@ -247,6 +247,16 @@ class AgentClient:
                 return chan
 
     async def _send(self, type_: int, chan: int, *parts: bytes) -> None:
+        self._write(type_, chan, *parts)
+        try:
+            await self._writer.drain()
+        except (ConnectionError, OSError) as e:
+            self._shutdown(f"connection error: {e!r}")
+            raise AgentDisconnected(self._reason) from e
+
+    def _write(self, type_: int, chan: int, *parts: bytes) -> None:
+        """Queue one frame without waiting (for small frames that must go out even from a
+        cancelled task's cleanup, e.g. UNWATCH)."""
         if self._closed:
             raise AgentDisconnected(self._reason)
         length = sum(len(p) for p in parts)
@@ -257,7 +267,6 @@ class AgentClient:
             for part in parts:
                 if part:
                     self._writer.write(part)
-            await self._writer.drain()
         except (ConnectionError, OSError) as e:
             self._shutdown(f"connection error: {e!r}")
             raise AgentDisconnected(self._reason) from e
@@ -534,11 +543,13 @@ class WatchStream:
         self._client._unregister(self._chan, self._q)
 
     async def aclose(self) -> None:
+        """Never suspends: it also runs in the cleanup of a cancelled request (a client that
+        went away), where any await would be cancelled again and the watch left in the agent."""
         if self._done:
             return
         self._finish()
         if not self._client.closed:
             try:
-                await self._client._send(MsgType.UNWATCH, self._chan)
+                self._client._write(MsgType.UNWATCH, self._chan)
             except AgentDisconnected:
                 pass

@@ -6,6 +6,7 @@ forwarded straight to that node's edge; creation asks placement for a node.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -463,6 +464,34 @@ def create_app(ctx: ApiContext) -> FastAPI:
         edge = await owned(sandbox_id, who)
         await edge.remove_file(sandbox_id, path)
         return Response(status_code=204)
+
+    WATCH_NDJSON = {200: {"content": {"application/x-ndjson": {}},
+                          "description": "one FsEvent JSON object per line; an error ends it with a line "
+                                         "{\"error\": {code, message, field, fix}}"}}
+
+    @app.get("/v1/sandboxes/{sandbox_id}/files/watch", responses=WATCH_NDJSON)
+    async def watch_files(sandbox_id: str, path: Path_, who: Who, recursive: bool = False) -> StreamingResponse:
+        """Changes below directory `path` as they happen (its whole tree with recursive=true), as
+        the sandbox's user: `start` once the watch is in place, then create, write, remove,
+        rename, chmod (name relative to `path`), `overflow` when events were lost; until the
+        client goes away. The sandbox counts as busy meanwhile."""
+        edge = await owned(sandbox_id, who)
+        events = edge.watch_dir(sandbox_id, path, recursive)
+        first = await anext(events)   # refusals (missing, not allowed, too many) are HTTP errors
+
+        async def lines() -> AsyncIterator[bytes]:
+            yield first.model_dump_json().encode() + b"\n"
+            try:
+                async for ev in events:
+                    yield ev.model_dump_json().encode() + b"\n"
+            except DsecError as e:
+                yield json.dumps(e.to_body()).encode() + b"\n"
+            finally:
+                aclose = getattr(events, "aclose", None)
+                if aclose is not None:    # does not suspend: a client gone away frees the watch
+                    await aclose()
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
 
     from dsec.apiserver.fncall_routes import add_fncall_routes
     add_fncall_routes(app, ctx)   # /v1/fncall, /v1/fncall/batch, SandboxFusion-compatible /run_code

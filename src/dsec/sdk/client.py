@@ -29,7 +29,7 @@ from dsec.types import FnCallBatch, FnCallBatchItem, FnCallRequest, FnCallResult
 from dsec.types import BulkItem, BulkResult, ExecInfo, ExecList, PackDiffRequest
 from dsec.types import MicroVMArgs, SandboxArgs, SnapshotInfo, SnapshotList, VMArgs
 from dsec.types import ImageBuildResult, ImageConfig, ImageProgress, ImagePullRequest
-from dsec.types import (ERRORS_BY_CODE, ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult,
+from dsec.types import (ERRORS_BY_CODE, ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult, FsEvent,
                         FileEntry, FileList, ImageInfo, ImageList, NetworkPolicy, NodeStatus, SandboxInfo, SandboxList,
                         Unavailable)
 
@@ -651,6 +651,23 @@ class Files:
 
     async def remove(self, path: str) -> None:
         await self._sb._c._request("DELETE", self._url, params={"path": path})
+
+    async def watch(self, path: str, *, recursive: bool = False) -> AsyncIterator[FsEvent]:
+        """Changes below directory `path` as they happen (its whole tree with recursive=True):
+        first `start` (the watch is in place: later changes are seen), then create, write,
+        remove, rename, chmod with the name relative to `path` (`overflow`: events were lost,
+        list again). Until you stop iterating; NotFound if the directory is removed."""
+        c = self._sb._c
+        await c._ensure_ready()
+        params = {"path": path, "recursive": "true" if recursive else "false"}
+        async with c._http.stream("GET", f"{self._url}/watch", params=params, timeout=httpx.Timeout(30.0, read=None)) as resp:
+            if resp.status_code >= 400:
+                _raise_for(resp, await resp.aread())
+            async for line in resp.aiter_lines():
+                if line.startswith('{"error"'):
+                    _raise_for(httpx.Response(500), line.encode())
+                elif line:
+                    yield FsEvent.model_validate_json(line)
 
 
 def fncall_request(code: str, language: str = "python", *, files: dict[str, str | bytes] | None = None,

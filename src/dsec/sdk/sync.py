@@ -24,9 +24,9 @@ from dsec.sdk import _sync
 from dsec.sdk.client import Client, Created, Files, Sandbox
 from dsec.sdk.iam_types import KeyInfo, NewKey, ProjectInfo, QuotaInfo
 from dsec.types import (BulkItem, ContainerArgs, DsecError, ExecEvent, ExecInfo, ExecResult, FileEntry,
-                        FnCallRequest, FnCallResult, ImageBuildResult, ImageConfig, ImageInfo, ImageProgress,
-                        MicroVMArgs, NetworkPolicy, NodeStatus, SandboxArgs, SandboxInfo, SandboxList,
-                        SnapshotInfo, VMArgs)
+                        FnCallRequest, FnCallResult, FsEvent, ImageBuildResult, ImageConfig, ImageInfo,
+                        ImageProgress, MicroVMArgs, NetworkPolicy, NodeStatus, SandboxArgs, SandboxInfo,
+                        SandboxList, SnapshotInfo, VMArgs)
 
 __all__ = ["SyncClient", "SyncCreated", "SyncSandbox", "SyncFiles"]
 
@@ -390,3 +390,11 @@ class SyncFiles(_sync.Synchronized):
 
     def remove(self, path: str) -> None:
         _sync.call(self, "remove", path)
+
+    def watch(self, path: str, *, recursive: bool = False) -> Iterator[FsEvent]:
+        """Changes below directory `path` as they happen (its whole tree with recursive=True):
+        first `start` (the watch is in place: later changes are seen), then create, write,
+        remove, rename, chmod with the name relative to `path` (`overflow`: events were lost,
+        list again). Until you stop iterating; NotFound if the directory is removed.
+        """
+        return cast("Iterator[FsEvent]", _sync.call(self, "watch", path, recursive=recursive))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Iterable
+from typing import Iterable, Iterator
 
 PROTOCOL_VERSION = 1
 HEADER = struct.Struct("<IBBHI")
@@ -122,19 +122,23 @@ def encode_fields(fields: Iterable[tuple[int, FieldValue]]) -> bytes:
     return b"".join(encode_field(tag, value) for tag, value in fields)
 
 
-def decode_fields(payload: bytes) -> list[tuple[int, bytes]]:
-    out: list[tuple[int, bytes]] = []
+def _records(payload: bytes, head: struct.Struct, what: str) -> Iterator[tuple[tuple[int, ...], bytes]]:
+    """Repeated `head` (whose last member is a length) + that many bytes: (head without the
+    length, the bytes) of each record."""
     i = 0
     while i < len(payload):
-        if len(payload) - i < FIELD_HEAD.size:
-            raise ProtocolError("truncated field header")
-        tag, n = FIELD_HEAD.unpack_from(payload, i)
-        i += FIELD_HEAD.size
+        if len(payload) - i < head.size:
+            raise ProtocolError(f"truncated {what} header")
+        *values, n = head.unpack_from(payload, i)
+        i += head.size
         if n > len(payload) - i:
-            raise ProtocolError("truncated field")
-        out.append((tag, bytes(payload[i : i + n])))
+            raise ProtocolError(f"truncated {what}")
+        yield tuple(values), bytes(payload[i : i + n])
         i += n
-    return out
+
+
+def decode_fields(payload: bytes) -> list[tuple[int, bytes]]:
+    return [(tag, data) for (tag,), data in _records(payload, FIELD_HEAD, "field")]
 
 
 @dataclass(frozen=True)
@@ -199,18 +203,8 @@ class ListingEntry:
 
 
 def decode_listing(payload: bytes) -> list[ListingEntry]:
-    out: list[ListingEntry] = []
-    i = 0
-    while i < len(payload):
-        if len(payload) - i < LISTING_ENTRY.size:
-            raise ProtocolError("truncated LISTING entry")
-        kind, mode, size, mtime_ns, n = LISTING_ENTRY.unpack_from(payload, i)
-        i += LISTING_ENTRY.size
-        if n > len(payload) - i:
-            raise ProtocolError("truncated LISTING name")
-        out.append(ListingEntry(bytes(payload[i : i + n]), kind, mode, size, mtime_ns))
-        i += n
-    return out
+    return [ListingEntry(name, kind, mode, size, mtime_ns)
+            for (kind, mode, size, mtime_ns), name in _records(payload, LISTING_ENTRY, "LISTING entry")]
 
 
 def decode_execs(payload: bytes) -> list[tuple[int, bool]]:
@@ -226,15 +220,4 @@ IN_CREATE, IN_DELETE, IN_Q_OVERFLOW, IN_ISDIR = 0x100, 0x200, 0x4000, 0x40000000
 
 def decode_events(payload: bytes) -> list[tuple[int, bytes]]:
     """EVENT payload -> [(inotify mask, name relative to the watched directory)]."""
-    out: list[tuple[int, bytes]] = []
-    i = 0
-    while i < len(payload):
-        if len(payload) - i < EVENT_ENTRY.size:
-            raise ProtocolError("truncated EVENT record")
-        mask, n = EVENT_ENTRY.unpack_from(payload, i)
-        i += EVENT_ENTRY.size
-        if n > len(payload) - i:
-            raise ProtocolError("truncated EVENT name")
-        out.append((mask, bytes(payload[i : i + n])))
-        i += n
-    return out
+    return [(mask, name) for (mask,), name in _records(payload, EVENT_ENTRY, "EVENT record")]

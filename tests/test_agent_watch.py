@@ -76,6 +76,38 @@ async def test_recursive_watch_follows_new_and_moved_directories(agent):
     await stream.aclose()
 
 
+async def test_recursive_watch_reports_what_a_new_directory_already_holds(agent):
+    """A tree moved in (or made by `mkdir -p a/b && touch a/b/f` faster than the agent adds its
+    watch) holds entries no inotify watch saw being made: the walk that follows it reports them."""
+    c = await agent.client()
+    d = agent.workdir / "arrivals"
+    await run(c, 1, f"mkdir -p {d} {d}/../staged/t/u && touch {d}/../staged/t/u/f {d}/../staged/t/top "
+                    f"&& chown -R {USER}:{USER} {d} {d}/../staged")
+    stream = await c.watch(str(d), uid=USER, gid=USER, recursive=True)
+    await run(c, 2, "mv ../staged/t t", uid=USER, gid=USER, cwd=str(d))
+    seen = await changes_until(stream, {("create", "t"), ("create", "t/u"), ("create", "t/u/f"),
+                                        ("create", "t/top")})
+    assert [ch.is_dir for ch in seen if ch.name in ("t/u", "t/u/f")] == [True, False]
+    # and what is made inside it afterwards comes from its own watch
+    await run(c, 3, "touch t/u/later", uid=USER, gid=USER, cwd=str(d))
+    await changes_until(stream, {("create", "t/u/later")})
+    await stream.aclose()
+
+
+async def test_a_huge_tree_moved_in_is_reported_up_to_a_bound_then_as_overflow(agent):
+    c = await agent.client()
+    d = agent.workdir / "flood"
+    # 20,000 files with 40-byte names: ~1 MiB of reports, beyond the agent's 256 KiB per read
+    await run(c, 1, f"mkdir -p {d} {d}/../pile/p && cd {d}/../pile/p && seq -f 'file-%035g' 0 19999 | xargs touch")
+    stream = await c.watch(str(d), uid=0, gid=0, recursive=True)
+    await run(c, 2, "mv ../pile/p p", cwd=str(d))
+    seen = await changes_until(stream, {("create", "p"), ("overflow", "")}, timeout=30)
+    assert 1000 < len(seen) < 20000
+    await run(c, 3, "touch p/after", cwd=str(d))          # the watch goes on
+    await changes_until(stream, {("create", "p/after")})
+    await stream.aclose()
+
+
 async def test_non_recursive_watch_ignores_subdirectories(agent):
     c = await agent.client()
     d = agent.workdir / "flat"

@@ -79,6 +79,7 @@ extern char **environ;
 #define MAX_WATCHES 16            /* WATCH streams at once (one inotify instance each) */
 #define WATCH_DIRS_MAX 8192       /* directories one recursive WATCH follows */
 #define WATCH_OUT_MAX (1u << 20)  /* queued output beyond which events wait in the kernel */
+#define WATCH_FOUND_MAX (256u << 10) /* reports of what a new directory already held, per read */
 
 enum {
 	T_EXEC = 1, T_STDIN, T_SIGNAL, T_RELEASE, T_ATTACH, T_FILE_READ, T_FILE_WRITE, T_LIST,
@@ -2445,14 +2446,19 @@ static void watch_drop(struct watch *w, const char *rel)
 	}
 }
 
+static int ev_append(struct bq *b, uint32_t mask, const char *name, size_t nl);
+
 /* Watch `rel` and (recursive) the directories below it, breadth first. `strict` (the initial
  * walk): the root must be watchable and the tree must fit WATCH_DIRS_MAX, else an errno; later
- * walks (a directory appeared) watch what they can. */
-static int watch_tree(struct watch *w, int root, const char *rel, int strict)
+ * walks (a directory appeared) watch what they can and, into `found`, report as created what
+ * each new directory already holds: entries made before its inotify watch was in place (as in
+ * `mkdir -p a/b && touch a/b/f`, or a tree moved in) would otherwise never be reported. Such an
+ * entry may be reported twice (by the walk and by inotify); never not at all. */
+static int watch_tree(struct watch *w, int root, const char *rel, int strict, struct bq *found)
 {
 	char **q = NULL, why[160];
 	size_t qi = 0, qn = 0, qcap = 0;
-	int err = 0, full = 0;
+	int err = 0, full = 0, lost = 0;
 	char *first = strdup(rel);
 	if (!first)
 		return ENOMEM;
@@ -2489,6 +2495,18 @@ static int watch_tree(struct watch *w, int root, const char *rel, int strict)
 			struct stat sb;
 			if (de->d_type == DT_UNKNOWN)
 				isdir = fstatat(dirfd(d), nm, &sb, AT_SYMLINK_NOFOLLOW) == 0 && S_ISDIR(sb.st_mode);
+			size_t rl = strlen(r), nl = strlen(nm);
+			if (rl + 1 + nl >= PATH_MAX)
+				continue;
+			if (found && found->len < WATCH_FOUND_MAX) {
+				char fn[PATH_MAX];
+				int fl = snprintf(fn, sizeof fn, "%s%s%s", r, rl ? "/" : "", nm);
+				if (fl > 0 && fl <= 0xffff)
+					ev_append(found, IN_CREATE | (isdir ? IN_ISDIR : 0), fn, (size_t)fl);
+			} else if (found && !lost) { /* a huge tree moved in: say events were lost, once */
+				ev_append(found, IN_Q_OVERFLOW, "", 0);
+				lost = 1;
+			}
 			if (!isdir)
 				continue;
 			if (w->ndirs + (qn - qi) >= WATCH_DIRS_MAX) {
@@ -2496,9 +2514,6 @@ static int watch_tree(struct watch *w, int root, const char *rel, int strict)
 				full = 1;
 				break;
 			}
-			size_t rl = strlen(r), nl = strlen(nm);
-			if (rl + 1 + nl >= PATH_MAX)
-				continue;
 			char *c = malloc(rl + 1 + nl + 1);
 			if (!c)
 				break;
@@ -2552,12 +2567,13 @@ static int watch_root(struct watch *w, int *err)
 	return fd;
 }
 
-/* A directory appeared at `rel` in a recursive watch: watch it and what it holds. */
-static void watch_new_dir(struct watch *w, const char *rel)
+/* A directory appeared at `rel` in a recursive watch: watch it and what it holds, reporting
+ * that into `found`. */
+static void watch_new_dir(struct watch *w, const char *rel, struct bq *found)
 {
 	int err, root = watch_root(w, &err);
 	if (root >= 0) {
-		watch_tree(w, root, rel, 0);
+		watch_tree(w, root, rel, 0, found);
 		close(root);
 	}
 }
@@ -2644,7 +2660,7 @@ static void watch_read(struct watch *w)
 			if (ev->mask & (IN_MOVED_FROM | IN_DELETE))
 				watch_drop(w, name);
 			if (ev->mask & (IN_CREATE | IN_MOVED_TO))
-				watch_new_dir(w, name);
+				watch_new_dir(w, name, &b);
 		}
 	}
 	if (b.len)
@@ -2692,7 +2708,7 @@ static void h_watch(uint32_t chan, const struct fields *f)
 		if (!err)
 			err = fs_check(root, 1, why, sizeof why);
 		if (!err)
-			err = watch_tree(w, root, "", 1);
+			err = watch_tree(w, root, "", 1, NULL);
 		if (err == E2BIG)
 			snprintf(why, sizeof why, "more than %d directories to watch; watch a smaller tree", WATCH_DIRS_MAX);
 		if (root >= 0)

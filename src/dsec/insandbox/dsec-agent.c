@@ -1952,6 +1952,29 @@ static int get_path(const struct fields *f, char *out)
 	return 0;
 }
 
+/* An optional u32 field of a file request: its tag, default and destination. */
+struct u32_field { int tag; uint32_t dflt; uint32_t *out; };
+
+/* The prologue every file request shares: PATH (resolved against the workdir), UID, GID and
+ * the request's own u32 fields. 0, or -1 once an ERROR has gone out on `chan`. */
+static int file_request(uint32_t chan, const struct fields *f, char *path, uint32_t *uid, uint32_t *gid,
+			const struct u32_field *more, size_t nmore)
+{
+	int err = get_path(f, path);
+	if (err) {
+		send_err(chan, err, "bad PATH");
+		return -1;
+	}
+	int bad = f_u32(f, F_UID, G.uid, uid) || f_u32(f, F_GID, G.gid, gid);
+	for (size_t i = 0; i < nmore && !bad; i++)
+		bad = f_u32(f, more[i].tag, more[i].dflt, more[i].out);
+	if (bad) {
+		send_err(chan, EINVAL, "integer fields must be 4 bytes");
+		return -1;
+	}
+	return 0;
+}
+
 /* mkdir -p of path[0..upto); returns 0 or an errno. *created_last set if the last was made. */
 static int mkdirs(char *path, size_t upto, mode_t mode, int *created_last)
 {
@@ -1985,15 +2008,9 @@ static void h_file_read(uint32_t chan, const struct fields *f)
 {
 	char path[PATH_MAX];
 	uint32_t uid, gid, maxlen;
-	int err = get_path(f, path);
-	if (err) {
-		send_err(chan, err, "bad PATH");
+	if (file_request(chan, f, path, &uid, &gid, (struct u32_field[]){ { F_MAXLEN, DEFAULT_MAXLEN, &maxlen } }, 1))
 		return;
-	}
-	if (f_u32(f, F_UID, G.uid, &uid) || f_u32(f, F_GID, G.gid, &gid) || f_u32(f, F_MAXLEN, DEFAULT_MAXLEN, &maxlen)) {
-		send_err(chan, EINVAL, "integer fields must be 4 bytes");
-		return;
-	}
+	int err = 0;
 	if (G.nreaders >= MAX_READERS) {
 		send_err(chan, EAGAIN, "too many concurrent file reads (%d)", MAX_READERS);
 		return;
@@ -2079,16 +2096,10 @@ static void h_file_write(uint32_t chan, const struct fields *f)
 {
 	char path[PATH_MAX], tmp[PATH_MAX];
 	uint32_t uid, gid, mode, mk;
-	int err = get_path(f, path);
-	if (err) {
-		send_err(chan, err, "bad PATH");
+	if (file_request(chan, f, path, &uid, &gid,
+			 (struct u32_field[]){ { F_MODE, 0644, &mode }, { F_MKDIRS, 0, &mk } }, 2))
 		return;
-	}
-	if (f_u32(f, F_UID, G.uid, &uid) || f_u32(f, F_GID, G.gid, &gid) || f_u32(f, F_MODE, 0644, &mode) ||
-	    f_u32(f, F_MKDIRS, 0, &mk)) {
-		send_err(chan, EINVAL, "integer fields must be 4 bytes");
-		return;
-	}
+	int err = 0;
 	char *slash = strrchr(path, '/');
 	const char *base = slash + 1;
 	if (!*base || !strcmp(base, ".") || !strcmp(base, "..")) {
@@ -2164,15 +2175,9 @@ static void h_list(uint32_t chan, const struct fields *f)
 {
 	char path[PATH_MAX];
 	uint32_t uid, gid;
-	int err = get_path(f, path);
-	if (err) {
-		send_err(chan, err, "bad PATH");
+	if (file_request(chan, f, path, &uid, &gid, NULL, 0))
 		return;
-	}
-	if (f_u32(f, F_UID, G.uid, &uid) || f_u32(f, F_GID, G.gid, &gid)) {
-		send_err(chan, EINVAL, "integer fields must be 4 bytes");
-		return;
-	}
+	int err = 0;
 	fs_as(uid, gid);
 	int dfd = open_nomagic(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC, 0);
 	DIR *d = dfd >= 0 ? fdopendir(dfd) : NULL;
@@ -2221,15 +2226,9 @@ static void h_remove(uint32_t chan, const struct fields *f)
 {
 	char path[PATH_MAX];
 	uint32_t uid, gid;
-	int err = get_path(f, path);
-	if (err) {
-		send_err(chan, err, "bad PATH");
+	if (file_request(chan, f, path, &uid, &gid, NULL, 0))
 		return;
-	}
-	if (f_u32(f, F_UID, G.uid, &uid) || f_u32(f, F_GID, G.gid, &gid)) {
-		send_err(chan, EINVAL, "integer fields must be 4 bytes");
-		return;
-	}
+	int err = 0;
 	size_t n = strlen(path);
 	while (n > 1 && path[n - 1] == '/')
 		path[--n] = 0;
@@ -2267,15 +2266,9 @@ static void h_mkdir(uint32_t chan, const struct fields *f)
 {
 	char path[PATH_MAX];
 	uint32_t uid, gid, mode;
-	int err = get_path(f, path), created = 0;
-	if (err) {
-		send_err(chan, err, "bad PATH");
+	if (file_request(chan, f, path, &uid, &gid, (struct u32_field[]){ { F_MODE, 0755, &mode } }, 1))
 		return;
-	}
-	if (f_u32(f, F_UID, G.uid, &uid) || f_u32(f, F_GID, G.gid, &gid) || f_u32(f, F_MODE, 0755, &mode)) {
-		send_err(chan, EINVAL, "integer fields must be 4 bytes");
-		return;
-	}
+	int err = 0, created = 0;
 	size_t n = strlen(path);
 	while (n > 1 && path[n - 1] == '/')
 		path[--n] = 0;
@@ -2672,15 +2665,9 @@ static void h_watch(uint32_t chan, const struct fields *f)
 {
 	char path[PATH_MAX], why[160] = "";
 	uint32_t uid, gid, recursive;
-	int err = get_path(f, path);
-	if (err) {
-		send_err(chan, err, "bad PATH");
+	if (file_request(chan, f, path, &uid, &gid, (struct u32_field[]){ { F_RECURSIVE, 0, &recursive } }, 1))
 		return;
-	}
-	if (f_u32(f, F_UID, G.uid, &uid) || f_u32(f, F_GID, G.gid, &gid) || f_u32(f, F_RECURSIVE, 0, &recursive)) {
-		send_err(chan, EINVAL, "integer fields must be 4 bytes");
-		return;
-	}
+	int err = 0;
 	if (watch_find(chan)) {
 		send_err(chan, EBUSY, "chan %u already carries a watch", chan);
 		return;

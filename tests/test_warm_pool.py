@@ -16,6 +16,7 @@ import pytest
 
 from conftest import ServerProc, _cleanup_home, side_home
 from dsec.backends.container import cgroups
+from dsec.backends.container.hibernate import on_disk
 from dsec.backends.container.spec import cgroup_path
 from dsec.edge.warm_pool import parse_targets
 from dsec.types import InvalidArgument, node_of
@@ -126,6 +127,12 @@ async def test_claim_gets_the_callers_settings_and_limits(pool_server):
             r = await sb.run("head -c 400m /dev/zero | tail > /dev/null; echo rc=$?")
             assert "rc=0" not in r.stdout
             assert (await sb.run("echo alive")).stdout == "alive\n"
+            # parked to disk and started again: with the claimed limits and policy, not the pool's
+            await sb.suspend()
+            assert on_disk(pool_server.paths.sandboxes / sb.id / "run")
+            assert (await sb.run("echo $GREETING")).stdout == "hi\n"
+            assert _limits(sb.id) == _limits(ref.id)
+            assert (await sb.run(ifaces)).stdout.split() == (await ref.run(ifaces)).stdout.split()
             # the pool refills the one taken
             st = await _wait_idle(pool_server)
             assert st["claims"] >= 1

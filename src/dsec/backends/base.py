@@ -161,6 +161,17 @@ class Parking(ABC):
     async def unpark(self, sandbox_id: str) -> None: ...
 
 
+class Hibernation(ABC):
+    """Parking that tears a quiescent sandbox down to its files (nothing of it left in memory);
+    Parking.unpark starts it again. Tried by the edge before Parking.park when no exec output
+    waits in the agent."""
+
+    @abstractmethod
+    async def hibernate(self, sandbox_id: str) -> int | None:
+        """Park it to disk if nothing but its agent runs in it: the bytes it held in memory; or
+        None, with nothing changed, when it is not quiescent (then it is parked in memory)."""
+
+
 class Reclaim(ABC):
     """Push a running sandbox's memory out of RAM (page cache dropped, anonymous memory to
     swap) while it keeps running: what the edge does to sandboxes idle for a while

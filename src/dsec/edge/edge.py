@@ -24,8 +24,8 @@ from datetime import datetime, timezone
 from typing import Any, TypeVar
 
 from dsec.agent.client import INTERNAL_CHAN_BASE, AgentClient, AgentDisconnected, AgentError, DirEntry, ExecLost
-from dsec.backends.base import (PARKED, RUNNING, Backend, Console, Egress, LayerDiff, LivenessWatched, MemoryUsage,
-                                Parking, PortIngress, Prepared, Reclaim, Snapshots)
+from dsec.backends.base import (PARKED, RUNNING, Backend, Console, Egress, Hibernation, LayerDiff, LivenessWatched,
+                                MemoryUsage, Parking, PortIngress, Prepared, Reclaim, Snapshots)
 from dsec.backends.warm import WarmClaim
 from dsec.config import Paths
 from dsec.edge import output_budget
@@ -182,6 +182,10 @@ class Edge:
         for rec in self.records.load(LIVE):
             b = self._backends.get(rec.backend)
             seen = runtime[id(b)].get(rec.id) if b is not None else None
+            if b is not None and rec.state == SandboxState.running and seen == PARKED:
+                # the edge died after a park finished, before it recorded it: parked it is
+                rec.state = SandboxState.suspended
+                self.records.set_state(rec.id, SandboxState.suspended)
             if b is not None and ((rec.state == SandboxState.running and seen == RUNNING)
                                   or (rec.state == SandboxState.suspended and seen == PARKED)):
                 self._live[rec.id] = LiveSandbox(rec, b)   # a parked one resumes on its next request
@@ -627,9 +631,12 @@ class Edge:
                     t.error = Unavailable(f"sandbox {live.id} was suspended while exec {exec_id} was followed; "
                                           "it runs on", field="exec_id", fix="follow or attach it again")
                     t.task.cancel()
+            to_disk = live.backend if isinstance(live.backend, Hibernation) and await self._quiescent_agent(live) else None
             await live.drop_agent()
             try:
-                size = await parking.park(live.id)
+                size = await to_disk.hibernate(live.id) if to_disk is not None else None
+                if size is None:
+                    size = await parking.park(live.id)
             except BaseException:
                 self._watch_exit(live)        # it runs on (a park that failed undoes itself)
                 raise
@@ -638,6 +645,18 @@ class Edge:
             self.records.set_state(live.id, SandboxState.suspended)
         log.info("sandbox parked", extra={"sandbox": live.id, "bytes": size})
         return live.rec.info(self.node_id)
+
+    async def _quiescent_agent(self, live: LiveSandbox) -> bool:
+        """Whether the sandbox may be parked to disk as far as the edge can tell: its backend
+        can, no request is using it, and its agent keeps no exec (running, or finished with
+        output nobody collected: a fresh agent would not have it). The backend then checks
+        that nothing but the agent runs in it (Hibernation)."""
+        if not isinstance(live.backend, Hibernation) or live.execs or live.rec.in_flight:
+            return False
+        try:
+            return not await (await live.connect()).list_execs()
+        except (DsecError, OSError, AgentError):
+            return False
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:
         """Bring a parked sandbox back (no-op for a running one)."""

@@ -21,15 +21,16 @@ import shutil
 import signal
 import socket
 import struct
+import subprocess
 import time
 from collections.abc import AsyncIterator, Callable, Hashable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from dsec.backends.base import (PARKED, RUNNING, Backend, Egress, ImageStacks, LayerDiff, MemoryUsage, Parking,
-                                PortIngress, Prepared, Reclaim, UpperView)
-from dsec.backends.container import cgroups, qos
+from dsec.backends.base import (PARKED, RUNNING, Backend, Egress, Hibernation, ImageStacks, LayerDiff, MemoryUsage,
+                                Parking, PortIngress, Prepared, Reclaim, UpperView)
+from dsec.backends.container import cgroups, hibernate, qos
 from dsec.backends.container import claim as warm_claim
 from dsec.backends.container.disk import open_quotas
 from dsec.backends.container.idmap import IdRanges, host_to_sandbox
@@ -71,7 +72,8 @@ class _ExitWatch:
     status: int | None = None     # wait status once it exited (None: unknown)
 
 
-class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, MemoryUsage, Reclaim, WarmClaim):
+class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernation, MemoryUsage, Reclaim,
+                      WarmClaim):
     kinds = ("container",)
     instead = {"snapshot": "use pack_diff to save a container's changes as a layer",
                "console": "read a container's output from its commands"}
@@ -97,6 +99,8 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, MemoryUs
         self.ids = IdRanges() if os.environ.get("DSEC_USERNS", "1") != "0" else None
         self._watches: dict[str, _ExitWatch] = {}     # exit detection (watch_exit)
         self.parking = CgroupParking(self.cgroup_v2)  # suspend: freeze + memory to (zram) swap
+        # suspend of a quiescent container: torn down to its files, started again on resume
+        self.park_to_disk = os.environ.get("DSEC_PARK_TO_DISK", "1") != "0"
 
     # -- paths ---------------------------------------------------------------------------
     def sandbox_dir(self, sandbox_id: str) -> Path:
@@ -147,9 +151,16 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, MemoryUs
             finally:
                 listener.close()  # the agent holds its own copy (fd 3)
             await self.net.setup(sandbox_id, self._pid(sandbox_id), list(spec.network))
+            # what a park to disk needs to start it again, and to see that nothing changed
+            await asyncio.to_thread(self._record_start, d / "run", spec, self._pid(sandbox_id))
         except BaseException:
             await asyncio.shield(self.destroy(sandbox_id))
             raise
+
+    @staticmethod
+    def _record_start(run: Path, spec: ContainerSpec, pid: int) -> None:
+        hibernate.save_spec(run, spec)
+        hibernate.record_dev(pid, run)
 
     def _prepare_bundle(self, d: Path, spec: ContainerSpec) -> ContainerSpec:
         self.disk.create_dir(d, spec.disk_mb << 20)   # mode 0700; a quota'd subvolume if possible
@@ -231,7 +242,8 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, MemoryUs
     async def destroy(self, sandbox_id: str) -> None:
         self.unwatch_exit(sandbox_id)     # its death below is ours, not news for the edge
         d = self.sandbox_dir(sandbox_id)
-        killed = d.exists() and not (d / "run" / "pid").exists()
+        on_disk = hibernate.on_disk(d / "run")   # parked to disk: no runtime, no pid file
+        killed = d.exists() and not (d / "run" / "pid").exists() and not on_disk
         if killed:
             await asyncio.to_thread(_kill_inflight_create, d)
         proc = await asyncio.create_subprocess_exec(
@@ -241,7 +253,7 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, MemoryUs
         unknown = b"does not exist" in err or b"No such file" in err
         if proc.returncode != 0 and not unknown:
             log.warning("crun delete failed", extra={"sandbox": sandbox_id, "stderr": err.decode(errors="replace")})
-        if unknown and not killed and d.exists():
+        if unknown and not killed and d.exists() and not on_disk:
             # crun has no state for it, yet its bundle is here: a `crun run` may still be
             # creating it (the edge died mid-create after the pid file was written)
             await asyncio.to_thread(_kill_inflight_create, d)
@@ -315,6 +327,9 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, MemoryUs
         assert isinstance(args, ContainerArgs)
         # a few cgroup file writes (microseconds): inline, a thread hop would cost more
         warm_claim.apply_limits(cgroup_path(sandbox_id), args, v2=self.cgroup_v2)
+        run = self.sandbox_dir(sandbox_id) / "run"     # a start after a park to disk: as claimed
+        hibernate.save_spec(run, replace(hibernate.load_spec(run), cpu_cores=args.cpu_cores,
+                                         memory_mb=args.memory_mb, pids_limit=args.pids_limit))
         if prepared.allows:
             await self.net.apply(sandbox_id, self._pid(sandbox_id), list(prepared.allows))
 
@@ -362,10 +377,96 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, MemoryUs
             raise cgroup_gone(sandbox_id, e) from e
 
     async def unpark(self, sandbox_id: str) -> None:
+        if hibernate.on_disk(self.sandbox_dir(sandbox_id) / "run"):
+            await self._start_again(sandbox_id)
+            return
         try:
             await asyncio.to_thread(self.parking.unpark, cgroup_path(sandbox_id), self.sandbox_dir(sandbox_id) / "run")
         except FileNotFoundError as e:
             raise cgroup_gone(sandbox_id, e) from e
+
+    async def hibernate(self, sandbox_id: str) -> int | None:
+        """Park a quiescent container to disk (hibernate.py): its runtime, cgroups and network
+        torn down, its directory kept (upper dir, user-id range claim, spec). None: not
+        quiescent (or turned off, DSEC_PARK_TO_DISK=0), nothing changed."""
+        if not self.park_to_disk:
+            return None
+        run = self.sandbox_dir(sandbox_id) / "run"
+        try:
+            held = await asyncio.to_thread(self._freeze_if_quiescent, sandbox_id)
+        except FileNotFoundError as e:
+            raise cgroup_gone(sandbox_id, e) from e
+        if held is None:
+            return None
+        # the marker first: an edge that dies from here on finds it parked, and the start
+        # again tears down whatever of the runtime is left
+        spec = replace(hibernate.load_spec(run), network=tuple(self.net.allows_of(sandbox_id)))
+        await asyncio.to_thread(hibernate.save_spec, run, spec)
+        await asyncio.to_thread(hibernate.mark, run, time.time(), held)
+        await self._remove_runtime(sandbox_id)
+        return held
+
+    def _freeze_if_quiescent(self, sandbox_id: str) -> int | None:
+        """Freeze; if nothing but the agent runs and nothing lives outside the files, stay
+        frozen and return the bytes it holds; else thaw and return None. Blocking."""
+        rel = cgroup_path(sandbox_id)
+        run = self.sandbox_dir(sandbox_id) / "run"
+        pid = self._pid(sandbox_id)
+        held = self.parking.memory(rel).resident
+        self.parking.freeze(rel)
+        procs = (cgroups.v2_dir(rel) if self.cgroup_v2 else cgroups.v1_dir("memory", rel)) / "cgroup.procs"
+        try:
+            why = hibernate.why_not_quiescent(pid, procs, run)
+        except (OSError, ValueError, subprocess.SubprocessError) as e:
+            why = f"could not look inside: {e}"
+        if why:
+            self.parking.thaw(rel)
+            log.info("sandbox parked in memory, not to disk", extra={"sandbox": sandbox_id, "why": why})
+            return None
+        return held
+
+    async def _remove_runtime(self, sandbox_id: str) -> None:
+        """Kill the sandbox's processes, remove crun's state, its cgroups and its network;
+        its directory stays. Idempotent."""
+        run = self.sandbox_dir(sandbox_id) / "run"
+        try:
+            os.kill(self._pid(sandbox_id), signal.SIGKILL)   # its pid namespace's init: all go
+        except (OSError, ValueError):
+            pass
+        try:
+            self.parking.thaw(cgroup_path(sandbox_id))       # frozen tasks die once thawed
+        except OSError:
+            pass
+        proc = await asyncio.create_subprocess_exec(
+            *self._crun("delete", "-f", sandbox_id), stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+        await proc.wait()
+        await asyncio.to_thread(_remove_cgroups, sandbox_id)
+        await self.net.release(sandbox_id)
+        (run / "pid").unlink(missing_ok=True)
+        (run / "agent.sock").unlink(missing_ok=True)
+
+    async def _start_again(self, sandbox_id: str) -> None:
+        """Start a container parked to disk over its kept directory, as it was parked: same
+        layers, upper dir, id range, limits and network policy; a fresh agent."""
+        d = self.sandbox_dir(sandbox_id)
+        run = d / "run"
+        spec = await asyncio.to_thread(hibernate.load_spec, run)
+        if (run / "pid").exists():          # a park the edge did not see through
+            await self._remove_runtime(sandbox_id)
+        try:
+            cfg = build_config(spec, self.agent_binary, cgroup_v2=self.cgroup_v2)
+            await asyncio.to_thread((d / "config.json").write_text, json.dumps(cfg))
+            listener = self._listen(self.agent_socket(sandbox_id))
+            try:
+                await self._run_crun(sandbox_id, d, spec, listener)
+            finally:
+                listener.close()
+            await self.net.setup(sandbox_id, self._pid(sandbox_id), list(spec.network))
+        except BaseException:
+            await asyncio.shield(self._remove_runtime(sandbox_id))   # parked to disk, as before
+            raise
+        (run / PARKED_MARKER).unlink(missing_ok=True)
 
     async def reclaim(self, sandbox_id: str) -> int:
         """Push a running sandbox's memory out without freezing it (idle reclaim; parking.py)."""
@@ -377,12 +478,16 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, MemoryUs
 
     def pss(self, sandbox_id: str) -> int | None:
         """Memory charged to the sandbox's cgroup now (its processes, page cache, kernel memory)."""
+        if hibernate.on_disk(self.sandbox_dir(sandbox_id) / "run"):
+            return 0
         try:
             return self.parking.memory(cgroup_path(sandbox_id)).resident
         except (OSError, ValueError):
             return None
 
     def swapped(self, sandbox_id: str) -> int | None:
+        if hibernate.on_disk(self.sandbox_dir(sandbox_id) / "run"):
+            return 0
         try:
             return self.parking.memory(cgroup_path(sandbox_id)).swapped
         except (OSError, ValueError):
@@ -531,7 +636,9 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, MemoryUs
             if status in ("running", "paused"):
                 known[sid] = PARKED if (self.sandbox_dir(sid) / "run" / PARKED_MARKER).exists() else RUNNING
         on_disk = {p.name for p in self.paths.sandboxes.iterdir()} if self.paths.sandboxes.exists() else set()
-        return {**{d: "leftover" for d in on_disk}, **known}
+        left = {d: PARKED if hibernate.on_disk(self.sandbox_dir(d) / "run") else "leftover"
+                for d in on_disk if d not in known}
+        return {**left, **known}
 
 
 def _kill_inflight_create(bundle: Path, wait_s: float = 5.0) -> None:

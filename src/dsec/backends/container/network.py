@@ -177,6 +177,11 @@ class SandboxNetworks:
             r = self._db.execute("SELECT v FROM net_meta WHERE k=?", (k,)).fetchone()
             return r[0] if r else None
 
+    def allows_of(self, sandbox_id: str) -> list[Allow]:
+        """The sandbox's egress policy now (none: deny all)."""
+        row = self._rows.get(sandbox_id)
+        return list(row["allows"]) if row else []
+
     def ip_of(self, sandbox_id: str) -> str | None:
         row = self._rows.get(sandbox_id)
         return row["ip"] if row else None

@@ -43,6 +43,10 @@ async def test_density_bench_tiny(server, client) -> None:
     for k in ("suspend", "resume", "exec_after_resume"):
         assert park[k]["failed"] == 0 and park[k]["n"] >= 2, (k, park[k])
     assert _finite(park["mib_per_parked_sandbox"])
+    assert park["to_disk"] == 3                        # quiescent: parked to disk (D44)
+    mem = park["in_memory"]                            # ... and, for comparison, in memory
+    assert mem["n"] == 3 and mem["in_memory"] == 3 and mem["suspend"]["failed"] == 0 and mem["resume"]["failed"] == 0
+    assert mem["sleep_failed"] == 0 and _finite(mem["mib_per_parked_sandbox"])
     bulk = park["bulk"]
     if bulk["available"]:
         assert "error" not in bulk["suspend_all"] and bulk["suspend_all"]["items"] == 3, bulk

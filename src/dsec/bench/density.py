@@ -8,9 +8,11 @@ side with raw `crun` in the same run, on an isolated server (own DSEC_HOME, Benc
      degrade with n?); stops at --n or at the first refusal (quoted verbatim).
   3. idle: after settling, MemAvailable lost per idle sandbox (no drop_caches: the box is
      shared), memory charged to each sandbox's cgroup, `exec true` on 200 random sandboxes.
-  4. park: suspend --park sandboxes (freeze + memory to zram), MemAvailable per parked sandbox;
-     resume them; the first `exec true` on the resumed ones; bulk suspend_all/resume_all by
-     label when the SDK has them.
+  4. park: suspend --park sandboxes (quiescent ones go to disk, D44; others freeze + memory to
+     zram), MemAvailable per parked sandbox; resume them; the first `exec true` on the resumed
+     ones; bulk suspend_all/resume_all by label when the SDK has them. Then the same group
+     parked in memory, for comparison in the same run: a background `sleep` in each keeps it
+     from going to disk.
   5. burst: B concurrent `create + stream("echo hi")`, create call -> first output, against B
      concurrent foreground `crun run` of `echo hi` (spawn -> first output).
   6. teardown: stop everything; nothing of the run may be left (crun containers, cgroups).
@@ -30,7 +32,7 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -40,6 +42,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from dsec.backends.container import cgroups
+from dsec.backends.container.hibernate import on_disk
 from dsec.backends.container.spec import cgroup_path
 from dsec.bench.core import RawCrun, _pct
 from dsec.bench.hostmem import meminfo_mib, settled_mem_available_mib
@@ -380,7 +383,8 @@ class Bench:
                             "exec_failed": len(errs), "exec_true_ms": lat}
 
     # -- 4. park -----------------------------------------------------------------------------
-    async def _each(self, sbs: list[Sandbox], op: str, label: str) -> tuple[list[float], list[str], float]:
+    async def _each(self, sbs: list[Sandbox], op: str | Callable[[Sandbox], Awaitable[object]],
+                    label: str) -> tuple[list[float], list[str], float]:
         task = self.task(label, len(sbs))
         sem = asyncio.Semaphore(self.o.concurrency)
         lat: list[float] = []
@@ -390,7 +394,7 @@ class Bench:
             async with sem:
                 t0 = time.perf_counter()
                 try:
-                    await getattr(sb, op)()
+                    await (op(sb) if callable(op) else getattr(sb, op)())
                     lat.append((time.perf_counter() - t0) * 1000)
                 except DsecError as e:
                     errs.append(f"{sb.id}: {_err(e)}")
@@ -412,6 +416,7 @@ class Bench:
         await asyncio.sleep(o.settle_s)
         parked = await self.mem()
         gained = (parked - before) / max(1, len(s_lat))
+        to_disk = sum(on_disk(self.paths.sandboxes / sb.id / "run") for sb in sbs)
         idle_mib = self.res["idle"]["mib_per_sandbox"]
         r_lat, r_errs, r_wall = await self._each(sbs, "resume", f"resume x{k} ({o.concurrency} in flight)")
         sample = self.rng.sample(sbs, min(max(1, o.exec_sample // 2), k))
@@ -419,7 +424,7 @@ class Bench:
         await asyncio.sleep(o.settle_s)
         resumed = await self.mem()
         self.res["park"] = {
-            "n": k, "mem_available_before_mib": before, "mem_available_parked_mib": parked,
+            "n": k, "to_disk": to_disk, "mem_available_before_mib": before, "mem_available_parked_mib": parked,
             "mem_available_resumed_mib": resumed,
             "freed_mib_per_parked": gained, "mib_per_parked_sandbox": idle_mib - gained,
             "suspend": {**_stats(s_lat), "wall_s": s_wall, "per_s": len(s_lat) / s_wall if s_wall else None,
@@ -430,6 +435,31 @@ class Bench:
             "suspend_ms": s_lat, "resume_ms": r_lat, "exec_after_resume_ms": e_lat,
         }
         self.res["park"]["bulk"] = await self._bulk(sbs, resumed)
+        self.res["park"]["in_memory"] = await self._park_in_memory(sbs)
+
+    async def _park_in_memory(self, sbs: list[Sandbox]) -> dict:
+        """The group parked the other way (frozen, memory to zram), in the same run: a
+        background `sleep` in each keeps it from going to disk; its own cost is measured apart."""
+        o, k = self.o, len(sbs)
+        m0 = await self.mem()
+        _, errs, _ = await self._each(sbs, lambda sb: sb.run("sleep 100000 > /dev/null 2>&1 &"),
+                                      f"start a background sleep in {k}")
+        await asyncio.sleep(o.settle_s)
+        m1 = await self.mem()
+        s_lat, s_errs, s_wall = await self._each(sbs, "suspend", f"suspend x{k} in memory")
+        await asyncio.sleep(o.settle_s)
+        parked = await self.mem()
+        in_memory = sum(not on_disk(self.paths.sandboxes / sb.id / "run") for sb in sbs)
+        r_lat, r_errs, r_wall = await self._each(sbs, "resume", f"resume x{k} from memory")
+        await self._each(sbs, lambda sb: sb.run("kill $(grep -lx sleep /proc/[0-9]*/comm | cut -d/ -f3)"),
+                         f"stop the background sleep in {k}")
+        sleep_mib = (m0 - m1) / k
+        freed = (parked - m1) / max(1, len(s_lat))
+        return {"n": k, "in_memory": in_memory, "sleep_mib_per_sandbox": sleep_mib, "freed_mib_per_parked": freed,
+                "mib_per_parked_sandbox": self.res["idle"]["mib_per_sandbox"] + sleep_mib - freed,
+                "suspend": {**_stats(s_lat), "wall_s": s_wall, "failed": len(s_errs), "errors": s_errs[:5]},
+                "resume": {**_stats(r_lat), "wall_s": r_wall, "failed": len(r_errs), "errors": r_errs[:5]},
+                "sleep_failed": len(errs)}
 
     async def _bulk(self, sbs: list[Sandbox], before: float) -> dict:
         """The same group parked and resumed by label in one call each (client.suspend_all /
@@ -650,6 +680,18 @@ def rows(res: dict) -> list[tuple[str, str, str, str, str, str]]:
                     _f(park["mib_per_parked_sandbox"], ".2f"), "", "", f"parked <= {GOAL_PARKED_MIB:g} MiB",
                     _met_parked(park["mib_per_parked_sandbox"], park["freed_mib_per_parked"], idle["mib_per_sandbox"])))
         out.append(("MemAvailable freed per park, MiB", _f(park["freed_mib_per_parked"], ".2f"), "", "", "", ""))
+        if "to_disk" in park:
+            out.append(("of them parked to disk (quiescent, D44)", f"{park['to_disk']} of {park['n']}", "", "", "", ""))
+        mem = park.get("in_memory")
+        if mem:
+            disk_mib, mem_mib = park["mib_per_parked_sandbox"], mem["mib_per_parked_sandbox"]
+            out.append((f"host MiB per parked sandbox, kept in memory by a background process ({mem['in_memory']} "
+                        f"of {mem['n']} in memory; its sleep's {_f(mem['sleep_mib_per_sandbox'], '.2f')} MiB included)",
+                        _f(mem_mib, ".2f"), "", _f(disk_mib / mem_mib if mem_mib and mem_mib > 0 else None, ".2f"),
+                        "ratio: to disk / in memory", ""))
+            ms, mr = mem["suspend"], mem["resume"]
+            out.append((f"in memory: suspend / resume p50 ms ({mem['n']})",
+                        f"{_f(ms['p50_ms'])} / {_f(mr['p50_ms'])}", "", "", "", ""))
         s, r, e = park["suspend"], park["resume"], park["exec_after_resume"]
         out.append((f"suspend p50 / p99 ms ({park['n']}, {res['opts']['concurrency']} in flight; wall s)",
                     f"{_f(s['p50_ms'])} / {_f(s['p99_ms'])} ({_f(s['wall_s'])} s)", "", "", "", ""))

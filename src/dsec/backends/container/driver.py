@@ -328,8 +328,9 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
         # a few cgroup file writes (microseconds): inline, a thread hop would cost more
         warm_claim.apply_limits(cgroup_path(sandbox_id), args, v2=self.cgroup_v2)
         run = self.sandbox_dir(sandbox_id) / "run"     # a start after a park to disk: as claimed
-        hibernate.save_spec(run, replace(hibernate.load_spec(run), cpu_cores=args.cpu_cores,
-                                         memory_mb=args.memory_mb, pids_limit=args.pids_limit))
+        if (run / hibernate.SPEC_FILE).exists():
+            hibernate.save_spec(run, replace(hibernate.load_spec(run), cpu_cores=args.cpu_cores,
+                                             memory_mb=args.memory_mb, pids_limit=args.pids_limit))
         if prepared.allows:
             await self.net.apply(sandbox_id, self._pid(sandbox_id), list(prepared.allows))
 

@@ -647,11 +647,11 @@ class Edge:
         return live.rec.info(self.node_id)
 
     async def _quiescent_agent(self, live: LiveSandbox) -> bool:
-        """Whether the sandbox may be parked to disk as far as the edge can tell: its backend
-        can, no request is using it, and its agent keeps no exec (running, or finished with
-        output nobody collected: a fresh agent would not have it). The backend then checks
-        that nothing but the agent runs in it (Hibernation)."""
-        if not isinstance(live.backend, Hibernation) or live.execs or live.rec.in_flight:
+        """Whether the sandbox may be parked to disk as far as the edge can tell: no request is
+        using it, and its agent keeps no exec (running, or finished with output nobody
+        collected: a fresh agent would not have it). The backend (Hibernation) then checks
+        that nothing but the agent runs in it."""
+        if live.execs or live.rec.in_flight:
             return False
         try:
             return not await (await live.connect()).list_execs()

@@ -246,12 +246,9 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
         killed = d.exists() and not (d / "run" / "pid").exists() and not on_disk
         if killed:
             await asyncio.to_thread(_kill_inflight_create, d)
-        proc = await asyncio.create_subprocess_exec(
-            *self._crun("delete", "-f", sandbox_id), stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
-        _, err = await proc.communicate()
+        rc, err = await self._crun_delete(sandbox_id)
         unknown = b"does not exist" in err or b"No such file" in err
-        if proc.returncode != 0 and not unknown:
+        if rc != 0 and not unknown:
             log.warning("crun delete failed", extra={"sandbox": sandbox_id, "stderr": err.decode(errors="replace")})
         if unknown and not killed and d.exists() and not on_disk:
             # crun has no state for it, yet its bundle is here: a `crun run` may still be
@@ -267,6 +264,14 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
         elif self.ids is not None:      # torn down before config.json recorded its base (a failed
             await asyncio.to_thread(self.ids.release_owner, d)   # or crashed create): by owner
         await self.net.release(sandbox_id)   # veth (if any), IP, BPF map entries
+
+    async def _crun_delete(self, sandbox_id: str) -> tuple[int, bytes]:
+        """`crun delete -f`: its exit status and stderr."""
+        proc = await asyncio.create_subprocess_exec(
+            *self._crun("delete", "-f", sandbox_id), stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        _, err = await proc.communicate()
+        return proc.returncode or 0, err
 
     def id_base(self, sandbox_id: str) -> int | None:
         """Host uid/gid of the sandbox's root (its user namespace's mapping, as crun was told
@@ -438,10 +443,7 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
             self.parking.thaw(cgroup_path(sandbox_id))       # frozen tasks die once thawed
         except OSError:
             pass
-        proc = await asyncio.create_subprocess_exec(
-            *self._crun("delete", "-f", sandbox_id), stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
-        await proc.wait()
+        await self._crun_delete(sandbox_id)              # whatever it says: idempotent
         await asyncio.to_thread(_remove_cgroups, sandbox_id)
         await self.net.release(sandbox_id)
         (run / "pid").unlink(missing_ok=True)
@@ -636,9 +638,9 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
         for sid, status in known.items():
             if status in ("running", "paused"):
                 known[sid] = PARKED if (self.sandbox_dir(sid) / "run" / PARKED_MARKER).exists() else RUNNING
-        on_disk = {p.name for p in self.paths.sandboxes.iterdir()} if self.paths.sandboxes.exists() else set()
+        dirs = {p.name for p in self.paths.sandboxes.iterdir()} if self.paths.sandboxes.exists() else set()
         left = {d: PARKED if hibernate.on_disk(self.sandbox_dir(d) / "run") else "leftover"
-                for d in on_disk if d not in known}
+                for d in dirs if d not in known}
         return {**left, **known}
 
 

@@ -171,7 +171,7 @@ async def test_set_timeout_moves_the_end(client):
     info = await sb.set_timeout(2)
     assert info.expires_at is not None and first_end is not None and info.expires_at < first_end
     deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and (await sb.refresh()).state.value == "running":
+    while time.monotonic() < deadline and (await sb.refresh()).state.value in ("running", "stopping"):
         await asyncio.sleep(0.5)
     assert sb.info.state.value == "stopped"
     with pytest.raises(Conflict):

@@ -9,7 +9,7 @@ apt-get update -qq
 apt-get install -y -qq --no-install-recommends crun erofs-utils debootstrap busybox-static musl-tools \
   gcc libc6-dev zstd tar util-linux iproute2 procps ca-certificates sqlite3 \
   clang libbpf1 linux-libc-dev nftables bpftool git btrfs-progs python3-pyfuse3 fuse3 python3-botocore \
-  skopeo docker-registry qemu-system-x86 qemu-utils postgresql buildah >/dev/null
+  skopeo docker-registry qemu-system-x86 qemu-utils postgresql buildah libarchive-tools >/dev/null
 echo "== host setup"
 bash scripts/host-setup.sh
 echo "== Python environment (.venv)"

@@ -6,38 +6,17 @@ EROFS layer and across EROFS layers."""
 from __future__ import annotations
 
 import gzip
-import hashlib
-import io
-import json
 import os
 import subprocess
 import sys
-import tarfile
-from pathlib import Path
 
 import pytest
+from oci_util import layer_tar as _tar
+from oci_util import write_docker_archive as _write_docker_archive
+from oci_util import write_oci as _write_oci
 
 from dsec.images.builtin import make_busybox_rootfs
 from dsec.types import Conflict, InvalidArgument, NotFound
-
-MT = 1_700_000_000
-
-
-def _tar(entries: list[tuple[str, str | None]]) -> bytes:
-    """entries: (name, text) files, (name/, None) dirs; order kept."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as t:
-        for name, text in entries:
-            ti = tarfile.TarInfo(name.rstrip("/"))
-            ti.mtime = MT
-            if text is None:
-                ti.type, ti.mode = tarfile.DIRTYPE, 0o755
-                t.addfile(ti)
-            else:
-                data = text.encode()
-                ti.size, ti.mode = len(data), 0o644
-                t.addfile(ti, io.BytesIO(data))
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -60,50 +39,6 @@ def oci_layers(tmp_path_factory) -> list[bytes]:
     l4 = _tar([("opt/", None), ("opt/old/", None), ("opt/old/z", "z\n"),   # dir re-created
                ("srv/", None), ("srv/file-then-dir/", None), ("srv/file-then-dir/in", "in\n")])
     return [base.read_bytes(), l2, l3, l4]
-
-
-def _write_oci(root: Path, layers: list[bytes], *, gz: bool = True) -> Path:
-    (root / "blobs" / "sha256").mkdir(parents=True)
-
-    def put(data: bytes) -> tuple[str, int]:
-        d = hashlib.sha256(data).hexdigest()
-        (root / "blobs" / "sha256" / d).write_bytes(data)
-        return "sha256:" + d, len(data)
-
-    descs = []
-    for lay in layers:
-        data = gzip.compress(lay, mtime=0) if gz else lay
-        d, n = put(data)
-        descs.append({"mediaType": "application/vnd.oci.image.layer.v1.tar" + ("+gzip" if gz else ""),
-                      "digest": d, "size": n})
-    cfg = json.dumps({"architecture": "amd64", "os": "linux", "config": {},
-                      "rootfs": {"type": "layers", "diff_ids": []}}).encode()
-    cd, cn = put(cfg)
-    man = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-                      "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
-                                 "digest": cd, "size": cn}, "layers": descs}).encode()
-    md, mn = put(man)
-    (root / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
-    (root / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [
-        {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": md, "size": mn,
-         "annotations": {"org.opencontainers.image.ref.name": "latest"}}]}))
-    return root
-
-
-def _write_docker_archive(path: Path, layers: list[bytes]) -> Path:
-    with tarfile.open(path, "w") as t:
-        def add(name: str, data: bytes) -> None:
-            ti = tarfile.TarInfo(name)
-            ti.size, ti.mtime = len(data), MT
-            t.addfile(ti, io.BytesIO(data))
-        names = []
-        for i, lay in enumerate(layers):
-            names.append(f"{i:064x}/layer.tar")
-            add(names[-1], lay)
-        add("config.json", b"{}")
-        add("manifest.json", json.dumps([{"Config": "config.json", "RepoTags": ["x:1"],
-                                          "Layers": names}]).encode())
-    return path
 
 
 async def _check_content(client, image: str) -> None:

@@ -116,3 +116,6 @@ class Paths:
         for p in (self.home, self.store, self.layer_mounts, self.sandboxes, self.crun_root, self.bin):
             p.mkdir(parents=True, exist_ok=True)
         os.chmod(self.home, 0o711)
+        # every tenant's layers are mounted here (their mount points are in /proc/mounts for all
+        # to see): root alone walks in; sandboxes get them through root-made (idmapped) mounts
+        os.chmod(self.layer_mounts, 0o700)

@@ -30,6 +30,7 @@ from dsec.types import InvalidArgument, Unavailable
 
 from .mounts import detach_all_under, mounts_under
 from .progress import Progress, report
+from .unpack import ROOTFS_RULES, unpack_beneath
 
 log = logging.getLogger("dsec.images")
 
@@ -43,9 +44,6 @@ _COMPRESSORS = [  # magic, name, tar flag, program tar runs
     (b"\xfd7zXZ\x00", "xz", "-J", "xz"),
     (b"BZh", "bzip2", "-j", "bzip2"),
 ]
-
-TAR_EXTRACT_FLAGS = ["--numeric-owner", "--same-owner", "--same-permissions", "--xattrs",
-                     "--xattrs-include=*", "--acls"]
 
 
 def default_mirror() -> str:
@@ -146,66 +144,21 @@ def inspect_tarball(tarball: Path) -> tuple[str | None, str | None]:
         raise _tarball_error(tarball, f"read error: {e.strerror}") from e
 
 
-def extract_tarball(tarball: Path, dest: Path, *, progress: Progress | None = None,
-                    exclude: Sequence[str] = ()) -> None:
+def extract_tarball(tarball: Path, dest: Path, *, progress: Progress | None = None) -> None:
     """Extract a rootfs tarball into the (empty) directory `dest` as root, keeping numeric
-    owners, modes, xattrs and ACLs. tar refuses members escaping `dest` ('..' and absolute
-    names are stripped or skipped). Any tar error, including a truncated or corrupt archive,
-    raises InvalidArgument(field='tarball')."""
+    owners, modes, device nodes, xattrs and ACLs, with bsdtar chrooted into `dest` (unpack.py:
+    no member or link resolves outside it; '..' names are refused). Any archive error,
+    including a truncated or corrupt one, raises InvalidArgument(field='tarball')."""
     tarball = Path(tarball)
-    _, flag = inspect_tarball(tarball)
-    dest.mkdir(parents=True, exist_ok=True)
-    size = tarball.stat().st_size
-    cmd = ["tar", "-x", "-f", "-", "-C", str(dest), *TAR_EXTRACT_FLAGS,
-           *(f"--exclude={x}" for x in exclude)]
-    if flag:
-        cmd.insert(2, flag)
-    report(progress, f"extracting {tarball.name}", 0.0, level=logging.INFO)
-    t0 = time.monotonic()
-    with tempfile.TemporaryFile() as errf:
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                stderr=errf, env=dict(os.environ, LC_ALL="C"))
-        done = 0
-        last = 0.0
-        assert proc.stdin is not None
-        try:
-            with open(tarball, "rb") as f:
-                while chunk := f.read(1 << 20):
-                    proc.stdin.write(chunk)
-                    done += len(chunk)
-                    if time.monotonic() - last > 0.5:
-                        last = time.monotonic()
-                        report(progress, f"extracting {tarball.name}", done / max(size, 1))
-        except BrokenPipeError:
-            pass  # tar gave up; its stderr says why
-        except OSError as e:
-            proc.kill()
-            proc.wait()
-            raise _tarball_error(tarball, f"read error: {e.strerror}") from e
-        finally:
-            try:
-                proc.stdin.close()
-            except BrokenPipeError:
-                pass
-        rc = proc.wait()
-        errf.seek(0)
-        err = errf.read().decode(errors="replace").strip()
-    if rc != 0:
-        lines = [ln for ln in err.splitlines() if ln.strip()][-6:]
-        why = "; ".join(lines) or f"tar exited with status {rc}"
-        if "Member name contains '..'" in err:
-            raise _tarball_error(
-                tarball, f"it has members whose names contain '..' and would land outside the "
-                         f"root directory ({why})",
-                fix="rebuild the archive from inside the rootfs (e.g. `tar -C rootfs -czf x.tgz .`) "
-                    "so every member name is relative and free of '..'")
-        if "Unexpected EOF" in err or "unexpected end" in err or "premature end" in err:
+    inspect_tarball(tarball)
+    try:
+        unpack_beneath(tarball, dest, field="tarball", what=f"tarball {tarball}", rules=ROOTFS_RULES,
+                       progress=progress)
+    except InvalidArgument as e:
+        why = e.message
+        if "corrupt or truncated" in why or "Truncated" in why or "unexpected end" in why.lower():
             why = f"truncated or corrupt archive ({why})"
-        raise _tarball_error(tarball, why)
-    if err:
-        log.warning("tar warnings while extracting %s: %s", tarball, err[-2000:])
-    report(progress, f"extracted {tarball.name} in {time.monotonic() - t0:.1f}s", 1.0,
-           level=logging.INFO)
+        raise _tarball_error(tarball, why, fix=e.fix) from None
 
 
 def create_tarball(src: Path, out: Path) -> None:

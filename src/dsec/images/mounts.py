@@ -184,7 +184,7 @@ class LayerMounts:
                                fix="rebuild the image that uses this layer, or copy the layer "
                                    "file into the store")
             check_image(image)
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)     # see Paths.ensure
             created = False
             try:
                 mp.mkdir()

@@ -25,7 +25,7 @@ from pathlib import Path, PurePosixPath
 
 from dsec.types import InvalidArgument, Unavailable
 
-from .builder import extract_tarball
+from .unpack import LAYER_RULES, UPLOAD_RULES, bounded, clean_name, resolve_beneath, unpack_beneath
 
 WH_PREFIX = ".wh."
 WH_OPAQUE = ".wh..wh..opq"
@@ -55,7 +55,17 @@ def _bad(field: str, src: Path, why: str, fix: str | None = None) -> InvalidArgu
                                        "pass a complete `docker save` archive"))
 
 
+def _within(path: Path, root: Path, field: str, src: Path) -> Path:
+    """path, refused when a link takes it outside the layout or archive (an upload may hold
+    symlinks: a blob linked to a host file must not be read)."""
+    if not path.resolve().is_relative_to(root.resolve()):
+        raise _bad(field, src, f"{path.relative_to(root)} is a link out of the {field.replace('_', ' ')}",
+                   fix="send the layout's files themselves, not links to them")
+    return path
+
+
 def _read_json(path: Path, field: str, src: Path) -> dict | list:
+    _within(path, path.parent, field, src)
     try:
         return json.loads(path.read_bytes())
     except FileNotFoundError:
@@ -68,7 +78,7 @@ def _blob(root: Path, digest: str, field: str, src: Path, verify: bool = True) -
     algo, _, hexd = str(digest).partition(":")
     if algo != "sha256" or len(hexd) != 64 or not all(c in "0123456789abcdef" for c in hexd):
         raise _bad(field, src, f"unsupported or malformed digest {digest!r}")
-    p = root / "blobs" / "sha256" / hexd
+    p = _within(root / "blobs" / "sha256" / hexd, root, field, src)
     if not p.is_file():
         raise _bad(field, src, f"blob {digest} is missing")
     if verify:
@@ -131,10 +141,8 @@ def docker_archive_layers(archive: Path, work: Path) -> list[Blob]:
     """Extract a `docker save` tarball under `work`; its layer tarballs, base first."""
     archive = Path(archive)
     dest = work / "archive"
-    try:
-        extract_tarball(archive, dest)
-    except InvalidArgument as e:
-        raise InvalidArgument(e.message, field="docker_archive", fix=e.fix) from None
+    unpack_beneath(archive, dest, field="docker_archive", what="the docker archive",
+                   rules=bounded(UPLOAD_RULES, archive))
     manifest = _read_json(dest / "manifest.json", "docker_archive", archive)
     if not isinstance(manifest, list) or not manifest or not isinstance(manifest[0], dict):
         raise _bad("docker_archive", archive, "manifest.json lists no image")
@@ -185,10 +193,8 @@ def _members(blob: Path, field: str, work: Path) -> tuple[list[tarfile.TarInfo],
 
 
 def _norm(name: str, field: str, blob: Path) -> PurePosixPath | None:
-    parts = [p for p in name.split("/") if p not in ("", ".")]
-    if any(p == ".." for p in parts):
-        raise _bad(field, blob, f"layer member {name!r} contains '..'")
-    return PurePosixPath(*parts) if parts else None
+    rel = clean_name(name, field=field, what=f"layer {blob.name}")
+    return PurePosixPath(rel) if rel is not None else None
 
 
 def _remove(path: Path) -> None:
@@ -206,20 +212,6 @@ def _is_whiteout(st: os.stat_result) -> bool:
     return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
 
 
-def _inside(root: Path, rel: PurePosixPath) -> Path | None:
-    """root/rel, or None if an ancestor inside root is not a real directory (a symlink
-    could point anywhere: we never delete through one)."""
-    cur = root
-    for part in rel.parts[:-1]:
-        cur = cur / part
-        try:
-            if not stat.S_ISDIR(os.lstat(cur).st_mode):
-                return None
-        except FileNotFoundError:
-            return None
-    return root / rel
-
-
 def apply_layer(blob: Path, root: Path, *, keep_whiteouts: bool, field: str, work: Path) -> None:
     """Apply one OCI layer tarball onto `root` (the group built so far)."""
     members, src = _members(blob, field, work)
@@ -232,7 +224,7 @@ def apply_layer(blob: Path, root: Path, *, keep_whiteouts: bool, field: str, wor
             continue
         base = rel.name
         if base == WH_OPAQUE:
-            p = _inside(root, rel)       # every ancestor a real directory
+            p = resolve_beneath(root, rel)       # links in its parent followed inside root
             if p is not None and p.parent.is_dir() and not p.parent.is_symlink():
                 for child in list(os.scandir(p.parent)):
                     _remove(Path(child.path))
@@ -240,13 +232,13 @@ def apply_layer(blob: Path, root: Path, *, keep_whiteouts: bool, field: str, wor
                 opaque.add(rel.parent)
         elif base.startswith(WH_PREFIX):
             target = rel.parent / base[len(WH_PREFIX):]
-            p = _inside(root, target)
+            p = resolve_beneath(root, target)
             if p is not None:
                 _remove(p)
             if keep_whiteouts:
                 whiteouts.append(target)
         else:
-            p = _inside(root, rel)
+            p = resolve_beneath(root, rel)
             if p is None:
                 continue
             try:
@@ -260,20 +252,16 @@ def apply_layer(blob: Path, root: Path, *, keep_whiteouts: bool, field: str, wor
                     _remove(p)
             elif not m.islnk():
                 _remove(p)                  # tar re-creates it (type may differ)
-    src.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        extract_tarball(src, root, exclude=[f"{WH_PREFIX}*"])
-    except InvalidArgument as e:
-        raise InvalidArgument(e.message, field=field, fix=e.fix) from None
+    unpack_beneath(src, root, field=field, what=f"layer {blob.name}", rules=bounded(LAYER_RULES, blob))
     for rel in whiteouts:
-        p = _inside(root, rel)
+        p = resolve_beneath(root, rel)
         if p is None or os.path.lexists(p):
             continue                         # re-created by this layer, or under a non-dir
-        os.makedirs(p.parent, exist_ok=True)
         os.mknod(p, stat.S_IFCHR | 0o600, os.makedev(0, 0))
     for rel in opaque:
-        p = root / rel
-        if p.is_dir() and not p.is_symlink():
+        marker = resolve_beneath(root, rel / WH_OPAQUE)      # the directory, links followed
+        p = marker.parent if marker is not None else None
+        if p is not None and p.is_dir() and not p.is_symlink():
             os.setxattr(p, OPAQUE_XATTR, b"y", follow_symlinks=False)
     if src != blob:
         src.unlink(missing_ok=True)

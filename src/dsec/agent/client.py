@@ -26,6 +26,21 @@ INTERNAL_CHAN_BASE = 0x80000000
 _CHAN_MAX = 0xFFFFFFFF
 _STDIN_CHUNK = 1 << 20
 _GONE = object()  # queue sentinel: the connection is gone
+_OVERFLOW = object()  # queue sentinel: a capped chan's reader fell too far behind
+OVERFLOWED = -1       # _next's frame type for _OVERFLOW
+WATCH_QUEUE_BYTES = 1 << 20   # unread events one watch may hold here (issue 22: a watch nobody
+                              # read grew the apiserver by 1.27 GB in 36 s)
+
+
+class _ChanQueue(asyncio.Queue):
+    """A chan's frames. With `cap`, at most that many payload bytes wait unread; past it the
+    reader gets OVERFLOWED once and nothing more (the caller ends the chan)."""
+
+    def __init__(self, cap: int | None = None):
+        super().__init__()
+        self.cap = cap
+        self.held = 0
+        self.overflowed = False
 # An exec whose EXIT has not come this long after its timeout (the agent kills at the timeout
 # and reports within ~2 s) is looked for in the agent's LIST_EXECS, again every as often.
 EXEC_LOST_CHECK_S = 10.0
@@ -122,7 +137,7 @@ class AgentClient:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self._reader = reader
         self._writer = writer
-        self._queues: dict[int, asyncio.Queue] = {}
+        self._queues: dict[int, _ChanQueue] = {}
         self._next_chan = INTERNAL_CHAN_BASE
         self._closed = False
         self._reason = "connection closed"
@@ -211,8 +226,17 @@ class AgentClient:
                 length, type_, chan = P.decode_header(head)
                 payload = await self._reader.readexactly(length) if length else b""
                 q = self._queues.get(chan)
-                if q is not None:  # else: nobody waits for it any more (e.g. abandoned exec)
-                    q.put_nowait((type_, payload))
+                if q is None:      # nobody waits for it any more (e.g. abandoned exec)
+                    continue
+                if q.cap is not None:
+                    if q.overflowed:
+                        continue
+                    if q.held + len(payload) > q.cap:
+                        q.overflowed = True
+                        q.put_nowait(_OVERFLOW)
+                        continue
+                    q.held += len(payload)
+                q.put_nowait((type_, payload))
         except asyncio.IncompleteReadError:
             pass
         except P.ProtocolError as e:
@@ -226,12 +250,12 @@ class AgentClient:
 
     # ------------------------------------------------------------------ plumbing
 
-    def _register(self, chan: int) -> asyncio.Queue:
+    def _register(self, chan: int, cap: int | None = None) -> _ChanQueue:
         if self._closed:
             raise AgentDisconnected(self._reason)
         if chan in self._queues:
             raise ValueError(f"chan {chan:#x} is already in use on this connection")
-        q: asyncio.Queue = asyncio.Queue()
+        q = _ChanQueue(cap)
         self._queues[chan] = q
         return q
 
@@ -271,7 +295,7 @@ class AgentClient:
             self._shutdown(f"connection error: {e!r}")
             raise AgentDisconnected(self._reason) from e
 
-    async def _next(self, q: asyncio.Queue, timeout: float | None = None) -> tuple[int, bytes]:
+    async def _next(self, q: _ChanQueue, timeout: float | None = None) -> tuple[int, bytes]:
         """The next frame of a chan (asyncio.TimeoutError after `timeout` s without one)."""
         if timeout is None or not q.empty():
             item = await q.get()
@@ -279,7 +303,11 @@ class AgentClient:
             item = await asyncio.wait_for(q.get(), timeout)   # cancelling a get loses no item
         if item is _GONE:
             raise AgentDisconnected(self._reason)
+        if item is _OVERFLOW:
+            return OVERFLOWED, b""
         type_, payload = item
+        if q.cap is not None:
+            q.held -= len(payload)
         if type_ == MsgType.ERROR:
             raise AgentError(*P.decode_error(payload))
         return type_, payload
@@ -488,7 +516,7 @@ class AgentClient:
         as they come, in batches, until it is closed (which ends the watch in the agent) or the
         directory is removed (AgentError ENOENT)."""
         chan = self._alloc_chan()
-        q = self._register(chan)
+        q = self._register(chan, cap=WATCH_QUEUE_BYTES)
         try:
             await self._send(MsgType.WATCH, chan, P.encode_fields(
                 [(Tag.PATH, path), (Tag.UID, uid), (Tag.GID, gid), (Tag.RECURSIVE, int(recursive))]))
@@ -532,6 +560,9 @@ class WatchStream:
             except (AgentError, AgentDisconnected):
                 self._finish()      # the agent ended the watch, or the connection went
                 raise
+            if t == OVERFLOWED:          # its reader fell WATCH_QUEUE_BYTES behind: end the watch
+                await self.aclose()
+                return [Change("overflow", "", False)]
             if t == MsgType.EVENT:
                 batch = [c for m, n in P.decode_events(payload) if (c := _change_from_wire(m, n)) is not None]
                 if batch:

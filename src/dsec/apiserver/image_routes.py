@@ -12,15 +12,15 @@ last line with `result` (ImageBuildResult) or `error` (ErrorDetail):
 Tenancy: what a project makes is owned by it (visible to it and its relatives, replaced only
 by it); an admin's (root project's) images are published to all. Letting RUN steps use the
 network is an admin's choice (`network=true`), as is pulling from a registry (the node's
-egress). Uploads are bounded by the guard (IMAGE_BODY_BYTES) and unpacked with tarfile's
-"data" filter (no absolute paths, no links out, no devices or setuid bits).
+egress). Uploads are bounded by the guard (IMAGE_BODY_BYTES) and unpacked by bsdtar chrooted
+into the upload dir (images/unpack.py: no path resolves outside it; no owners, devices or
+setuid bits).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import tarfile
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -32,8 +32,21 @@ from fastapi.responses import StreamingResponse
 from dsec.apiserver.guard import principal_of, request_key
 from dsec.apiserver.tenancy import visible
 from dsec.iam import Principal
-from dsec.types import (NAME_RE, DsecError, ErrorDetail, Forbidden, ImageBuildResult, ImageConfig, ImageInfo,
-                        ImageProgress, ImagePullRequest, InternalError, InvalidArgument, NotFound, Unavailable)
+from dsec.types import (
+    NAME_RE,
+    DsecError,
+    ErrorDetail,
+    Forbidden,
+    ImageBuildResult,
+    ImageConfig,
+    ImageInfo,
+    ImageProgress,
+    ImagePullRequest,
+    InternalError,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
 
 if TYPE_CHECKING:
     from dsec.apiserver.context import ApiContext
@@ -45,17 +58,17 @@ log = logging.getLogger("dsec.apiserver.images")
 Name = Annotated[str, Query(pattern=NAME_RE, description="the dsec image name to register")]
 
 
-def _unpack(tar: Path, dest: Path, field: str) -> None:
-    """Unpack an uploaded tar with the "data" filter: nothing lands outside `dest`."""
-    try:
-        with tarfile.open(tar, "r:*") as tf:
-            tf.extractall(dest, filter="data")
-    except (tarfile.TarError, OSError, EOFError) as e:
-        raise InvalidArgument(f"the request body is not a usable tar: {e}", field=field,
-                              fix="send a tar (optionally gzip/xz/bzip2-compressed) of the directory") from None
+def _unpack(tar: Path, dest: Path, field: str, max_disk_mb: int | None = None) -> None:
+    """Unpack an uploaded tar beneath `dest` (images/unpack.py: chrooted bsdtar; no owners,
+    special bits, devices or xattrs; '..' refused), bounded in what it unpacks to (never more
+    than the body limit nor the project's disk policy)."""
+    from dsec.apiserver.guard import IMAGE_BODY_BYTES
+    from dsec.images.unpack import UPLOAD_RULES, bounded, unpack_beneath
+    cap = min(IMAGE_BODY_BYTES, max_disk_mb << 20) if max_disk_mb else IMAGE_BODY_BYTES
+    unpack_beneath(tar, dest, field=field, what="the request body", rules=bounded(UPLOAD_RULES, tar, cap))
 
 
-def _ndjson(images: "ImageService", work: Path,
+def _ndjson(images: "ImageService", work: Path, project: str,
             fn: "Callable[[Progress], ImageBuildResult]") -> StreamingResponse:
     """Run fn on the node's heavy lane; stream its progress, then its result or error. The work
     dir (the upload) is removed when fn is done, whether or not the client still listens."""
@@ -67,7 +80,8 @@ def _ndjson(images: "ImageService", work: Path,
 
     async def runner() -> None:
         try:
-            result = await images.heavy.run(fn, progress)
+            async with images.heavy.slot(project):    # shared fairly with other projects
+                result = await images.heavy.run(fn, progress)
             queue.put_nowait(ImageProgress(message="done", fraction=1.0, result=result))
         except DsecError as e:
             queue.put_nowait(ImageProgress(error=ErrorDetail(**e.to_body()["error"])))
@@ -131,14 +145,21 @@ def add_image_routes(app: FastAPI, ctx: "ApiContext") -> None:
     async def build_image(request: Request, name: Name,
                           dockerfile: Annotated[str, Query(max_length=255)] = "Dockerfile",
                           replace: bool = False, network: bool = False,
-                          memory_mb: Annotated[int, Query(ge=64, le=65536)] = 2048,
+                          memory_mb: Annotated[int | None, Query(ge=64, le=65536)] = None,
                           timeout_s: Annotated[float, Query(gt=0, le=7200)] = 1800) -> StreamingResponse:
         """Build the Dockerfile in the uploaded context (a tar) with buildah; RUN steps run
         unprivileged in a user namespace without network (network=true: admin only)."""
         who = principal(request)
         images = services()
         if network:
-            admin_only(who, "let RUN steps use the network", "network")
+            # buildah runs in a network namespace of its own (images/build_jail.py): a build
+            # reaches nothing until its steps egress through the sandboxes' policy path
+            raise InvalidArgument("builds through the API have no network: RUN steps and ADD reach "
+                                  "nothing (a build must not use the node's own network)", field="network",
+                                  fix="leave network off and put what the build needs into the context; "
+                                      "an operator on the node may build with `dsec image build --network`")
+        memory_mb = build_memory(ctx, who, memory_mb)
+        disk_mb = ctx.iam.effective_policy(who.project_id).max_disk_mb
         work = await upload(request, images)
         owner = owner_of(who)
 
@@ -146,13 +167,13 @@ def add_image_routes(app: FastAPI, ctx: "ApiContext") -> None:
             from dsec.images.dockerfile import build_dockerfile
             context = work / "context"
             context.mkdir()
-            _unpack(work / "body.tar", context, "body")
+            _unpack(work / "body.tar", context, "body", disk_mb)
             (work / "body.tar").unlink()
             return build_dockerfile(images, name, context, dockerfile=dockerfile, replace=replace,
                                     network=network, memory_mb=memory_mb, timeout_s=timeout_s,
                                     progress=progress, owner=owner,
                                     usable=lambda info: visible(ctx.iam, who, info))
-        return _ndjson(images, work, build)
+        return _ndjson(images, work, who.project_id, build)
 
     @app.post("/v1/images/import", response_class=StreamingResponse,
               responses={200: {"content": {"application/x-ndjson": {}},
@@ -166,20 +187,21 @@ def add_image_routes(app: FastAPI, ctx: "ApiContext") -> None:
         images = services()
         owner = owner_of(who)
         _check_replace(images, name, replace, owner)
+        disk_mb = ctx.iam.effective_policy(who.project_id).max_disk_mb
         work = await upload(request, images)
 
         def run(progress: "Progress") -> ImageBuildResult:
             if format == "oci":
                 layout = work / "layout"
                 layout.mkdir()
-                _unpack(work / "body.tar", layout, "body")
+                _unpack(work / "body.tar", layout, "body", disk_mb)
                 info = images.import_oci(name, oci=layout, ref=ref, replace=replace, progress=progress,
                                          source=f"upload:oci:{name}")
             else:
                 info = images.import_oci(name, docker_archive=work / "body.tar", replace=replace,
                                          progress=progress, source=f"upload:docker-archive:{name}")
             return ImageBuildResult(image=_own(images, info, owner))
-        return _ndjson(images, work, run)
+        return _ndjson(images, work, who.project_id, run)
 
     @app.post("/v1/images/pull", response_class=StreamingResponse,
               responses={200: {"content": {"application/x-ndjson": {}},
@@ -196,7 +218,7 @@ def add_image_routes(app: FastAPI, ctx: "ApiContext") -> None:
         def run(progress: "Progress") -> ImageBuildResult:
             return ImageBuildResult(image=images.pull(req.name, req.ref, tls_verify=req.tls_verify,
                                                       creds=req.creds, replace=req.replace, progress=progress))
-        return _ndjson(images, work, run)
+        return _ndjson(images, work, who.project_id, run)
 
     @app.get("/v1/images/{name}/config", response_model=ImageConfig)
     async def get_image_config(request: Request, name: str) -> ImageConfig:
@@ -209,6 +231,24 @@ def add_image_routes(app: FastAPI, ctx: "ApiContext") -> None:
                            fix="list the images you may use with GET /v1/images")
         from dsec.images.dockerfile import image_config
         return await asyncio.to_thread(image_config, images, name)
+
+
+BUILD_MEMORY_MB = 2048      # a build's RUN steps, unless the caller or its project says less
+
+
+def build_memory(ctx: "ApiContext", who: Principal, asked: int | None) -> int:
+    """The memory limit of a build's RUN steps: what was asked (default BUILD_MEMORY_MB), never
+    above the project's policy (max_memory_mb) or its quota; asking for more is refused."""
+    caps = [("the project's policy (max_memory_mb)", ctx.iam.effective_policy(who.project_id).max_memory_mb),
+            ("the project's memory quota", ctx.iam.project(who.project_id).max_memory_mb)]
+    bound = min((c for _, c in caps if c is not None), default=None)
+    if asked is None:
+        return min(BUILD_MEMORY_MB, bound) if bound is not None else BUILD_MEMORY_MB
+    for what, cap in caps:
+        if cap is not None and asked > cap:
+            raise InvalidArgument(f"memory_mb {asked} is above {what}: {cap}", field="memory_mb",
+                                  fix=f"ask for at most {cap} MiB, or leave memory_mb off")
+    return asked
 
 
 def _check_replace(images: "ImageService", name: str, replace: bool, owner: str | None) -> None:

@@ -17,6 +17,7 @@ import errno
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Hashable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ from dsec.images.service import ImageService
 from dsec.images.stacks import Stacks
 from dsec.placement.locality import CacheSummary
 from dsec.security.users import resolve_user
-from dsec.types import (DEFAULT_SCRUB, MAX_TTL_S, BulkItem, Conflict, ContainerArgs, DsecError, ExecEvent, ExecInfo, ExecRequest, ExecResult, FileEntry, FsEvent, ImageInfo,
+from dsec.types import (DEFAULT_SCRUB, MAX_TTL_S, BulkItem, CapacityExceeded, Conflict, ContainerArgs, DsecError, ExecEvent, ExecInfo, ExecRequest, ExecResult, FileEntry, FsEvent, ImageInfo,
                         InvalidArgument, NetworkPolicy, NodeStatus, NotFound, PackDiffRequest, SandboxArgs,
                         SandboxFailed, SandboxInfo, SandboxState, SnapshotInfo, Unavailable, make_sandbox_id,
                         make_snapshot_id)
@@ -55,6 +56,7 @@ LIVE = (SandboxState.creating, SandboxState.running, SandboxState.suspended, San
 DISK_POLL_S = float(os.environ.get("DSEC_DISK_POLL_S", "10"))   # fallback quota check interval
 BULK_PARALLEL = 16        # parks/resumes of one bulk call at a time (each reclaims memory: I/O- and CPU-bound)
 PURGE_EVERY_S = 60.0      # ended records and what they left are forgotten at most this often
+MAX_WATCHES_PER_PROJECT = 256   # open directory watches of one project on this node (16 a sandbox: the agent's)
 # Warm pool sandboxes while they wait (warm_pool.py): the node's own, counted by admission at
 # this size; a claim gives them the claimer's limits.
 WARM_PROJECT = "system"
@@ -106,6 +108,7 @@ class Edge:
         self._cached_images = CacheSummary()   # images this node holds: placement prefers it for them (D34)
         self._deadlines = Deadlines()          # when the reaper looks at each sandbox next (O(due) ticks)
         self._purge_next = 0.0                 # monotonic: ended records are purged once a minute
+        self._watches: Counter[str] = Counter()   # open directory watches per project
         self._reclaimer = Reclaimer.from_env(self._live, self.admission.probe)   # idle memory out (reclaim.py)
         # warm pools of idle containers per environment, claimed by creates (warm_pool.py)
         self._pools = WarmPools(parse_targets(os.environ.get(WARM_ENV, "")), self._warm_start, self._warm_key_of,
@@ -545,7 +548,7 @@ class Edge:
         rec.in_flight += 1      # not reaped while packing
         try:
             # the node's heavy-work lane (bounded, own threads): creations never queue behind it
-            async with self.images.heavy.slot(), diff.frozen_upper(rec.id) as upper:
+            async with self.images.heavy.slot(rec.project), diff.frozen_upper(rec.id) as upper:
                 disk_mb = getattr(rec.args, "disk_mb", None)   # a layer is bounded by its sandbox's quota
                 info = await self.images.heavy.run(
                     self.images.pack_upper, req.name, upper.path, parents=parents, scrub=scrub,
@@ -1031,19 +1034,27 @@ class Edge:
         the sandbox's user (or `user`); the sandbox counts as busy meanwhile."""
         check_path(path)
         async with self._use(sandbox_id) as (live, agent):
+            project = live.rec.project
+            if self._watches[project] >= MAX_WATCHES_PER_PROJECT:     # the agent caps each sandbox
+                raise CapacityExceeded(f"project {project} already has {MAX_WATCHES_PER_PROJECT} open directory "
+                                       "watches on this node", field="path", fix="stop some of its watches first")
             uid, gid = resolve_user(user) if user else (live.rec.uid, live.rec.gid)
             try:
                 changes = await agent.watch(path, uid=uid, gid=gid, recursive=recursive)
             except AgentError as e:
                 raise watch_error(e) from e
+            self._watches[project] += 1
             try:
                 yield FsEvent(type="start")
-                async for batch in changes:
+                async for batch in changes:     # an `overflow` (a reader too slow) ends it
                     for c in batch:
                         yield FsEvent(type=c.kind, name=c.name, is_dir=c.is_dir)
             except AgentError as e:
                 raise watch_error(e) from e
             finally:
+                self._watches[project] -= 1
+                if self._watches[project] <= 0:
+                    del self._watches[project]
                 await changes.aclose()
 
     # -- port ingress ------------------------------------------------------------------------

@@ -38,12 +38,13 @@ from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 from dsec.config import Paths
 from dsec.types import (Conflict, DsecError, ImageBuildResult, ImageConfig, ImageInfo, InvalidArgument, NotFound,
                         Unavailable)
 
+from .build_jail import Bind, jailed
 from .builder import safe_rmtree, scratch_dir
 from .mounts import sys_mount, sys_umount
 from .progress import Progress, report
@@ -97,9 +98,12 @@ class Buildah:
             tmp.replace(policy)
         return cls(root=base, policy=policy)
 
-    def argv(self, *args: str) -> list[str]:
-        return [buildah_binary(), "--root", str(self.root / "storage"), "--runroot",
-                str(self.root / "run"), "--storage-driver", STORAGE_DRIVER, *args]
+    def argv(self, *args: str, binds: Sequence[Bind] = (), cwd: Path | None = None) -> list[str]:
+        """buildah ARGS in the build's own namespaces (build_jail.py), seeing its storage and
+        `binds` only."""
+        cmd = [buildah_binary(), "--root", str(self.root / "storage"), "--runroot",
+               str(self.root / "run"), "--storage-driver", STORAGE_DRIVER, *args]
+        return jailed(cmd, root=self.root / "jail", binds=[Bind(self.root, writable=True), *binds], cwd=cwd)
 
     def env(self) -> dict[str, str]:
         # no host registries config: nothing resolves a short name to a remote registry
@@ -114,16 +118,16 @@ class Buildah:
         return conf
 
     def run(self, *args: str, timeout_s: float = 600, progress: Progress | None = None,
-            what: str = "buildah", cwd: Path | None = None) -> str:
+            what: str = "buildah", cwd: Path | None = None, binds: Sequence[Bind] = ()) -> str:
         """Run buildah; its output lines go to progress and the log tail. Raises on failure."""
         tmp = self.root / "tmp"
         tmp.mkdir(exist_ok=True)
         tmp.chmod(0o711)    # explicit: the server's umask is 077 (mkdir's mode would lose x)
-        argv = self.argv(*args)
-        log.debug("running %s", shlex.join(argv))
+        argv = self.argv(*args, binds=binds, cwd=cwd)
+        log.debug("running buildah %s (in its own namespaces)", shlex.join(args))
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=self.env(), start_new_session=True,
-                                umask=0o022, cwd=cwd)   # RUN steps' mapped root walks buildah's dirs
+                                umask=0o022)   # RUN steps' mapped root walks buildah's dirs
         # a watchdog, not a check per output line: a silent step must time out too
         fired = threading.Event()
 
@@ -258,6 +262,89 @@ def find_bases(text: str) -> tuple[list[BaseRef], list[str]]:
     return bases, stages
 
 
+_DIRECTIVE_RE = re.compile(r"^#\s*([A-Za-z]+)\s*=\s*(\S+)\s*$")
+_URL_RE = re.compile(r"^(?:[A-Za-z][A-Za-z0-9+.-]*://|git@)")
+
+def _run_flag_allowed(word: str) -> bool:
+    w = word.lower()
+    return "$" not in w and (w == "--network=none" or w.partition(",")[0] == "--mount=type=tmpfs")
+
+
+def instructions(text: str) -> list[tuple[int, str]]:
+    """(first line number, instruction) with continuation lines joined (the `# escape=`
+    directive honoured) and comments dropped, as buildah reads them."""
+    lines = text.splitlines()
+    esc = "\\"
+    for line in lines:                       # parser directives come first, before anything else
+        m = _DIRECTIVE_RE.match(line.strip())
+        if not m:
+            break
+        if m.group(1).lower() == "escape":
+            esc = m.group(2)
+    out: list[tuple[int, str]] = []
+    cur: str | None = None
+    start = 0
+    for n, line in enumerate(lines, 1):
+        stripped = line.strip()
+        if stripped.startswith("#") or (cur is None and not stripped):
+            continue
+        if cur is None:
+            cur, start = "", n
+        if stripped.endswith(esc):
+            cur += stripped[:-len(esc)] + " "
+            continue
+        out.append((start, (cur + stripped).strip()))
+        cur = None
+    if cur:
+        out.append((start, cur.strip()))
+    return out
+
+
+def _refuse(n: int, what: str, why: str, fix: str) -> InvalidArgument:
+    return InvalidArgument(f"Dockerfile line {n}: {what}: {why}", field="dockerfile", fix=fix)
+
+
+def _add_sources(rest: str) -> list[str]:
+    words = rest.split()
+    while words and words[0].startswith("--"):
+        words.pop(0)
+    if rest.lstrip().startswith("[") or (words and words[0].startswith("[")):
+        try:
+            parts = json.loads(rest[rest.index("["):])
+            return [str(p) for p in parts[:-1]] if isinstance(parts, list) else []
+        except ValueError:
+            return words[:-1]
+    return words[:-1]
+
+
+def check_instructions(text: str) -> None:
+    """Refuse what a build on a shared node may not do, naming the line (issue 22):
+    `RUN --mount` other than tmpfs (bind and cache mounts reach paths outside the build in
+    buildah 1.28; `from=` saw the host's root), RUN flags beyond --network=none, and `ADD` of a
+    URL or git repository (fetched from the node's network, not through sandbox egress)."""
+    for n, ins in instructions(text):
+        op, _, rest = ins.partition(" ")
+        op = op.upper()
+        if op == "ONBUILD":
+            op, _, rest = rest.strip().partition(" ")
+            op = op.upper()
+        if op == "RUN":
+            for word in rest.split():
+                if not word.startswith("--"):
+                    break
+                if not _run_flag_allowed(word):
+                    raise _refuse(n, f"RUN {word}", "this RUN option is not allowed on dsec (bind and "
+                                  "cache mounts can reach outside the build; RUN steps have no network)",
+                                  "COPY what the step needs into the image first (COPY --from=STAGE for "
+                                  "another stage's files); only --mount=type=tmpfs is allowed")
+        elif op == "ADD":
+            for src in _add_sources(rest):
+                if _URL_RE.match(src):
+                    raise _refuse(n, f"ADD {src}", "ADD of a URL is refused: builds fetch nothing from "
+                                  "the network", "download the file into the build context and ADD or COPY "
+                                  "it from there")
+
+
 def base_tag(info: ImageInfo) -> str:
     return f"localhost/dsec-base-{info.digest.removeprefix('sha256:')[:24]}:latest"
 
@@ -385,7 +472,8 @@ def ensure_base(svc: ImageService, bah: Buildah, info: ImageInfo, progress: Prog
             export_oci(svc, info, work / layout, work)
             # pulled from an OCI layout the image has no name: --quiet prints its id, tag that
             out = bah.run("pull", "--signature-policy", str(bah.policy), "--quiet",
-                          f"oci:{layout}:latest", progress=progress, what="buildah pull", cwd=work)
+                          f"oci:{layout}:latest", progress=progress, what="buildah pull", cwd=work,
+                          binds=[Bind(work)])
             image_id = out.strip().splitlines()[-1] if out.strip() else ""
             if not re.fullmatch(r"[0-9a-f]{64}", image_id):
                 raise DsecError(f"buildah pull of {info.name} printed no image id: {out[-500:]}")
@@ -545,6 +633,7 @@ def build_dockerfile(svc: ImageService, name: str, context: str | os.PathLike, *
     ctx = Path(context).absolute()
     df = _check_context(ctx, dockerfile)
     text = df.read_text(encoding="utf-8", errors="replace")
+    check_instructions(text)
     bases, stages = find_bases(text)
     infos = resolve_bases(svc, bases, usable)
     for k in (build_args or {}):
@@ -578,14 +667,16 @@ def build_dockerfile(svc: ImageService, name: str, context: str | os.PathLike, *
                          f"{'on' if network else 'off'})", None, level=logging.INFO)
         try:
             try:
-                bah.run(*args, timeout_s=timeout_s, progress=progress, what="the build")
+                bah.run(*args, timeout_s=timeout_s, progress=progress, what="the build",
+                        binds=[Bind(ctx), Bind(work, writable=True)])
             except _BuildahFailed as e:
                 raise InvalidArgument(f"building {name} failed (buildah exited {e.rc}); last lines of "
                                       f"the build log:\n{e.tail}", field="dockerfile",
                                       fix="fix the failing step of the Dockerfile (see the log above)") from None
             layout = work / "out"
             bah.run("push", "--signature-policy", str(bah.policy), "--quiet", target,
-                    f"oci:{layout}:latest", progress=progress, what="buildah push")
+                    f"oci:{layout}:latest", progress=progress, what="buildah push",
+                    binds=[Bind(work, writable=True)])
         finally:
             subprocess.run(bah.argv("rmi", "-f", target), capture_output=True, env=bah.env())
         config = config_from_layout(layout)

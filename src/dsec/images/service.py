@@ -69,12 +69,22 @@ class HeavyWork:
         self.workers = workers or int(os.environ.get("DSEC_HEAVY_PARALLEL", "0")) or max(2, (os.cpu_count() or 2) // 2)
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="dsec-heavy", initializer=_lower_priority)
         self._slots: asyncio.Semaphore | None = None
+        # one project never holds every slot: another's pack_diff or build always gets one
+        self.per_project = max(1, self.workers - 1)
+        self._theirs: dict[str, asyncio.Semaphore] = {}
 
     @asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
+    async def slot(self, project: str | None = None) -> AsyncIterator[None]:
+        """A heavy-work slot; `project`'s own work holds at most `per_project` of them (it waits
+        for its own first, so it never blocks the node's slots while it queues)."""
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.workers)
-        async with self._slots:
+        if project is None:
+            async with self._slots:
+                yield
+            return
+        mine = self._theirs.setdefault(project, asyncio.Semaphore(self.per_project))
+        async with mine, self._slots:
             yield
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

@@ -1,0 +1,106 @@
+"""Attacks through Dockerfile builds (issue 22, item 2): a tenant's Dockerfile tries to reach
+the host through buildah 1.28 (Debian 12), which runs as host root.
+
+Two layers of defence, each tested: the Dockerfile is refused before buildah runs when it asks
+for what reaches outside the build (RUN --mount other than tmpfs, ADD of a URL), naming the
+line; and buildah itself runs in new mount, network, pid, IPC and UTS namespaces whose root
+holds only the system's programs, its storage and the build (images/build_jail.py)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import stranger_key
+
+from dsec.images.build_jail import Bind, jailed
+from dsec.sdk.client import Client
+from dsec.types import InvalidArgument
+
+pytestmark = pytest.mark.skipif(shutil.which("buildah") is None,
+                                reason="buildah is not installed (apt-get install buildah; scripts/install.sh)")
+
+
+def _context(tmp_path: Path, dockerfile: str) -> Path:
+    ctx = tmp_path / f"ctx-{secrets.token_hex(3)}"
+    ctx.mkdir()
+    (ctx / "Dockerfile").write_text(dockerfile)
+    (ctx / "local.txt").write_text("local\n")
+    return ctx
+
+
+@pytest.fixture(scope="module")
+async def tenant(server):
+    async with Client(server.url, api_key=stranger_key(server, "cx-build")) as c:
+        yield c
+
+
+@pytest.mark.parametrize("line,why", [
+    # the reported escape: a stage's symlink to / as the source of a read-write bind mount
+    ("RUN --mount=type=bind,from=s,source=/rootlink,target=/host,rw touch /host/var/tmp/{name}", "RUN --mount"),
+    ("RUN --mount=type=cache,target=/var/cache/x,source=../../../ ls", "RUN --mount"),
+    ("RUN --mount=type=bind,target=/ctx,rw touch /ctx/escaped", "RUN --mount"),
+    ("RUN --network=host true", "RUN --network"),
+    ("ADD http://127.0.0.1:7620/healthz /healthz", "ADD http://"),
+    ('ADD ["https://127.0.0.1/x", "/x"]', "ADD https://"),
+])
+async def test_dockerfile_steps_that_reach_outside_are_refused_naming_the_line(tenant, tmp_path, line, why):
+    name = f"dsec-cx-build-{secrets.token_hex(4)}"
+    df = f"FROM busybox AS s\nRUN ln -s / /rootlink\nFROM busybox\n{line.format(name=name)}\n"
+    with pytest.raises(InvalidArgument) as e:
+        await tenant.build_image("cx-df", _context(tmp_path, df))
+    assert e.value.field == "dockerfile" and "line 4" in e.value.message and why in e.value.message, e.value
+    assert e.value.fix
+    assert not Path("/var/tmp", name).exists()
+
+
+async def test_continuation_lines_and_onbuild_do_not_hide_a_mount(tenant, tmp_path):
+    df = "FROM busybox\nRUN \\\n  --mount=type=bind,target=/ctx,rw \\\n  true\nONBUILD RUN --mount=type=cache,target=/c true\n"
+    with pytest.raises(InvalidArgument) as e:
+        await tenant.build_image("cx-df", _context(tmp_path, df))
+    assert "line 2" in e.value.message
+
+
+def test_buildah_sees_only_its_storage_and_the_build(server, tmp_path, host_canary):
+    """What any buildah command sees: no DSEC_HOME keys or databases, no /var/tmp, no other
+    checkouts, no host network (only its own lo), a pid namespace of its own, the context
+    read-only and the scratch dir read-write."""
+    ctx, work = tmp_path / "ctx", tmp_path / "work"
+    ctx.mkdir()
+    work.mkdir()
+    (ctx / "in-context.txt").write_text("ctx\n")
+    probe = "; ".join([
+        f"test -e {server.paths.admin_key_file} && echo KEY-VISIBLE",
+        f"test -e {server.paths.home}/iam.db && echo DB-VISIBLE",
+        f"test -e {host_canary} && echo CANARY-VISIBLE",
+        f"test -e {Path.cwd()}/README.md && echo CHECKOUT-VISIBLE",
+        "test -S /run/postgresql/.s.PGSQL.5432 && echo PG-VISIBLE",
+        "echo NETS $(ls /sys/class/net | tr '\\n' ' ')",
+        "echo PIDS $(ls /proc | grep -c '^[0-9]')",
+        "echo HOST $(hostname)",
+        f"cat {ctx}/in-context.txt",
+        f"touch {ctx}/written 2>/dev/null || echo CTX-READONLY",
+        f"echo w > {work}/written && echo WORK-WRITABLE",
+        "touch /usr/bin/planted 2>/dev/null || echo USR-READONLY",
+    ])
+    argv = jailed(["/bin/sh", "-c", probe], root=tmp_path / "jail",
+                  binds=[Bind(ctx), Bind(work, writable=True)], cwd=work)
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    for leak in ("KEY-VISIBLE", "DB-VISIBLE", "CANARY-VISIBLE", "CHECKOUT-VISIBLE", "PG-VISIBLE"):
+        assert leak not in out, out
+    assert "NETS lo \n" in out or out.count("NETS lo") == 1, out
+    pids = int(out.split("PIDS ")[1].split()[0])
+    assert pids <= 4, out                                     # sh, ls, grep: its own pid namespace
+    assert "HOST dsec-build" in out and "ctx\n" in out
+    assert "CTX-READONLY" in out and "WORK-WRITABLE" in out and "USR-READONLY" in out
+    assert not (ctx / "written").exists() and (work / "written").read_text() == "w\n"
+    assert not Path("/usr/bin/planted").exists()
+    with open("/proc/self/mountinfo") as f:                   # nothing of the jail on the host
+        assert not [ln for ln in f if str(tmp_path / "jail") in ln]
+    os.rmdir(tmp_path / "jail")

@@ -45,3 +45,31 @@ def test_bad_input_is_actionable(server):
 def test_image_ls(server):
     out = dsec(server, "image", "ls").stdout
     assert "busybox" in out and "debian-python" in out
+
+
+def test_down_finds_the_server_without_its_pid_file_and_a_second_up_is_refused(dsec_home, images,
+                                                                                 tmp_path_factory):
+    """Issue 22, item 11: server.pid vanished under a live server (a second `dsec up` on the
+    home wrote its pid there, failed, and removed the file), and `dsec down` then answered "not
+    running". The server now holds a lock on its home; `down` finds the holder."""
+    from conftest import ServerProc, side_home
+    srv = ServerProc(side_home(dsec_home, tmp_path_factory, "cli-lock"))
+    srv.start()
+    try:
+        pid_file = srv.paths.server_pid
+        assert pid_file.read_text().strip() == str(srv.proc.pid)
+        second = ServerProc(srv.home)
+        second_up = subprocess.run([sys.executable, "-m", "dsec", "up", "--port", str(second.port)],
+                                   env=second.env, capture_output=True, text=True, timeout=60)
+        assert second_up.returncode != 0 and "already serves" in second_up.stdout + second_up.stderr
+        assert "DSEC_HOME" in second_up.stdout + second_up.stderr
+        assert pid_file.read_text().strip() == str(srv.proc.pid)     # left as it was
+        pid_file.unlink()
+        # `down` waits for the pid to go; the server is this test's child: reap it meanwhile
+        down = subprocess.Popen([sys.executable, "-m", "dsec", "down", "--timeout-s", "30"],
+                                env={**srv.env, "DSEC_API_KEY": srv.key}, stdout=subprocess.PIPE, text=True)
+        assert srv.proc.wait(timeout=30) is not None
+        assert "stopped" in down.communicate(timeout=30)[0]
+        assert "not running" in dsec(srv, "down").stdout
+    finally:
+        srv.kill()

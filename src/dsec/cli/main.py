@@ -91,15 +91,15 @@ def up(host: str = "127.0.0.1", port: int = DEFAULT_PORT, node_id: str = "local"
 @app.command()
 def down(timeout_s: float = 20.0) -> None:
     """Stop the background server. Sandboxes keep running and are picked up by the next `up`."""
-    pid_file = Paths.from_env().server_pid
-    if not pid_file.exists():
+    from dsec.embedded.serverlock import serving_pid
+    pid = serving_pid(Paths.from_env())     # the lock's holder: found even if server.pid is gone
+    if pid is None:
+        Paths.from_env().server_pid.unlink(missing_ok=True)     # a crashed server's leftover
         console.print("dsec is not running")
         return
-    pid = int(pid_file.read_text())
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
-        pid_file.unlink(missing_ok=True)
         return
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -383,6 +383,34 @@ def key_ls(project_id: str) -> None:
             for k in await c.keys(project_id):
                 t.add_row(k.id, k.prefix + "...", k.created_at.isoformat(timespec="seconds"), "yes" if k.revoked else "")
             console.print(t)
+    _run(go())
+
+
+@key_app.command("rotate")
+def key_rotate(key_id: Annotated[str, typer.Argument(help="the key's id (`dsec key ls`); 'self': the key in use")] = "self",
+               grace_s: Annotated[float, typer.Option(help="how long the old key keeps working (0: ends now)")] = 3600.0,
+               admin: Annotated[bool, typer.Option(help="rotate the node's admin key and write the new one to "
+                                                        "DSEC_HOME/admin.key")] = False) -> None:
+    """Replace a key without downtime: prints the new key; the old one works for --grace-s more."""
+    from dsec.sdk.client import Client
+    paths = Paths.from_env()
+
+    async def go() -> None:
+        if admin:
+            if key_id != "self":
+                raise DsecError("--admin rotates the admin key itself", field="key_id", fix="leave KEY_ID off")
+            async with Client(api_key=paths.admin_key_file.read_text().strip()) as c:
+                new = await c.rotate_key("self", grace_s=grace_s)
+            tmp = paths.admin_key_file.with_name(f".admin.key.{os.getpid()}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(new.key + "\n")
+            tmp.replace(paths.admin_key_file)       # atomic: readers see the old key or the new one
+            console.print(f"admin key rotated: {paths.admin_key_file} holds the new key {new.id}; the old one "
+                          f"works for {grace_s:.0f} s more")
+            return
+        async with _client() as c:
+            console.print((await c.rotate_key(key_id, grace_s=grace_s)).key)
     _run(go())
 
 
@@ -759,6 +787,7 @@ def vm_disk_build(
         size_mb: Annotated[Optional[int], typer.Option("--size-mb", help="filesystem size (default: 2x the files + 512 MiB, at least 1024)")] = None) -> None:
     """Build DSEC_HOME/vm/disks/NAME.qcow2 from IMAGE's layers, with the dsec agent as a systemd unit."""
     import time as _time
+
     from dsec.backends.vm import disks
     from dsec.types import DsecError
     t0 = _time.monotonic()

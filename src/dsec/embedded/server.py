@@ -23,11 +23,13 @@ import uvicorn
 from dsec import log as dlog
 from dsec.agent.build import agent_binary
 from dsec.apiserver.app import create_app
+from dsec.apiserver.connections import GuardedH11Protocol
 from dsec.apiserver.context import ApiContext
+from dsec.backends.base import Backend
 from dsec.backends.container.driver import ContainerDriver
 from dsec.config import DEFAULT_PORT, Paths
-from dsec.backends.base import Backend
 from dsec.edge.edge import Edge, EdgeSettings
+from dsec.embedded.serverlock import hold_server_lock
 from dsec.fncall.service import FnCallService
 from dsec.iam import IAM
 from dsec.images.service import ImageService
@@ -96,6 +98,7 @@ async def node_services(paths: Paths, node_id: str, system_project_id: str
 
 
 VM_KINDS = ("microvm", "vm")
+KEEP_ALIVE_S = 75
 
 
 def vm_driver(paths: Paths) -> "tuple[VMDriver | None, tuple[str, str | None]]":
@@ -157,22 +160,22 @@ def serve(paths: Paths, opts: ServerOptions) -> None:
 
     async def main() -> None:
         async with embedded(paths, opts.node_id) as ctx:
+            # keep-alive 75 s, far above httpx's 5 s pool expiry: a client never reuses a
+            # connection the server is just closing (a lost stop under load, issue 22)
             config = uvicorn.Config(create_app(ctx), host=opts.host, port=opts.port, log_config=None,
-                                    access_log=False, timeout_graceful_shutdown=2)
+                                    access_log=False, timeout_graceful_shutdown=2,
+                                    timeout_keep_alive=KEEP_ALIVE_S, http=GuardedH11Protocol)
             server = uvicorn.Server(config)
-            paths.server_pid.write_text(str(os.getpid()))
             log.info("dsec serving", extra={"url": f"http://{opts.host}:{opts.port}", "home": str(paths.home)})
-            try:
-                await server.serve()
-            finally:
-                paths.server_pid.unlink(missing_ok=True)
+            await server.serve()
 
     # uvicorn turns SIGINT/SIGTERM into a graceful shutdown, then re-raises the signal with the
     # handlers it found at start. With the defaults that kills the process before the edge has
     # closed (agents, pools, layer mounts); no-op handlers let the clean-up below finish.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    try:
-        asyncio.run(main())
-    except KeyboardInterrupt:
-        pass
+    with hold_server_lock(paths):       # the one server of this home (serverlock.py)
+        try:
+            asyncio.run(main())
+        except KeyboardInterrupt:
+            pass

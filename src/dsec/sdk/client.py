@@ -12,6 +12,7 @@ import base64
 import builtins
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -36,6 +37,12 @@ from dsec.types import (ERRORS_BY_CODE, ContainerArgs, DsecError, ExecEvent, Exe
 DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
 AUTOSTART_WAIT_S = 120.0
 JSON = {"Content-Type": "application/json"}
+# A connection the server closed as the request went out (its keep-alive ended, a restart):
+# httpx raises one of these. GET/DELETE, and POSTs that carry an idempotency key, are sent
+# again; the server answers a repeat of those as it answered the first.
+RETRYABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError)
+RETRIES = 4
+RETRY_BASE_S = 0.05
 OCTETS = {"Content-Type": "application/octet-stream"}
 
 
@@ -131,9 +138,20 @@ class Client:
         except httpx.TransportError:
             return False
 
-    async def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+    async def _request(self, method: str, path: str, *, idempotent: bool = False, **kw: Any) -> httpx.Response:
+        """One API call. Sent again on a lost connection when repeating it is harmless: GET and
+        DELETE always, any method when `idempotent` (its body carries an idempotency key);
+        others only when the connection could not be made at all."""
         await self._ensure_ready()
-        resp = await self._http.request(method, path, **kw)
+        repeatable = idempotent or method in ("GET", "HEAD", "DELETE")
+        for attempt in range(RETRIES + 1):
+            try:
+                resp = await self._http.request(method, path, **kw)
+                break
+            except RETRYABLE as e:
+                if attempt == RETRIES or not (repeatable or isinstance(e, httpx.ConnectError)):
+                    raise
+                await asyncio.sleep(RETRY_BASE_S * (2 ** attempt))
         _raise_for(resp, resp.content)
         return resp
 
@@ -206,9 +224,19 @@ class Client:
     async def revoke_key(self, key_id: str) -> None:
         await self._request("DELETE", f"/v1/keys/{key_id}")
 
+    async def rotate_key(self, key_id: str = "self", *, grace_s: float = 3600.0) -> NewKey:
+        """Replace key `key_id` ("self": the one this client uses) without downtime: a new key
+        of the same project (`.key`, shown this once); the old one works for `grace_s` more
+        seconds (0: ends now), so clients can switch over."""
+        resp = await self._request("POST", f"/v1/keys/{key_id}/rotate", params={"grace_s": grace_s})
+        return NewKey.model_validate_json(resp.content)
+
     async def create(self, args: SandboxArgs) -> "Sandbox":
-        """Create a sandbox of the backend its argument type names."""
-        resp = await self._request("POST", "/v1/sandboxes", content=wire(args), headers=JSON)
+        """Create a sandbox of the backend its argument type names. Without an idempotency_key
+        one is made here, so a retry after a lost connection cannot create a second sandbox."""
+        if args.idempotency_key is None:
+            args = args.model_copy(update={"idempotency_key": f"sdk-{secrets.token_hex(12)}"})
+        resp = await self._request("POST", "/v1/sandboxes", content=wire(args), headers=JSON, idempotent=True)
         return Sandbox(self, SandboxInfo.model_validate_json(resp.content))
 
     async def create_many(self, n: int, args: SandboxArgs, *, concurrency: int = 32
@@ -287,15 +315,18 @@ class Client:
         return ImageInfo.model_validate_json(resp.content)
 
     async def build_image(self, name: str, context: str | os.PathLike[str], *, dockerfile: str = "Dockerfile",
-                          replace: bool = False, network: bool = False, memory_mb: int = 2048,
+                          replace: bool = False, network: bool = False, memory_mb: int | None = None,
                           timeout_s: float = 1800, on_progress: Callable[[ImageProgress], None] | None = None
                           ) -> ImageBuildResult:
         """Build the Dockerfile in directory `context` on the server (buildah; FROM names a dsec
-        image). RUN steps have no network unless `network` (admin only). `on_progress` gets
-        every progress line. Returns the image and its config (env, workdir, ...)."""
+        image). RUN steps have no network (the server refuses `network`, D45) and `memory_mb`
+        (default 2048, never above the project's policy or quota). `on_progress` gets every
+        progress line. Returns the image and its config (env, workdir, ...)."""
         from dsec.sdk.image_upload import tar_dir
-        params = {"name": name, "dockerfile": dockerfile, "replace": replace, "network": network,
-                  "memory_mb": memory_mb, "timeout_s": timeout_s}
+        params: dict[str, Any] = {"name": name, "dockerfile": dockerfile, "replace": replace, "network": network,
+                                  "timeout_s": timeout_s}
+        if memory_mb is not None:
+            params["memory_mb"] = memory_mb
         with tar_dir(context, "context") as tar:
             return await self._image_stream("/v1/images/build", params, tar, on_progress)
 
@@ -487,7 +518,8 @@ class Sandbox:
         runs once."""
         req = ExecRequest(cmd=cmd, session=session, timeout_s=timeout_s, cwd=cwd, env=env or {},
                           stdin=stdin, user=user, output_cap_bytes=output_cap_bytes, idempotency_key=idempotency_key)
-        resp = await self._c._request("POST", f"{self._base}/exec", content=wire(req), headers=JSON)
+        resp = await self._c._request("POST", f"{self._base}/exec", content=wire(req), headers=JSON,
+                                      idempotent=idempotency_key is not None)
         result = ExecResult.model_validate_json(resp.content)
         if check and result.exit_code != 0:
             raise ExecFailed(result)

@@ -112,8 +112,17 @@ class SyncClient(_sync.Synchronized):
     def revoke_key(self, key_id: str) -> None:
         _sync.call(self, "revoke_key", key_id)
 
+    def rotate_key(self, key_id: str = "self", *, grace_s: float = 3600.0) -> NewKey:
+        """Replace key `key_id` ("self": the one this client uses) without downtime: a new key
+        of the same project (`.key`, shown this once); the old one works for `grace_s` more
+        seconds (0: ends now), so clients can switch over.
+        """
+        return cast("NewKey", _sync.call(self, "rotate_key", key_id, grace_s=grace_s))
+
     def create(self, args: SandboxArgs) -> SyncSandbox:
-        """Create a sandbox of the backend its argument type names."""
+        """Create a sandbox of the backend its argument type names. Without an idempotency_key
+        one is made here, so a retry after a lost connection cannot create a second sandbox.
+        """
         return cast("SyncSandbox", _sync.call(self, "create", args))
 
     def create_many(self, n: int, args: SandboxArgs, *, concurrency: int = 32) -> Iterator[SyncCreated]:
@@ -157,12 +166,13 @@ class SyncClient(_sync.Synchronized):
         return cast("ImageInfo", _sync.call(self, "publish_image", name))
 
     def build_image(self, name: str, context: str | os.PathLike[str], *, dockerfile: str = "Dockerfile",
-                    replace: bool = False, network: bool = False, memory_mb: int = 2048,
+                    replace: bool = False, network: bool = False, memory_mb: int | None = None,
                     timeout_s: float = 1800,
                     on_progress: Callable[[ImageProgress], None] | None = None) -> ImageBuildResult:
         """Build the Dockerfile in directory `context` on the server (buildah; FROM names a dsec
-        image). RUN steps have no network unless `network` (admin only). `on_progress` gets
-        every progress line. Returns the image and its config (env, workdir, ...).
+        image). RUN steps have no network (the server refuses `network`, D45) and `memory_mb`
+        (default 2048, never above the project's policy or quota). `on_progress` gets every
+        progress line. Returns the image and its config (env, workdir, ...).
         """
         return cast("ImageBuildResult", _sync.call(self, "build_image", name, context, dockerfile=dockerfile,
                                                    replace=replace, network=network, memory_mb=memory_mb,

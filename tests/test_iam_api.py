@@ -135,3 +135,58 @@ def test_cli_project_and_key_commands(server):
     assert "revoked" in dsec("project", "ls", key=key, ok=False)
     dsec("project", "rm", pid)
     assert pid not in dsec("project", "ls")
+
+
+async def test_key_rotation_without_downtime(server, client):
+    """Issue 22, item 9: a key is replaced by a new one of the same project; the old one keeps
+    working for the grace period, then is refused naming the rotation."""
+    p = await client.create_project(_name("rot"))
+    first = await client.create_key(p.id)
+    async with Client(server.url, first.key) as c1:
+        second = await c1.rotate_key(grace_s=3600)          # "self": the key c1 uses
+        assert second.project_id == p.id and second.key != first.key
+        assert await c1.projects()                           # the old key still works (grace)
+        async with Client(server.url, second.key) as c2:
+            assert (await c2.projects())[0].id == p.id
+            listed = {k.id: k for k in await c2.keys(p.id)}
+            assert listed[first.id].expires_at is not None and listed[second.id].expires_at is None
+            third = await c2.rotate_key(second.id, grace_s=0)   # ends the second key now
+        async with Client(server.url, second.key) as c2:
+            with pytest.raises(Unauthorized) as e:
+                await c2.projects()
+            assert "rotated" in e.value.message and e.value.fix
+        async with Client(server.url, third.key) as c3:
+            assert (await c3.projects())[0].id == p.id
+            # a key of another project is not the caller's to rotate
+            with pytest.raises(NotFound):
+                await c3.rotate_key((await client.keys((await client.projects())[0].id))[0].id)
+    with pytest.raises(Exception) as e:
+        await client.rotate_key(first.id, grace_s=-1)
+    assert getattr(e.value, "field", None) == "grace_s"
+
+
+def test_admin_key_rotation_rewrites_admin_key_and_keeps_serving(dsec_home, images, tmp_path_factory):
+    """`dsec key rotate --admin`: the node's admin key file holds the new key at once, the old key
+    works through the grace period, the server never stops."""
+    import subprocess
+    import sys
+
+    from conftest import ServerProc, side_home
+    srv = ServerProc(side_home(dsec_home, tmp_path_factory, "rotate"))
+    srv.start()
+    try:
+        old = srv.key
+        r = subprocess.run([sys.executable, "-m", "dsec", "key", "rotate", "--admin", "--grace-s", "600"],
+                           env={k: v for k, v in srv.env.items() if k != "DSEC_API_KEY"},
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        new = srv.key
+        assert new != old and (srv.paths.admin_key_file.stat().st_mode & 0o777) == 0o600
+        for key in (old, new):
+            assert httpx.get(f"{srv.url}/v1/projects", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        # a restart adopts the new key from the file
+        srv.kill(15)
+        srv.start()
+        assert httpx.get(f"{srv.url}/v1/projects", headers={"Authorization": f"Bearer {new}"}).status_code == 200
+    finally:
+        srv.kill()

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Query, Request, Response
 
 from dsec.apiserver import quotas
 from dsec.apiserver.context import ApiContext
 from dsec.apiserver.guard import principal_of, request_key
 from dsec.iam import ApiKeyInfo, Principal, Project
+from dsec.iam.store import DEFAULT_ROTATION_GRACE_S, MAX_ROTATION_GRACE_S
 from dsec.sdk.iam_types import (KeyInfo, KeyList, NewKey, ProjectCreate, ProjectInfo, ProjectList, QuotaInfo,
                                 QuotaUpdate)
 from dsec.types import Conflict, NotFound
@@ -102,6 +103,17 @@ def add_iam_routes(app: FastAPI, ctx: ApiContext) -> None:
         key = iam.create_key(project_id, by=who)
         info = iam.authenticate(key)
         return NewKey(**_key(iam.key_info(info.key_id)).model_dump(), key=key)
+
+    @app.post("/v1/keys/{key_id}/rotate", status_code=201, response_model=NewKey, tags=["iam"])
+    async def rotate_key(key_id: str, who: Who,
+                         grace_s: Annotated[float, Query(ge=0, le=MAX_ROTATION_GRACE_S)] = DEFAULT_ROTATION_GRACE_S
+                         ) -> NewKey:
+        """Replace a key without downtime: a new key of the same project (its secret is in this
+        answer only); the old one keeps working for grace_s seconds (0: ends now). `self` names
+        the calling key."""
+        old = who.key_id if key_id == "self" else key_id
+        key, new_id = iam.rotate_key(old, grace_s=grace_s, by=who)
+        return NewKey(**_key(iam.key_info(new_id)).model_dump(), key=key)
 
     @app.delete("/v1/keys/{key_id}", status_code=204, tags=["iam"])
     async def revoke_key(key_id: str, who: Who) -> Response:

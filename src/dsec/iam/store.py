@@ -39,6 +39,8 @@ ROOT_MAX_SANDBOXES = 1_000_000
 ROOT_MAX_CPU_CORES = 1_000_000.0
 ROOT_MAX_MEMORY_MB = 1 << 40
 QUOTA_FIELDS = ("max_sandboxes", "max_cpu_cores", "max_memory_mb")
+DEFAULT_ROTATION_GRACE_S = 3600.0      # the old key keeps working this long after a rotation
+MAX_ROTATION_GRACE_S = 30 * 86400.0
 
 _AUTH_FIX = ("pass 'Authorization: Bearer <key>' (the SDK and CLI read DSEC_API_KEY); "
              "the admin key is in the server's admin.key file")
@@ -75,6 +77,7 @@ class ApiKeyInfo(BaseModel):
     prefix: str
     created_at: datetime
     revoked: bool
+    expires_at: datetime | None = None     # a rotated key: valid until then (grace), then not
 
 
 def _hash(key: str) -> str:
@@ -93,7 +96,8 @@ def _row_project(r: Row) -> Project:
 
 def _row_key(r: Row) -> ApiKeyInfo:
     return ApiKeyInfo(id=r["id"], project_id=r["project_id"], prefix=r["prefix"],
-                      created_at=_ts(float(r["created_at"])), revoked=bool(r["revoked"]))
+                      created_at=_ts(float(r["created_at"])), revoked=bool(r["revoked"]),
+                      expires_at=_ts(float(r["expires_at"])) if r["expires_at"] is not None else None)
 
 
 _ANCESTORS = """WITH RECURSIVE up(id, parent_id, depth) AS (
@@ -406,6 +410,32 @@ class IAM:
             raise NotFound(f"no api key {key_id!r}", field="key_id", fix="use a key id from list_keys()")
         log.info("revoked api key %s", key_id)
 
+    def rotate_key(self, key_id: str, *, grace_s: float = DEFAULT_ROTATION_GRACE_S,
+                   by: Principal | None = None) -> tuple[str, str]:
+        """A new key of the same project, and the old one ends after `grace_s` seconds (0: at
+        once): clients switch to the new key meanwhile, with no moment when neither works.
+        Returns (new key, its id). `by` must act for the key's project or an ancestor."""
+        if not 0 <= grace_s <= MAX_ROTATION_GRACE_S:
+            raise InvalidArgument(f"grace_s {grace_s} is out of range", field="grace_s",
+                                  fix=f"0 (end the old key now) to {MAX_ROTATION_GRACE_S:.0f} seconds")
+        old = self.key_info(key_id)
+        if by is not None and not self.can_access(by, old.project_id):
+            raise NotFound(f"no api key {key_id!r}", field="key_id", fix="use a key id from `dsec key ls`")
+        if old.revoked:
+            raise Conflict(f"api key {key_id} is revoked", field="key_id", fix="create a new key instead")
+        key = KEY_PREFIX + secrets.token_urlsafe(32)
+        ends = time.time() + grace_s
+
+        def go(tx: Tx) -> str:
+            new_id = self._insert_key(tx, key, old.project_id)
+            # an earlier, shorter grace is kept: rotating again never extends the old key's life
+            tx.execute("UPDATE api_keys SET expires_at=? WHERE id=? AND (expires_at IS NULL OR expires_at > ?)",
+                       (ends, key_id, ends))
+            return new_id
+        new_id = self.db.run(go)
+        log.info("rotated api key %s -> %s (old one ends in %.0fs)", key_id, new_id, grace_s)
+        return key, new_id
+
     def list_keys(self, project_id: str) -> list[ApiKeyInfo]:
         rows = self.db.run(lambda tx: tx.all(
             "SELECT * FROM api_keys WHERE project_id=? ORDER BY created_at, id", (project_id,)), write=False)
@@ -421,13 +451,16 @@ class IAM:
         # Looking up by hash means no comparison ever runs over the secret itself.
         h = _hash(key)
         r = self.db.run(lambda tx: tx.one(
-            "SELECT k.id, k.hash, k.revoked, p.id AS pid, p.name FROM api_keys k "
+            "SELECT k.id, k.hash, k.revoked, k.expires_at, p.id AS pid, p.name FROM api_keys k "
             "JOIN projects p ON p.id = k.project_id WHERE k.hash=?", (h,)), write=False)
         if r is None or not hmac.compare_digest(r["hash"], h):
             raise Unauthorized("unknown API key", field="authorization", fix=_AUTH_FIX)
         if r["revoked"]:
             raise Unauthorized(f"API key {r['id']} was revoked", field="authorization",
                                fix=_AUTH_FIX + "; ask a project admin for a new key")
+        if r["expires_at"] is not None and float(r["expires_at"]) <= time.time():
+            raise Unauthorized(f"API key {r['id']} was rotated and its grace period is over", field="authorization",
+                               fix="use the key that replaced it (`dsec key rotate` printed it)")
         return Principal(project_id=r["pid"], key_id=r["id"], project_name=r["name"])
 
     # ------------------------------------------------------------------ internals

@@ -64,6 +64,7 @@ class KeyInfo(BaseModel):
     prefix: str = Field(description="the key's first characters, to recognise it")
     created_at: datetime
     revoked: bool
+    expires_at: datetime | None = Field(None, description="a rotated key ends then (its grace period)")
 
 
 class KeyList(BaseModel):

@@ -89,6 +89,10 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
         )""",
         "CREATE INDEX idempotency_claims_at ON idempotency_claims(claimed_at)",
     ]),
+    (4, "key rotation: a rotated key's end of grace", [
+        # epoch seconds after which the key no longer authenticates; NULL: until revoked
+        "ALTER TABLE api_keys ADD COLUMN expires_at DOUBLE PRECISION",
+    ]),
 ]
 
 LATEST = MIGRATIONS[-1][0]

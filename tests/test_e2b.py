@@ -281,6 +281,37 @@ def test_other_ports_go_to_the_port_ingress(sbx, e2b_env):
     assert httpx.get(f"{e2b_env}/hello.txt", headers={**headers, "X-Access-Token": "ea_wrong"}).status_code == 401
 
 
+HEADER_ECHO = """
+import http.server
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = str(self.headers).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
+        self.wfile.write(body)
+http.server.HTTPServer(("127.0.0.1", 8001), H).serve_forever()
+"""
+
+
+def test_port_traffic_does_not_hand_the_sandbox_its_access_tokens(sbx, e2b_env):
+    """Issue 22, item 8: a server in the sandbox reached through E2B port traffic got the
+    caller's X-Access-Token (the sandbox's envd token) among the request headers."""
+    sbx.files.write("/tmp/echo_headers.py", HEADER_ECHO)
+    sbx.commands.run("python3 /tmp/echo_headers.py", background=True)
+    traffic = sbx._envd_access_token
+    headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8001", "X-Access-Token": traffic,
+               "X-Custom": "kept"}
+    deadline = time.monotonic() + 20
+    while True:
+        r = httpx.get(f"{e2b_env}/h", headers=headers)
+        if r.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert r.status_code == 200, r.text
+    seen = r.text.lower()
+    assert "x-custom: kept" in seen
+    assert traffic.lower() not in seen and "x-access-token" not in seen and "e2b-traffic-access-token" not in seen
+
+
 async def test_async_sdk(e2b_env):
     s = await AsyncSandbox.create(TEMPLATE, timeout=120, metadata={"flavor": "async"})
     try:

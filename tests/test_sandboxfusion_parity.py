@@ -265,7 +265,7 @@ async def test_containment_jupyter_and_polyglot(server, code_interpreter, polygl
                                         "def test_x():\n    pass\n", "pytest")
             assert v.status == sf.RunStatus.Success, v
             other = stranger_key(server, "sf-contain")
-            # the token is split in the probe's source: its own file (or kernel history) is no hit
+            # the token is split everywhere in the probe's source: its own file (or kernel history) is no hit
             probe = (
                 "import os, socket, subprocess\n"
                 f"tok = '{token[:16]}' + '{token[16:]}'\n"
@@ -278,7 +278,10 @@ async def test_containment_jupyter_and_polyglot(server, code_interpreter, polygl
                 f"        socket.create_connection((addr, {port}), timeout=1).close(); reach.append(addr)\n"
                 "    except OSError:\n"
                 "        pass\n"
-                f"print('found', found, 'reach', reach, 'victim', os.path.exists('/proc/1/root/work/secret-{token}.txt'))\n")
+                # the path from `tok` too: a full token in the source reaches the kernel's own
+                # history.sqlite, which the grep then finds (the CI failure of issue 22, item 10)
+                "print('found', found, 'reach', reach, 'victim', os.path.exists('/proc/1/root/work/secret-' + tok + '.txt'))\n")
+            assert token not in probe        # else the probe's own history would hold it
             # the probe's grep does find the token where it is reachable: in the victim's own sandbox
             own = await victim.run(f"grep -rls {token} /work /tmp")
             assert f"/work/secret-{token}.txt" in own.stdout, own

@@ -68,7 +68,8 @@ class CapacityExceeded(DsecError):
 
 
 class SandboxFailed(DsecError):
-    status, code = 500, "sandbox_failed"
+    # 502: the sandbox (the upstream of this request) failed, not the server (500 is for bugs)
+    status, code = 502, "sandbox_failed"
 
 
 class Unavailable(DsecError):
@@ -177,7 +178,17 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+MAX_ENV_VARS = 1024
+MAX_ENV_BYTES = 128 * 1024      # names and values together, as labels are bounded (a 900 KB env was taken)
+
+
 def _check_env(env: dict[str, str]) -> dict[str, str]:
+    if len(env) > MAX_ENV_VARS:
+        raise ValueError(f"{len(env)} environment variables: at most {MAX_ENV_VARS}")
+    size = sum(len(k.encode()) + len(v.encode()) + 2 for k, v in env.items())
+    if size > MAX_ENV_BYTES:
+        raise ValueError(f"the environment is {size} bytes: at most {MAX_ENV_BYTES} (names and values); "
+                         "put large data in a file instead")
     for k, v in env.items():
         if not ENV_KEY_RE.match(k):
             raise ValueError(f"environment variable name {k!r} is not valid: use [A-Za-z_][A-Za-z0-9_]*")

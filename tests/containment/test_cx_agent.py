@@ -153,3 +153,23 @@ OUT["comm"] = attempt(lambda: open("/proc/1/comm", "w").write("pwned"))
     assert out["write"] != "ok" and out["oom"] != "ok", out
     assert _agent_state(server, attacker.id) in ("S", "R")
     assert (await sh(attacker, "echo agent-ok")).stdout == "agent-ok\n"
+
+
+async def test_root_cannot_change_the_agents_resource_limits(cx):
+    """Issue 22, item 6: `prlimit --pid 1 --as=...` as root left the sandbox "running" while
+    every exec answered "bad CMD", and `--nofile` ended the agent (that request a 500). New
+    limits for PID 1 are refused (seccomp); reading them and a command's own limits still work."""
+    sb = await cx.create_container(image="debian-python")
+    try:
+        r = await sb.run("prlimit --pid 1 --as=10000000; echo rc=$?; prlimit --pid 1 --nofile=3:3; echo rc=$?; "
+                         "prlimit --pid 1 --nofile --noheadings | wc -l; "
+                         "prlimit --nofile=64:64 sh -c 'ulimit -n'", user="root")
+        lines = r.stdout.split()
+        assert lines[:2] == ["rc=1", "rc=1"], r
+        assert "Operation not permitted" in r.stderr, r
+        assert lines[2] == "1" and lines[3] == "64", r          # reading, and one's own limits
+        for _ in range(3):                                      # the agent still serves
+            assert (await sb.run("echo served")).stdout == "served\n"
+        assert (await sb.refresh()).state.value == "running"
+    finally:
+        await sb.stop()

@@ -226,11 +226,13 @@ def add_fncall_routes(app: FastAPI, ctx: "ApiContext") -> None:
 
     @app.get("/v1/fncall/pools", tags=["fncall"])
     async def fncall_pools(request: Request) -> list[dict]:
-        """Warm pools per node: workers, idle, starting, waiting callers, calls served."""
-        principal(request)
+        """Warm pools per node: workers, idle, starting, waiting callers, calls served (the
+        counts of calls, node-wide and so of every project, for an admin key only)."""
+        admin = principal(request).project_id == ctx.iam.root().id
         out = []
         for node, service in ctx.fncall.items():
-            out += [{"node": node, **p} for p in await service.pool_stats()]
+            out += [{"node": node, **{k: v for k, v in p.items() if admin or k != "calls"}}
+                    for p in await service.pool_stats()]
         return out
 
     @app.post("/run_jupyter", response_model=RunJupyterResponse, tags=["fncall"])

@@ -69,7 +69,10 @@ MAX_WS_MESSAGE_BYTES = 16 * 1024 * 1024   # one WebSocket message from the sandb
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer", b"transfer-encoding",
                         b"upgrade", b"proxy-authenticate", b"proxy-authorization"})
 # Never forwarded to the sandbox: dsec's API keys, and what the proxy sets itself.
-REQUEST_DROPPED = frozenset({b"authorization", b"x-api-key", b"host", b"expect", b"forwarded"})
+# The caller's credentials stay here: an API key, and the E2B access tokens (envd's and the
+# traffic token), which a server in the sandbox could otherwise replay against its own envd.
+REQUEST_DROPPED = frozenset({b"authorization", b"x-api-key", b"host", b"expect", b"forwarded",
+                             b"x-access-token", b"e2b-traffic-access-token"})
 # Not passed back from the sandbox: the apiserver (uvicorn) sets its own.
 RESPONSE_DROPPED = frozenset({b"date", b"server"})
 

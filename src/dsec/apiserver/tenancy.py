@@ -32,12 +32,18 @@ def image_refs(args: Any) -> list[tuple[str, str]]:
     return refs
 
 
+def unusable(field: str, name: str) -> NotFound:
+    """The one answer for an image the caller may not use, whether it is missing or another
+    project's: the two must not be told apart (issue 22, item 8)."""
+    return NotFound(f"no {field.split('[')[0].rstrip('s')} {name!r} for this project ({field})",
+                    field=field, fix="use an image or layer of your project (or one published to all); "
+                                     "list them with `dsec image ls`")
+
+
 def check_visible(iam: IAM, who: Principal, field: str, name: str, info: ImageInfo) -> None:
     """NotFound naming the field, the same as a missing image, unless the caller may see it."""
     if not visible(iam, who, info):
-        raise NotFound(f"no {field.split('[')[0].rstrip('s')} {name!r} for this project ({field})",
-                       field=field, fix="use an image or layer of your project (or one published to all); "
-                                        "list them with `dsec image ls`")
+        raise unusable(field, name)
 
 
 def check_usable(iam: IAM, images: ImageService, who: Principal, args: Any) -> list[ImageInfo]:
@@ -46,7 +52,10 @@ def check_usable(iam: IAM, images: ImageService, who: Principal, args: Any) -> l
     them, in image_refs order."""
     infos = []
     for field, name in image_refs(args):
-        info = images.get(name, field)
+        try:
+            info = images.get(name, field)
+        except NotFound:
+            raise unusable(field, name) from None
         check_visible(iam, who, field, name, info)
         infos.append(info)
     return infos

@@ -266,10 +266,13 @@ class Registry:
             if existing.digest == digest:
                 return existing, False
             if not replace:
+                # another project's image: its digest is not the caller's to learn (issue 22)
+                theirs = owner is not None and existing.owner != owner
                 raise Conflict(
-                    f"image {name!r} already exists with digest {existing.digest}; the new build "
-                    f"has digest {digest}", field="name",
-                    fix="pass replace=True to point the name at the new build, or pick another name")
+                    f"image {name!r} already exists" + ("" if theirs else f" with digest {existing.digest}; "
+                                                        f"the new build has digest {digest}"), field="name",
+                    fix="pick another name" if theirs else
+                        "pass replace=True to point the name at the new build, or pick another name")
             check_may_replace(existing, owner)
             db.execute("DELETE FROM images WHERE name=?", (name,))
         for lay in layers:

@@ -55,6 +55,7 @@ DENIED_SOCKET_FAMILIES: dict[str, int] = {
 }
 
 LOW32 = 0xFFFFFFFF
+AGENT_PID = 1          # the agent is the container's init
 
 
 def seccomp_profile() -> dict:
@@ -72,6 +73,12 @@ def seccomp_profile() -> dict:
         for call in ("socket", "socketpair"):
             rules.append({"names": [call], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EAFNOSUPPORT,
                           "args": [{"index": 0, "value": LOW32, "valueTwo": family, "op": "SCMP_CMP_MASKED_EQ"}]})
+    # prlimit64(1, res, new, ...): new limits for PID 1, the agent. Root in the sandbox could
+    # otherwise wedge it (--as: every exec answered "bad CMD") or end it (--nofile). Reading
+    # them (new == NULL) and a process's own limits (pid 0, setrlimit, ulimit) stay allowed.
+    rules.append({"names": ["prlimit64"], "action": "SCMP_ACT_ERRNO", "errnoRet": eperm,
+                  "args": [{"index": 0, "value": LOW32, "valueTwo": AGENT_PID, "op": "SCMP_CMP_MASKED_EQ"},
+                           {"index": 2, "value": 0, "op": "SCMP_CMP_NE"}]})
     for flag in NAMESPACE_FLAGS.values():
         rules.append({"names": ["clone"], "action": "SCMP_ACT_ERRNO", "errnoRet": eperm,
                       "args": [{"index": 0, "value": flag, "valueTwo": flag, "op": "SCMP_CMP_MASKED_EQ"}]})

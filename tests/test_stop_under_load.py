@@ -37,10 +37,14 @@ async def test_stops_in_bursts_leave_nothing_running(server):
             assert not left, (rnd, len(left))
 
 
-async def test_a_kept_connection_the_server_dropped_is_retried(dsec_home, images, tmp_path_factory):
-    """The same failure made certain: the client holds a kept-alive connection, the server goes
-    away and comes back (kill -9, start again on its port). The next stop() and get() on the
-    pooled connection met ReadError / RemoteProtocolError and raised; now they are sent again."""
+async def test_requests_ride_through_a_server_that_drops_their_connection(dsec_home, images, tmp_path_factory):
+    """The same failure made certain: requests in flight when the server goes away (it is
+    stopped with the requests in its socket, killed, and started again on its port). get() and
+    stop() met ReadError / RemoteProtocolError (then ConnectError while it restarts) and raised;
+    now they are sent again until the server is back, and each acts once."""
+    import os
+    import signal
+
     from conftest import ServerProc, side_home
     srv = ServerProc(side_home(dsec_home, tmp_path_factory, "retry"))
     srv.start()
@@ -48,11 +52,18 @@ async def test_a_kept_connection_the_server_dropped_is_retried(dsec_home, images
         async with srv.client() as c:
             a = await c.create_container(image="busybox")
             b = await c.create_container(image="busybox")
-            await c.get(a.id)                       # the pool now holds a kept-alive connection
-            srv.kill()
+            assert (await c.get(a.id)).info.state.value == "running"     # a kept-alive connection
+            assert srv.proc is not None
+            os.kill(srv.proc.pid, signal.SIGSTOP)
+            pending = [asyncio.create_task(c.get(a.id)), asyncio.create_task(b.stop())]
+            await asyncio.sleep(1)                   # both sent, neither answered
+            assert not any(t.done() for t in pending)
+            srv.kill()                               # the connections are reset
             srv.start()
-            assert (await c.get(a.id)).info.state.value == "running"
-            assert (await b.stop()).state.value in ("stopped", "stopping")
-            assert (await a.stop()).state.value in ("stopped", "stopping")
+            got, stopped = await asyncio.gather(*pending)
+            assert got.info.state.value == "running"
+            assert stopped.state.value in ("stopped", "stopping")
+            assert (await c.get(b.id)).info.state.value in ("stopped", "stopping")
+            await a.stop()
     finally:
         srv.kill()

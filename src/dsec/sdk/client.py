@@ -41,8 +41,8 @@ JSON = {"Content-Type": "application/json"}
 # httpx raises one of these. GET/DELETE, and POSTs that carry an idempotency key, are sent
 # again; the server answers a repeat of those as it answered the first.
 RETRYABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError)
-RETRIES = 4
-RETRY_BASE_S = 0.05
+RETRY_WINDOW_S = 10.0      # long enough to ride through a server restart
+RETRY_BASE_S = 0.05        # first wait, doubling to at most 1 s
 OCTETS = {"Content-Type": "application/octet-stream"}
 
 
@@ -144,14 +144,17 @@ class Client:
         others only when the connection could not be made at all."""
         await self._ensure_ready()
         repeatable = idempotent or method in ("GET", "HEAD", "DELETE")
-        for attempt in range(RETRIES + 1):
+        deadline = time.monotonic() + RETRY_WINDOW_S
+        wait = RETRY_BASE_S
+        while True:
             try:
                 resp = await self._http.request(method, path, **kw)
                 break
             except RETRYABLE as e:
-                if attempt == RETRIES or not (repeatable or isinstance(e, httpx.ConnectError)):
+                if time.monotonic() >= deadline or not (repeatable or isinstance(e, httpx.ConnectError)):
                     raise
-                await asyncio.sleep(RETRY_BASE_S * (2 ** attempt))
+                await asyncio.sleep(wait)
+                wait = min(1.0, wait * 2)
         _raise_for(resp, resp.content)
         return resp
 

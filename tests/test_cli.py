@@ -52,7 +52,7 @@ def test_down_finds_the_server_without_its_pid_file_and_a_second_up_is_refused(d
     """Issue 22, item 11: server.pid vanished under a live server (a second `dsec up` on the
     home wrote its pid there, failed, and removed the file), and `dsec down` then answered "not
     running". The server now holds a lock on its home; `down` finds the holder."""
-    from conftest import ServerProc, side_home
+    from conftest import ServerProc, _cleanup_home, side_home
     srv = ServerProc(side_home(dsec_home, tmp_path_factory, "cli-lock"))
     srv.start()
     try:
@@ -73,3 +73,4 @@ def test_down_finds_the_server_without_its_pid_file_and_a_second_up_is_refused(d
         assert "not running" in dsec(srv, "down").stdout
     finally:
         srv.kill()
+        _cleanup_home(srv.home)

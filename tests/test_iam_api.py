@@ -171,7 +171,7 @@ def test_admin_key_rotation_rewrites_admin_key_and_keeps_serving(dsec_home, imag
     import subprocess
     import sys
 
-    from conftest import ServerProc, side_home
+    from conftest import ServerProc, _cleanup_home, side_home
     srv = ServerProc(side_home(dsec_home, tmp_path_factory, "rotate"))
     srv.start()
     try:
@@ -190,3 +190,4 @@ def test_admin_key_rotation_rewrites_admin_key_and_keeps_serving(dsec_home, imag
         assert httpx.get(f"{srv.url}/v1/projects", headers={"Authorization": f"Bearer {new}"}).status_code == 200
     finally:
         srv.kill()
+        _cleanup_home(srv.home)

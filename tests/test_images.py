@@ -461,3 +461,22 @@ def test_builtin_debian_python(svc: ImageService, capsys):
     with capsys.disabled():
         print(f"\n[debian-python] size={info.size_bytes / 2**20:.1f} MiB build={t_build:.1f}s "
               f"rebuild-from-cache={t_rebuild:.1f}s mount={t_mount * 1000:.1f}ms")
+
+
+def test_tarball_names_beyond_ascii_survive(svc: ImageService, tmp_path):
+    """Names in UTF-8 (and one that is not UTF-8 at all) and a link to one: bsdtar under LC_ALL=C
+    refused them ("Pathname can't be converted from UTF-8 to current locale"), which threw away
+    the debootstrap cache of every image with such a file (code-interpreter, fncall-polyglot)."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    names = [b"caf\xc3\xa9.txt", b"lat\xe9n", "日本語".encode()]
+    for n in names:
+        (tree / os.fsdecode(n)).write_text("x")
+    os.symlink("café.txt", tree / "lnk-é")
+    for fmt in ("posix", "gnu"):
+        tarball = tmp_path / f"names-{fmt}.tar"
+        subprocess.run(["tar", "-c", f"--format={fmt}", "-f", str(tarball), "-C", str(tree), "."], check=True)
+        svc.build_from_tar(f"names-{fmt}", tarball)
+        [mnt] = svc.mount_image(f"names-{fmt}")
+        assert set(os.listdir(os.fsencode(mnt))) >= {*names, "lnk-é".encode()}
+        assert os.readlink(mnt / "lnk-é") == "café.txt"

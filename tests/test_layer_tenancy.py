@@ -14,7 +14,7 @@ import pytest
 
 from dsec import Client
 from dsec.iam import IAM
-from dsec.types import Forbidden, NotFound
+from dsec.types import Conflict, Forbidden, NotFound
 
 
 @pytest.fixture
@@ -44,12 +44,20 @@ async def test_a_projects_layer_is_invisible_to_others_and_only_it_replaces_it(s
         with pytest.raises(NotFound) as e:
             await b.create_container(image="busybox", workspace=name)
         assert e.value.field == "workspace"
+        # ... exactly as a name nobody has (issue 22, item 8: the answers differed)
+        missing = f"ten-none-{os.urandom(3).hex()}@1"
+        with pytest.raises(NotFound) as e2:
+            await b.create_container(image="busybox", workspace=missing)
+        assert (e2.value.message.replace(missing, "N"), e2.value.fix) == (e.value.message.replace(name, "N"), e.value.fix)
         sb = await b.create_container(image="busybox")
         try:
             await sb.files.write("/work/owner.txt", b"attacker")
             with pytest.raises(Forbidden) as e:
                 await sb.pack_diff(name, replace=True)
             assert e.value.field == "name"
+            with pytest.raises(Conflict) as e3:           # the clash tells nothing of the owner's layer
+                await sb.pack_diff(name)
+            assert e3.value.field == "name" and layer.digest not in e3.value.message
         finally:
             await sb.stop()
 

@@ -45,7 +45,7 @@ async def test_requests_ride_through_a_server_that_drops_their_connection(dsec_h
     import os
     import signal
 
-    from conftest import ServerProc, side_home
+    from conftest import ServerProc, _cleanup_home, side_home
     srv = ServerProc(side_home(dsec_home, tmp_path_factory, "retry"))
     srv.start()
     try:
@@ -67,3 +67,4 @@ async def test_requests_ride_through_a_server_that_drops_their_connection(dsec_h
             await a.stop()
     finally:
         srv.kill()
+        _cleanup_home(srv.home)

@@ -66,11 +66,9 @@ def test_concurrent_starters_migrate_once(dsn):
 def test_a_sqlite_iam_db_from_before_migrations_is_adopted(tmp_path):
     """An iam.db the SQLite-only IAM wrote (PRAGMA user_version=1, no schema_version) keeps its
     projects and keys, and gets the new tables."""
+    from dsec.store.schema import MIGRATIONS
     path = tmp_path / "iam.db"
-    with IAM(tmp_path / "scratch.db") as fresh:
-        schema = [r["sql"] for r in fresh.db.run(lambda tx: tx.all(
-            "SELECT sql FROM sqlite_master WHERE sql IS NOT NULL AND name IN "
-            "('projects','projects_top_name','projects_parent','api_keys','api_keys_project','project_policies')"))]
+    schema = MIGRATIONS[0][2]     # what that IAM created: migration 1 (later ones alter its tables)
     old = sqlite3.connect(path)
     for s in schema:
         old.execute(s)

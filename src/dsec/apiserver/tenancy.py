@@ -32,18 +32,27 @@ def image_refs(args: Any) -> list[tuple[str, str]]:
     return refs
 
 
-def unusable(field: str, name: str) -> NotFound:
+def unusable(field: str, name: str, usable: list[str] | None = None) -> NotFound:
     """The one answer for an image the caller may not use, whether it is missing or another
-    project's: the two must not be told apart (issue 22, item 8)."""
+    project's: the two must not be told apart (issue 22, item 8). `usable`: names the caller
+    may use, to suggest."""
+    some = f"use one of: {', '.join(usable[:5])}{', ...' if len(usable) > 5 else ''}; or " if usable else "use "
     return NotFound(f"no {field.split('[')[0].rstrip('s')} {name!r} for this project ({field})",
-                    field=field, fix="use an image or layer of your project (or one published to all); "
-                                     "list them with `dsec image ls`")
+                    field=field, fix=some + "an image or layer of your project (or one published to all); "
+                                            "list them with `dsec image ls`")
 
 
-def check_visible(iam: IAM, who: Principal, field: str, name: str, info: ImageInfo) -> None:
+def check_visible(iam: IAM, who: Principal, field: str, name: str, info: ImageInfo,
+                  images: ImageService | None = None) -> None:
     """NotFound naming the field, the same as a missing image, unless the caller may see it."""
     if not visible(iam, who, info):
-        raise unusable(field, name)
+        raise unusable(field, name, _usable(iam, who, images))
+
+
+def _usable(iam: IAM, who: Principal, images: ImageService | None) -> list[str] | None:
+    if images is None:
+        return None
+    return [i.name for i in images.list() if i.kind == "image" and visible(iam, who, i)][:6]
 
 
 def check_usable(iam: IAM, images: ImageService, who: Principal, args: Any) -> list[ImageInfo]:
@@ -55,8 +64,8 @@ def check_usable(iam: IAM, images: ImageService, who: Principal, args: Any) -> l
         try:
             info = images.get(name, field)
         except NotFound:
-            raise unusable(field, name) from None
-        check_visible(iam, who, field, name, info)
+            raise unusable(field, name, _usable(iam, who, images)) from None
+        check_visible(iam, who, field, name, info, images)
         infos.append(info)
     return infos
 

@@ -248,7 +248,7 @@ def unpack_beneath(archive: Path, dest: Path, *, field: str, what: str | None = 
         else:
             raw.seek(0)
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=errf,
-                                env=dict(os.environ, LC_ALL="C"))
+                                env=dict(os.environ, LC_ALL="C.UTF-8"))   # names in PAX headers are UTF-8
         assert proc.stdin is not None
         failure: BaseException | None = None
         root: list[tarfile.TarInfo] = []

@@ -112,6 +112,26 @@ def test_sandbox_index_upsert_end_list(dsn):
     db.close()
 
 
+def test_idempotency_claims_of_sdk_keys_are_kept_an_hour_others_a_week(dsn):
+    """The SDK keys every create (issue 22, item 7): those claims only serve its own resends, so
+    they go after SDK_KEEP_S; a caller's own keys stay KEEP_S; claims never bound are not pruned."""
+    from dsec.store.idempotency import KEEP_S, SDK_KEEP_S, IdempotencyClaims
+    from dsec.types import SDK_KEY_PREFIX
+    db = open_db(dsn)
+    claims = IdempotencyClaims(db)
+    for key in (f"{SDK_KEY_PREFIX}abc", "mine-1"):
+        c = claims.claim("prj-a", key)
+        claims.bind("prj-a", key, c.token, f"sb-{key}")
+    claims.claim("prj-a", f"{SDK_KEY_PREFIX}unbound")
+    now = time.time()
+    assert claims.prune(now + SDK_KEEP_S / 2) == 0
+    assert claims.prune(now + SDK_KEEP_S + 1) == 1
+    assert claims.get("prj-a", f"{SDK_KEY_PREFIX}abc") is None and claims.get("prj-a", "mine-1").sandbox_id == "sb-mine-1"
+    assert claims.prune(now + KEEP_S + 1) == 1
+    assert claims.get("prj-a", "mine-1") is None and claims.get("prj-a", f"{SDK_KEY_PREFIX}unbound") is not None
+    db.close()
+
+
 @pytest.fixture
 def own_cluster():
     """A PostgreSQL server of this test's own (it is restarted)."""

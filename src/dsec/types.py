@@ -262,6 +262,7 @@ Lifetime = Annotated[float | None, Field(gt=0, le=MAX_TTL_S,
                                                      "creation, busy or not (extend with set_timeout); None: only "
                                                      "the idle TTL ends it")]
 IDEMPOTENCY_KEY_RE = r"^[A-Za-z0-9_.:-]{1,128}$"
+SDK_KEY_PREFIX = "sdk-"     # idempotency keys the SDK makes for its own resends (kept an hour, not a week)
 IdempotencyKey = Annotated[str | None, Field(pattern=IDEMPOTENCY_KEY_RE,
                                              description="a retried request with the same key (same project or "
                                                          "sandbox) returns the first one's result instead of "

@@ -30,7 +30,7 @@ from dsec.types import FnCallBatch, FnCallBatchItem, FnCallRequest, FnCallResult
 from dsec.types import BulkItem, BulkResult, ExecInfo, ExecList, PackDiffRequest
 from dsec.types import MicroVMArgs, SandboxArgs, SnapshotInfo, SnapshotList, VMArgs
 from dsec.types import ImageBuildResult, ImageConfig, ImageProgress, ImagePullRequest
-from dsec.types import (ERRORS_BY_CODE, ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult, FsEvent,
+from dsec.types import (ERRORS_BY_CODE, SDK_KEY_PREFIX, ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult, FsEvent,
                         FileEntry, FileList, ImageInfo, ImageList, NetworkPolicy, NodeStatus, SandboxInfo, SandboxList,
                         Unavailable)
 
@@ -238,7 +238,7 @@ class Client:
         """Create a sandbox of the backend its argument type names. Without an idempotency_key
         one is made here, so a retry after a lost connection cannot create a second sandbox."""
         if args.idempotency_key is None:
-            args = args.model_copy(update={"idempotency_key": f"sdk-{secrets.token_hex(12)}"})
+            args = args.model_copy(update={"idempotency_key": f"{SDK_KEY_PREFIX}{secrets.token_hex(12)}"})
         resp = await self._request("POST", "/v1/sandboxes", content=wire(args), headers=JSON, idempotent=True)
         return Sandbox(self, SandboxInfo.model_validate_json(resp.content))
 

@@ -15,9 +15,12 @@ import time
 from dataclasses import dataclass
 
 from dsec.store.db import Database, Tx
+from dsec.types import SDK_KEY_PREFIX
 
 STALE_S = 600.0          # an unbound claim this old lost its creator (creates end well within it)
 KEEP_S = 7 * 86400.0     # bound claims are forgotten after this (a retry a week later creates anew)
+# keys the SDK made itself (one per create, only for its own resends within seconds): an hour
+SDK_KEEP_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,10 @@ class IdempotencyClaims:
                                           "AND claim=? AND sandbox_id IS NULL", (project, key, token)))
 
     def prune(self, now: float | None = None) -> int:
-        """Forget bound claims older than KEEP_S."""
-        t = (now if now is not None else time.time()) - KEEP_S
+        """Forget bound claims older than KEEP_S, and those of keys the SDK made (SDK_KEY_PREFIX)
+        older than SDK_KEEP_S."""
+        now = now if now is not None else time.time()
         return self.db.run(lambda tx: tx.execute(
-            "DELETE FROM idempotency_claims WHERE claimed_at < ? AND sandbox_id IS NOT NULL", (t,)))
+            "DELETE FROM idempotency_claims WHERE sandbox_id IS NOT NULL AND "
+            "(claimed_at < ? OR (key LIKE ? AND claimed_at < ?))",
+            (now - KEEP_S, SDK_KEY_PREFIX + "%", now - SDK_KEEP_S)))

@@ -226,8 +226,9 @@ class BaseRef:
 
 
 def _logical_lines(text: str) -> list[tuple[int, str]]:
-    """(first line number, line) with comments dropped; continuation lines are kept as they
-    are (FROM never spans lines in practice; RUN bodies are not rewritten)."""
+    """(line number, line) for every line as it is, raw, as rewrite_bases sees them (FROM never
+    spans lines in practice; RUN bodies are not rewritten). `instructions` joins continuations
+    for the checks that must see whole instructions."""
     out = []
     for i, line in enumerate(text.splitlines(), 1):
         out.append((i, line))

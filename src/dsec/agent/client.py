@@ -31,6 +31,10 @@ OVERFLOWED = -1       # _next's frame type for _OVERFLOW
 WATCH_QUEUE_BYTES = 1 << 20   # unread events one watch may hold here (issue 22: a watch nobody
                               # read grew the apiserver by 1.27 GB in 36 s)
 
+# An exec whose EXIT has not come this long after its timeout (the agent kills at the timeout
+# and reports within ~2 s) is looked for in the agent's LIST_EXECS, again every as often.
+EXEC_LOST_CHECK_S = 10.0
+
 
 class _ChanQueue(asyncio.Queue):
     """A chan's frames. With `cap`, at most that many payload bytes wait unread; past it the
@@ -41,9 +45,6 @@ class _ChanQueue(asyncio.Queue):
         self.cap = cap
         self.held = 0
         self.overflowed = False
-# An exec whose EXIT has not come this long after its timeout (the agent kills at the timeout
-# and reports within ~2 s) is looked for in the agent's LIST_EXECS, again every as often.
-EXEC_LOST_CHECK_S = 10.0
 
 
 class AgentError(Exception):

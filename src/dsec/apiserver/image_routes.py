@@ -10,9 +10,9 @@ last line with `result` (ImageBuildResult) or `error` (ErrorDetail):
     GET  /v1/images/{name}/config   ImageConfig of an image built from a Dockerfile
 
 Tenancy: what a project makes is owned by it (visible to it and its relatives, replaced only
-by it); an admin's (root project's) images are published to all. Letting RUN steps use the
-network is an admin's choice (`network=true`), as is pulling from a registry (the node's
-egress). Uploads are bounded by the guard (IMAGE_BODY_BYTES) and unpacked by bsdtar chrooted
+by it); an admin's (root project's) images are published to all. Builds through the API have
+no network (`network=true` is refused: buildah runs in a network namespace of its own, D45);
+pulling from a registry (the node's egress) is an admin's choice. Uploads are bounded by the guard (IMAGE_BODY_BYTES) and unpacked by bsdtar chrooted
 into the upload dir (images/unpack.py: no path resolves outside it; no owners, devices or
 setuid bits).
 """
@@ -29,24 +29,11 @@ from typing import TYPE_CHECKING, Annotated, Callable, Literal
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import StreamingResponse
 
-from dsec.apiserver.guard import principal_of, request_key
+from dsec.apiserver.guard import IMAGE_BODY_BYTES, principal_of, request_key
 from dsec.apiserver.tenancy import visible
 from dsec.iam import Principal
-from dsec.types import (
-    NAME_RE,
-    DsecError,
-    ErrorDetail,
-    Forbidden,
-    ImageBuildResult,
-    ImageConfig,
-    ImageInfo,
-    ImageProgress,
-    ImagePullRequest,
-    InternalError,
-    InvalidArgument,
-    NotFound,
-    Unavailable,
-)
+from dsec.types import (NAME_RE, DsecError, ErrorDetail, Forbidden, ImageBuildResult, ImageConfig, ImageInfo,
+                        ImageProgress, ImagePullRequest, InternalError, InvalidArgument, NotFound, Unavailable)
 
 if TYPE_CHECKING:
     from dsec.apiserver.context import ApiContext
@@ -62,7 +49,6 @@ def _unpack(tar: Path, dest: Path, field: str, max_disk_mb: int | None = None) -
     """Unpack an uploaded tar beneath `dest` (images/unpack.py: chrooted bsdtar; no owners,
     special bits, devices or xattrs; '..' refused), bounded in what it unpacks to (never more
     than the body limit nor the project's disk policy)."""
-    from dsec.apiserver.guard import IMAGE_BODY_BYTES
     from dsec.images.unpack import UPLOAD_RULES, bounded, unpack_beneath
     cap = min(IMAGE_BODY_BYTES, max_disk_mb << 20) if max_disk_mb else IMAGE_BODY_BYTES
     unpack_beneath(tar, dest, field=field, what="the request body", rules=bounded(UPLOAD_RULES, tar, cap))
@@ -148,7 +134,7 @@ def add_image_routes(app: FastAPI, ctx: "ApiContext") -> None:
                           memory_mb: Annotated[int | None, Query(ge=64, le=65536)] = None,
                           timeout_s: Annotated[float, Query(gt=0, le=7200)] = 1800) -> StreamingResponse:
         """Build the Dockerfile in the uploaded context (a tar) with buildah; RUN steps run
-        unprivileged in a user namespace without network (network=true: admin only)."""
+        unprivileged in a user namespace without network (network=true is refused)."""
         who = principal(request)
         images = services()
         if network:

@@ -68,3 +68,63 @@ async def test_requests_ride_through_a_server_that_drops_their_connection(dsec_h
     finally:
         srv.kill()
         _cleanup_home(srv.home)
+
+
+async def test_an_exec_whose_answer_is_lost_is_resent_and_runs_once(server):
+    """run() and start() carry an idempotency key the SDK made (none was given): when the
+    connection drops after the server ran the command but before its answer arrived, the SDK
+    sends the request again and gets the first run's result; the command ran once. Before, the
+    request raised (an exec was resent only when the connection could not be made)."""
+    from dsec.sdk.client import Client
+    dropped: list[bytes] = []
+
+    async def handle(c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter) -> None:
+        """Forward both ways; the answer to the first two exec requests is dropped (the client's
+        connection aborted as the server starts answering: the command has run)."""
+        s_reader, s_writer = await asyncio.open_connection("127.0.0.1", server.port)
+        drop: list[bytes] = []
+
+        async def up() -> None:
+            while data := await c_reader.read(65536):
+                line = data.split(b"\r\n", 1)[0]
+                if line.startswith(b"POST ") and b"/exec" in line and len(dropped) + len(drop) < 2:
+                    drop.append(line)
+                s_writer.write(data)
+                await s_writer.drain()
+
+        async def down() -> None:
+            while data := await s_reader.read(65536):
+                if drop:
+                    dropped.append(drop.pop())
+                    c_writer.transport.abort()
+                    return
+                c_writer.write(data)
+                await c_writer.drain()
+
+        try:
+            await asyncio.wait([asyncio.create_task(up()), asyncio.create_task(down())],
+                               return_when=asyncio.FIRST_COMPLETED)
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            c_writer.transport.abort()
+            s_writer.close()
+
+    proxy = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = proxy.sockets[0].getsockname()[1]
+    try:
+        async with server.client() as direct:
+            sb = await direct.create_container(image="busybox")
+            try:
+                async with Client(f"http://127.0.0.1:{port}", api_key=server.key) as c:
+                    via = await c.get(sb.id)
+                    r = await via.run("echo ran >> /tmp/count; wc -l < /tmp/count")
+                    assert (r.exit_code, r.stdout.strip()) == (0, "1")
+                    info = await via.start("echo started >> /tmp/started")
+                    assert (await via.attach(info.exec_id)).exit_code == 0
+                assert len(dropped) == 2, dropped          # both answers were lost once
+                assert (await sb.run("wc -l < /tmp/count; wc -l < /tmp/started")).stdout.split() == ["1", "1"]
+            finally:
+                await sb.stop()
+    finally:
+        proxy.close()

@@ -66,3 +66,24 @@ async def test_finished_execs_are_bounded_by_count_and_bytes(monkeypatch) -> Non
     monkeypatch.setattr(exec_tracker, "KEEP_FINISHED", 2)
     table.prune()
     assert sorted(table.tracked) == ["6", "7"]
+
+
+async def test_execs_keyed_by_the_sdk_are_kept_briefly_and_within_their_own_budget(monkeypatch) -> None:
+    """Every run()/start() without a caller's key carries one the SDK made (for its resends):
+    those results are kept SDK_KEEP_FINISHED_S and within SDK_KEEP_FINISHED_BYTES, so plain runs
+    do not fill the sandbox's budget of results kept for callers' own keys."""
+    from dsec.types import SDK_KEY_PREFIX
+    monkeypatch.setattr(exec_tracker, "SDK_KEEP_FINISHED_BYTES", 500)
+    table = ExecTable()
+    for i, key in enumerate(["mine", *(f"{SDK_KEY_PREFIX}{i}" for i in range(6))], start=1):
+        t = table.start_tracking(ExecInfo(exec_id=""), key, fake_exec(str(i), ["x" * 100]))
+        await t.task
+        table.register(t)
+    table.prune()
+    sdk = [t for t in table.tracked.values() if t.idempotency_key.startswith(SDK_KEY_PREFIX)]
+    assert sum(t.kept_bytes for t in sdk) <= 500 and "7" in table.tracked and "2" not in table.tracked
+    assert "1" in table.tracked                      # the caller's own key: not in that budget
+    for t in table.tracked.values():                 # an SDK key's result ages out after a minute
+        t.ended_at -= exec_tracker.SDK_KEEP_FINISHED_S + 1
+    table.prune()
+    assert list(table.tracked) == ["1"]

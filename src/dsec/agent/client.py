@@ -30,6 +30,8 @@ _OVERFLOW = object()  # queue sentinel: a capped chan's reader fell too far behi
 OVERFLOWED = -1       # _next's frame type for _OVERFLOW
 WATCH_QUEUE_BYTES = 1 << 20   # unread events one watch may hold here (issue 22: a watch nobody
                               # read grew the apiserver by 1.27 GB in 36 s)
+EXEC_WINDOW = 512 << 10       # exec output one chan may hold here unread (agents of protocol >= 2);
+                              # the rest waits in the agent, within the exec's cap
 
 # An exec whose EXIT has not come this long after its timeout (the agent kills at the timeout
 # and reports within ~2 s) is looked for in the agent's LIST_EXECS, again every as often.
@@ -38,13 +40,17 @@ EXEC_LOST_CHECK_S = 10.0
 
 class _ChanQueue(asyncio.Queue):
     """A chan's frames. With `cap`, at most that many payload bytes wait unread; past it the
-    reader gets OVERFLOWED once and nothing more (the caller ends the chan)."""
+    reader gets OVERFLOWED once and nothing more (the caller ends the chan). `credited`: the
+    agent sends this exec chan's output against credit (EXEC_WINDOW), returned as it is read."""
 
-    def __init__(self, cap: int | None = None):
+    def __init__(self, chan: int, cap: int | None = None, credited: bool = False):
         super().__init__()
+        self.chan = chan
         self.cap = cap
         self.held = 0
         self.overflowed = False
+        self.credited = credited
+        self.ended = False        # its EXIT (or ERROR) was read: nothing more comes
 
 
 class AgentError(Exception):
@@ -142,6 +148,7 @@ class AgentClient:
         self._next_chan = INTERNAL_CHAN_BASE
         self._closed = False
         self._reason = "connection closed"
+        self.protocol_version = 1      # known after the first PONG (connect() pings)
         self._task = asyncio.get_running_loop().create_task(self._read_loop())
 
     # ------------------------------------------------------------------ lifecycle
@@ -251,18 +258,33 @@ class AgentClient:
 
     # ------------------------------------------------------------------ plumbing
 
-    def _register(self, chan: int, cap: int | None = None) -> _ChanQueue:
+    @property
+    def credit(self) -> bool:
+        """Does the agent pace exec output by credit (protocol >= 2)?"""
+        return self.protocol_version >= P.CREDIT_VERSION
+
+    def _register(self, chan: int, cap: int | None = None, credited: bool = False) -> _ChanQueue:
         if self._closed:
             raise AgentDisconnected(self._reason)
         if chan in self._queues:
             raise ValueError(f"chan {chan:#x} is already in use on this connection")
-        q = _ChanQueue(cap)
+        q = _ChanQueue(chan, cap, credited)
         self._queues[chan] = q
         return q
 
-    def _unregister(self, chan: int, q: asyncio.Queue) -> None:
+    def _unregister(self, chan: int, q: _ChanQueue) -> None:
         if self._queues.get(chan) is q:
             del self._queues[chan]
+            if q.credited and not q.ended:   # let go: the agent sends the rest unpaced (dropped
+                self._grant(chan, P.CREDIT_LET_GO)   # here), so the exec ends and can be evicted
+
+    def _grant(self, chan: int, n: int) -> None:
+        """Credit `n` more output bytes to an exec chan (no await: also from cleanup code)."""
+        if not self._closed:
+            try:
+                self._write(MsgType.CREDIT, chan, P.U32.pack(n))
+            except AgentDisconnected:
+                pass
 
     def _alloc_chan(self) -> int:
         while True:
@@ -309,6 +331,11 @@ class AgentClient:
         type_, payload = item
         if q.cap is not None:
             q.held -= len(payload)
+        if q.credited:
+            if type_ in (MsgType.STDOUT, MsgType.STDERR) and payload:
+                self._grant(q.chan, len(payload))     # read: the agent may send as much again
+            elif type_ in (MsgType.EXIT, MsgType.ERROR):
+                q.ended = True
         if type_ == MsgType.ERROR:
             raise AgentError(*P.decode_error(payload))
         return type_, payload
@@ -325,8 +352,9 @@ class AgentClient:
 
     async def _open(self, type_: int, chan: int, *parts: bytes,
                     check_at: float | None = None) -> AsyncIterator[Output | Exit]:
-        """Register the chan and send the request now; return the iterator that follows it."""
-        q = self._register(chan)
+        """Register the chan and send the request now; return the iterator that follows it.
+        The request's fields carry WINDOW when the agent paces output by credit."""
+        q = self._register(chan, credited=self.credit)
         try:
             await self._send(type_, chan, *parts)
         except BaseException:
@@ -361,6 +389,10 @@ class AgentClient:
         finally:
             self._unregister(chan, q)
 
+    def _window(self) -> bytes:
+        """The WINDOW field of EXEC and ATTACH (empty for agents without credit)."""
+        return P.encode_field(Tag.WINDOW, EXEC_WINDOW) if self.credit else b""
+
     async def _stream(self, type_: int, chan: int, *parts: bytes) -> AsyncIterator[Output | Exit]:
         """Lazy form: the request is sent when iteration starts."""
         follow = await self._open(type_, chan, *parts)
@@ -376,7 +408,7 @@ class AgentClient:
 
     async def ping(self) -> None:
         _, payload = await self._request(MsgType.PING)
-        P.decode_pong(payload)
+        _, self.protocol_version = P.decode_pong(payload)
 
     async def landlock_abi(self) -> int:
         """The Landlock ABI version the agent confines commands with (0: Landlock not used)."""
@@ -428,7 +460,7 @@ class AgentClient:
             fields.append((Tag.SESSION, session))
         if keep_stdin:
             fields.append((Tag.KEEP_STDIN, 1))
-        head = P.encode_fields(fields)
+        head = P.encode_fields(fields) + self._window()
         if stdin is not None:  # sent without copying the data into one buffer
             head += P.FIELD_HEAD.pack(Tag.STDIN, len(stdin))
             return head, bytes(stdin)
@@ -437,7 +469,7 @@ class AgentClient:
     def attach(self, chan: int) -> AsyncIterator[Output | Exit]:
         """Replay the retained output of `chan` (stdout, then stderr), then follow it live."""
         self._check_exec_chan(chan)
-        return self._stream(MsgType.ATTACH, chan)
+        return self._stream(MsgType.ATTACH, chan, self._window())
 
     async def release(self, chan: int) -> None:
         await self._send(MsgType.RELEASE, chan)

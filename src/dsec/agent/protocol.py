@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Iterable, Iterator
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2     # 2: per-exec output credit (CREDIT, Tag.WINDOW)
+CREDIT_VERSION = 2
+CREDIT_LET_GO = 0xFFFFFFFF   # CREDIT payload: the edge follows the chan no more
 HEADER = struct.Struct("<IBBHI")
 HEADER_SIZE = HEADER.size  # 12
 MAX_PAYLOAD = (64 << 20) + 4096
@@ -47,6 +49,7 @@ class MsgType(IntEnum):
     REFRESH = 14
     WATCH = 15
     UNWATCH = 16
+    CREDIT = 17
     # agent -> edge
     STDOUT = 101
     STDERR = 102
@@ -78,6 +81,7 @@ class Tag(IntEnum):
     KEEP_STDIN = 15
     TIME_NS = 16
     RECURSIVE = 17
+    WINDOW = 18
 
 
 KIND_NAMES = {0: "file", 1: "dir", 2: "symlink", 3: "other"}

@@ -8,7 +8,9 @@ request with the same idempotency key follows the same exec instead of starting 
 
 Bounded: output is what the exec's own caps let through (the agent truncates), and a sandbox
 keeps at most KEEP_FINISHED finished execs, each at most KEEP_FINISHED_S after it ended, and
-at most KEEP_FINISHED_BYTES of their output together. After
+at most KEEP_FINISHED_BYTES of their output together; those keyed by the SDK for its own resends
+(every run() and start() without a caller's key) for SDK_KEEP_FINISHED_S, within
+SDK_KEEP_FINISHED_BYTES. After
 an edge restart the trackers are gone; the agent still retains what it has not released, so a
 follower falls back to attaching there (Edge.exec_follow).
 """
@@ -21,11 +23,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from dsec.types import DsecError, ExecEvent, ExecInfo, ExecResult
+from dsec.types import SDK_KEY_PREFIX, DsecError, ExecEvent, ExecInfo, ExecResult
 
 KEEP_FINISHED = 64          # finished tracked execs kept per sandbox for late followers
 KEEP_FINISHED_S = 600.0     # ... and for at most this long after they ended
 KEEP_FINISHED_BYTES = 32 << 20   # ... holding at most this much output together (oldest dropped first)
+SDK_KEEP_FINISHED_S = 60.0  # an exec keyed by the SDK itself (SDK_KEY_PREFIX) is only there for the
+SDK_KEEP_FINISHED_BYTES = 4 << 20   # SDK's resends (RETRY_WINDOW_S): kept this long, this much of them
 
 
 @dataclass(eq=False)
@@ -139,15 +143,16 @@ class ExecTable:
     def prune(self) -> None:
         now = time.monotonic()
         done = sorted((t for t in self.tracked.values() if t.ended_at is not None), key=lambda t: t.ended_at or 0.0)
-        drop = [t for t in done if now - (t.ended_at or now) > KEEP_FINISHED_S]
+        drop = [t for t in done if now - (t.ended_at or now) > _keep_s(t)]
         drop += [t for t in done[:max(0, len(done) - KEEP_FINISHED)] if t not in drop]
-        held = sum(t.kept_bytes for t in done if t not in drop)
-        for t in done:                      # oldest first, until the rest fits
-            if held <= KEEP_FINISHED_BYTES:
-                break
-            if t not in drop:
-                drop.append(t)
-                held -= t.kept_bytes
+        for budget, group in ((SDK_KEEP_FINISHED_BYTES, [t for t in done if _sdk_keyed(t)]), (KEEP_FINISHED_BYTES, done)):
+            held = sum(t.kept_bytes for t in group if t not in drop)
+            for t in group:                 # oldest first, until the rest fits
+                if held <= budget:
+                    break
+                if t not in drop:
+                    drop.append(t)
+                    held -= t.kept_bytes
         for t in drop:
             self.tracked.pop(t.info.exec_id, None)
             if t.idempotency_key is not None and self.by_key.get(t.idempotency_key) is t:
@@ -162,6 +167,14 @@ class ExecTable:
         for t in self.by_key.values():
             if t.task is not None and not t.task.done():
                 t.task.cancel()
+
+
+def _sdk_keyed(t: TrackedExec) -> bool:
+    return t.idempotency_key is not None and t.idempotency_key.startswith(SDK_KEY_PREFIX)
+
+
+def _keep_s(t: TrackedExec) -> float:
+    return SDK_KEEP_FINISHED_S if _sdk_keyed(t) else KEEP_FINISHED_S
 
 
 def now_utc() -> datetime:

@@ -53,7 +53,7 @@ extern char **environ;
 /* ------------------------------------------------------------------ limits */
 
 #define HDR 12u
-#define PROTO_VERSION 1u
+#define PROTO_VERSION 2u      /* 2: per-exec output credit (CREDIT, WINDOW) */
 #define MAX_PAYLOAD ((64u << 20) + 4096u) /* largest frame payload accepted */
 #define OUTQ_DROP (8u << 20)      /* edge not reading: drop the connection */
 #define OUTQ_PACE (1u << 20)      /* bulk producers only fill the queue up to here */
@@ -84,12 +84,13 @@ extern char **environ;
 enum {
 	T_EXEC = 1, T_STDIN, T_SIGNAL, T_RELEASE, T_ATTACH, T_FILE_READ, T_FILE_WRITE, T_LIST,
 	T_PING, T_SESSION_CLOSE, T_LIST_EXECS, T_REMOVE, T_MKDIR, T_REFRESH, T_WATCH, T_UNWATCH,
+	T_CREDIT,
 	T_STDOUT = 101, T_STDERR, T_EXIT, T_ERROR, T_DATA, T_OK, T_LISTING, T_PONG, T_EXECS, T_EVENT,
 };
 
 enum {
 	F_CMD = 1, F_CWD, F_ENV, F_UID, F_GID, F_TIMEOUT_MS, F_CAP, F_SESSION, F_STDIN, F_PATH,
-	F_DATA, F_MODE, F_MKDIRS, F_MAXLEN, F_KEEP_STDIN, F_TIME_NS, F_RECURSIVE, F_MAX
+	F_DATA, F_MODE, F_MKDIRS, F_MAXLEN, F_KEEP_STDIN, F_TIME_NS, F_RECURSIVE, F_WINDOW, F_MAX
 };
 
 /* supervisor -> agent messages (SEQPACKET, one struct each) */
@@ -450,6 +451,7 @@ struct exec {
 	uint64_t total[2];
 	size_t sent[2];           /* bytes of out[] already queued to the current connection */
 	uint64_t gen;             /* == G.gen: output goes to the current connection */
+	int64_t credit;           /* output bytes the edge still takes on this chan; -1: no flow control */
 	int exit_sent, auto_release, timed_out, truncated, session_ended;
 	int failed_err, failed_stage;
 	int exit_code, sig;
@@ -782,14 +784,18 @@ static int exec_pump(struct exec *e)
 		return 0;
 	for (int st = 0; st < 2; st++)
 		while (e->sent[st] < e->out[st].len) {
-			if (G.out.len >= OUTQ_PACE)
+			if (G.out.len >= OUTQ_PACE || !e->credit) /* no credit: it waits here, retained */
 				return 0;
 			size_t n = e->out[st].len - e->sent[st];
 			if (n > FRAME_CHUNK)
 				n = FRAME_CHUNK;
+			if (e->credit > 0 && (int64_t)n > e->credit)
+				n = (size_t)e->credit;
 			if (out_frame(st ? T_STDERR : T_STDOUT, e->chan, e->out[st].p + e->sent[st], n, NULL, 0) < 0)
 				return 0;
 			e->sent[st] += n;
+			if (e->credit > 0)
+				e->credit -= (int64_t)n;
 		}
 	if (e->phase == PH_DONE && !e->exit_sent) {
 		send_exit(e);
@@ -1452,7 +1458,7 @@ static const char *pick_shell(void)
 
 static void h_exec(uint32_t chan, const struct fields *f)
 {
-	uint32_t uid, gid, timeout, cap, keep_in;
+	uint32_t uid, gid, timeout, cap, keep_in, window;
 	char *cmd = NULL, *cwd = NULL, *name = NULL, **env = NULL;
 	struct exec *e = NULL;
 	const char *why = "";
@@ -1468,7 +1474,7 @@ static void h_exec(uint32_t chan, const struct fields *f)
 		return;
 	}
 	if (f_u32(f, F_UID, G.uid, &uid) || f_u32(f, F_GID, G.gid, &gid) || f_u32(f, F_TIMEOUT_MS, 0, &timeout) ||
-	    f_u32(f, F_CAP, DEFAULT_CAP, &cap) || f_u32(f, F_KEEP_STDIN, 0, &keep_in)) {
+	    f_u32(f, F_CAP, DEFAULT_CAP, &cap) || f_u32(f, F_KEEP_STDIN, 0, &keep_in) || f_u32(f, F_WINDOW, 0, &window)) {
 		send_err(chan, EINVAL, "integer fields must be 4 bytes");
 		return;
 	}
@@ -1513,6 +1519,7 @@ static void h_exec(uint32_t chan, const struct fields *f)
 	e->chan = chan;
 	e->cap = cap > MAX_CAP ? MAX_CAP : cap;
 	e->gen = G.gen;
+	e->credit = window ? (int64_t)window : -1;
 	e->uid = uid;
 	e->gid = gid;
 	e->deadline = timeout ? now_ms() + timeout : 0;
@@ -1668,8 +1675,14 @@ static void h_signal(uint32_t chan, const uint8_t *d, uint32_t n)
 		send_err(chan, errno, "kill: %s", strerror(errno));
 }
 
-static void h_attach(uint32_t chan)
+static void h_attach(uint32_t chan, const uint8_t *p, uint32_t n)
 {
+	struct fields f;
+	uint32_t window = 0;
+	if (n && (fields_parse(p, n, &f) < 0 || f_u32(&f, F_WINDOW, 0, &window))) {
+		send_err(chan, EINVAL, "malformed fields");
+		return;
+	}
 	struct exec *e = exec_find(chan);
 	if (!e) {
 		send_err(chan, ENOENT, "no exec on chan %u", chan);
@@ -1678,6 +1691,22 @@ static void h_attach(uint32_t chan)
 	e->gen = G.gen;
 	e->sent[0] = e->sent[1] = 0;
 	e->exit_sent = 0;
+	e->credit = window ? (int64_t)window : -1;
+}
+
+/* CREDIT: the edge took `n` more bytes of this exec's output off its queue (0xffffffff: it
+ * follows the chan no more, send the rest unpaced). One slow reader then holds at most its
+ * window in the edge, and the output it has not taken stays here, within CAP. */
+static void h_credit(uint32_t chan, const uint8_t *d, uint32_t n)
+{
+	struct exec *e = exec_find(chan);
+	if (!e || n != 4 || e->credit < 0)
+		return;
+	uint32_t more = get32(d);
+	if (more == 0xffffffffu)
+		e->credit = -1;
+	else if ((e->credit += more) > (int64_t)MAX_PAYLOAD)
+		e->credit = MAX_PAYLOAD;
 }
 
 static void h_release(uint32_t chan)
@@ -2735,7 +2764,10 @@ static void handle_frame(int type, uint32_t chan, const uint8_t *p, uint32_t n)
 		h_release(chan);
 		return;
 	case T_ATTACH:
-		h_attach(chan);
+		h_attach(chan, p, n);
+		return;
+	case T_CREDIT:
+		h_credit(chan, p, n);
 		return;
 	case T_PING:
 		h_ping(chan);
@@ -2892,9 +2924,11 @@ static int pump_pending(void)
 		if (r->gen == G.gen)
 			return 1;
 	for (struct exec *e = G.execs; e; e = e->next)
-		if (attached(e) && (e->sent[0] < e->out[0].len || e->sent[1] < e->out[1].len ||
-				    (e->phase == PH_DONE && !e->exit_sent)))
-			return 1;
+		if (attached(e)) {
+			int unsent = e->sent[0] < e->out[0].len || e->sent[1] < e->out[1].len;
+			if (unsent ? e->credit != 0 : e->phase == PH_DONE && !e->exit_sent)
+				return 1; /* an exec out of credit waits for CREDIT, not for room */
+		}
 	return 0;
 }
 

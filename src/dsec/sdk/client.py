@@ -57,6 +57,12 @@ def _raise_for(resp: httpx.Response, body: bytes) -> None:
         raise DsecError(f"HTTP {resp.status_code}: {body[:500].decode(errors='replace')}") from None
 
 
+def _sdk_key() -> str:
+    """An idempotency key the SDK makes for a request the caller gave none (so it may be resent;
+    the server keeps what such keys name only for a short while)."""
+    return f"{SDK_KEY_PREFIX}{secrets.token_hex(12)}"
+
+
 def wire(model: BaseModel) -> str:
     """A request body: only what differs from the defaults, and always the backend tag. A field
     a newer client has and the caller left alone then never reaches an older server (which
@@ -238,7 +244,7 @@ class Client:
         """Create a sandbox of the backend its argument type names. Without an idempotency_key
         one is made here, so a retry after a lost connection cannot create a second sandbox."""
         if args.idempotency_key is None:
-            args = args.model_copy(update={"idempotency_key": f"{SDK_KEY_PREFIX}{secrets.token_hex(12)}"})
+            args = args.model_copy(update={"idempotency_key": _sdk_key()})
         resp = await self._request("POST", "/v1/sandboxes", content=wire(args), headers=JSON, idempotent=True)
         return Sandbox(self, SandboxInfo.model_validate_json(resp.content))
 
@@ -518,11 +524,12 @@ class Sandbox:
                   idempotency_key: str | None = None) -> ExecResult:
         """Run `cmd` (a shell command line) and return its result. With `idempotency_key`, a
         retry after a timeout or lost connection returns the first run's result: the command
-        runs once."""
+        runs once. Without one the SDK makes one for its own resends (a connection lost while
+        the server answers is resent; the command still runs once)."""
         req = ExecRequest(cmd=cmd, session=session, timeout_s=timeout_s, cwd=cwd, env=env or {},
-                          stdin=stdin, user=user, output_cap_bytes=output_cap_bytes, idempotency_key=idempotency_key)
-        resp = await self._c._request("POST", f"{self._base}/exec", content=wire(req), headers=JSON,
-                                      idempotent=idempotency_key is not None)
+                          stdin=stdin, user=user, output_cap_bytes=output_cap_bytes,
+                          idempotency_key=idempotency_key or _sdk_key())
+        resp = await self._c._request("POST", f"{self._base}/exec", content=wire(req), headers=JSON, idempotent=True)
         result = ExecResult.model_validate_json(resp.content)
         if check and result.exit_code != 0:
             raise ExecFailed(result)
@@ -562,8 +569,8 @@ class Sandbox:
         keep_stdin=True), signal, execs() to list what runs."""
         req = ExecRequest(cmd=cmd, session=session, timeout_s=timeout_s, cwd=cwd, env=env or {}, stdin=stdin,
                           keep_stdin=keep_stdin, tag=tag, user=user, output_cap_bytes=output_cap_bytes,
-                          idempotency_key=idempotency_key)
-        resp = await self._c._request("POST", f"{self._base}/execs", content=wire(req), headers=JSON)
+                          idempotency_key=idempotency_key or _sdk_key())     # resent like run()
+        resp = await self._c._request("POST", f"{self._base}/execs", content=wire(req), headers=JSON, idempotent=True)
         return ExecInfo.model_validate_json(resp.content)
 
     async def follow(self, exec_id: str) -> AsyncIterator[ExecEvent]:

@@ -4,7 +4,7 @@
 (docs/agent-protocol.md, framing from `dsec.agent.protocol`), so the real
 `dsec.agent.client.AgentClient` works against it unchanged:
 
-- PING -> PONG (pid 1, protocol version, Landlock ABI 0); LIST_EXECS -> EXECS.
+- PING -> PONG (pid 1, protocol version 1: no output credit, Landlock ABI 0); LIST_EXECS -> EXECS.
 - EXEC runs `SHELL -c CMD` (default /bin/sh) as a real subprocess of the current user: CWD and
   relative paths resolve under `root` (the sandbox's `/`; default cwd `workdir`), ENV overrides
   the agent's default environment, TIMEOUT_MS kills the process group (EXIT timed_out, signal
@@ -44,6 +44,7 @@ from .stub_files import StubError, Tree
 
 log = logging.getLogger("dsec.testing.agent_stub")
 
+STUB_PROTOCOL_VERSION = 1       # the stub sends output unpaced: it does not speak CREDIT (protocol 2)
 DEFAULT_CAP = 1 << 20
 MAX_CAP = 64 << 20
 MAX_RUNNING = 128
@@ -187,7 +188,7 @@ class AgentStub:
 
     async def _dispatch(self, conn: Conn, type_: int, chan: int, payload: bytes) -> None:
         if type_ == MsgType.PING:
-            conn.send(MsgType.PONG, chan, P.PONG_PAYLOAD.pack(1, P.PROTOCOL_VERSION) + P.U32.pack(0))
+            conn.send(MsgType.PONG, chan, P.PONG_PAYLOAD.pack(1, STUB_PROTOCOL_VERSION) + P.U32.pack(0))
         elif type_ == MsgType.LIST_EXECS:
             body = b"".join(P.EXECS_ENTRY.pack(c, e.finished) for c, e in self.execs.items())
             conn.send(MsgType.EXECS, chan, body)

@@ -7,7 +7,7 @@ environment served by dsec (dsec.adapters.harbor.DsecEnvironment, loaded by impo
 Without TASK_DIR it writes a toy task: environment/Dockerfile FROM debian-python (built on the
 dsec server with buildah), a solution that fixes a bug, a test.sh that writes the reward.
 Prints one JSON line: {"reward": ..., "trial": ..., "exception": ...}. Needs `pip install
-'dsec[harbor]'` (Python >= 3.12, as Harbor).
+'.[harbor]'` in the checkout (Python >= 3.12, as Harbor).
 """
 
 from __future__ import annotations

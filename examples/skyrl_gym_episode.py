@@ -2,7 +2,7 @@
 buggy module and its test in a fresh sandbox, the "policy" reads, patches and ends; the reward
 is whether the test passes in the sandbox.
 
-    pip install 'dsec[skyrl]'; python examples/skyrl_gym_episode.py
+    pip install '.[skyrl]'; python examples/skyrl_gym_episode.py
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ episode many times, on dsec and on SWE-ReX's own deployments.
     python examples/swerex_episode.py                    # the local dsec (started if not running)
     DSEC_URL=http://host:7620 DSEC_API_KEY=... python examples/swerex_episode.py
 
-Needs `pip install 'dsec[swerex]'`.
+Needs `pip install '.[swerex]'` (in the checkout).
 """
 
 from __future__ import annotations

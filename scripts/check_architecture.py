@@ -1,6 +1,8 @@
 """Architecture checks on the import graph of `dsec` (run in CI by tests/unit/test_architecture.py).
 
 Prints every violation and exits 1 if there is any:
+- a module on disk the graph does not have (a directory without `__init__.py` hides its
+  modules from grimp, and with them their imports: backends/vm's one cycle went unseen so);
 - import cycles between modules and between subpackages (every import counts: module level,
   inside functions, and under TYPE_CHECKING, since each is a dependency a reader must follow);
 - concrete backends (dsec.backends.container, dsec.backends.vm) imported outside themselves
@@ -12,7 +14,9 @@ Built on grimp (the graph library under import-linter).
 
 from __future__ import annotations
 
+import importlib.util
 import sys
+from pathlib import Path
 
 import grimp
 
@@ -78,11 +82,29 @@ def subpackage(module: str) -> str:
     return ".".join(parts[:depth])
 
 
+def modules_on_disk(package: str = "dsec") -> set[str]:
+    """Every module the .py files under `package`'s directory would be, packages by their __init__."""
+    spec = importlib.util.find_spec(package)
+    assert spec is not None and spec.submodule_search_locations, package
+    root = Path(next(iter(spec.submodule_search_locations)))
+    out = set()
+    for f in root.rglob("*.py"):
+        parts = (package, *f.relative_to(root).with_suffix("").parts)
+        out.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return out
+
+
+def unseen(graph_modules: set[str], on_disk: set[str]) -> list[str]:
+    return [f"module not in the import graph (a package without __init__.py?): {m}"
+            for m in sorted(on_disk - graph_modules)]
+
+
 def violations() -> list[str]:
     graph = grimp.build_graph("dsec")
     modules = set(graph.modules)
+    out = unseen(modules, modules_on_disk())
     edges = {m: set(graph.find_modules_directly_imported_by(m)) & modules for m in modules}
-    out = [f"import cycle between modules: {' <-> '.join(c)}" for c in strongly_connected(modules, edges)]
+    out += [f"import cycle between modules: {' <-> '.join(c)}" for c in strongly_connected(modules, edges)]
     pkg_edges: dict[str, set[str]] = {}
     for m, targets in edges.items():
         for t in targets:
@@ -106,7 +128,7 @@ def main() -> int:
     found = violations()
     for v in found:
         print(v)
-    print(f"architecture: {len(found)} violation(s)")
+    print(f"architecture: {len(found)} violation(s) in {len(modules_on_disk())} modules")
     return 1 if found else 0
 
 

@@ -15,6 +15,9 @@ bash scripts/host-setup.sh
 echo "== Python environment (.venv)"
 python3 -m venv .venv
 .venv/bin/pip install -q --upgrade pip >/dev/null 2>&1 || true
+# the distribution was `dsec` before `dsec-sandbox` (that name is another project on PyPI): a
+# venv made then keeps the old one's metadata and entry point beside the new one's
+.venv/bin/pip uninstall -q -y dsec >/dev/null 2>&1 || true
 .venv/bin/pip install -q -e '.[server,test]'    # client + server + test tools
 # Harbor (dsec.adapters.harbor, tests/test_harbor_adapter.py) needs Python >= 3.12: its own venv
 # (a pyenv shim on PATH may exist without a usable 3.12 behind it: try each candidate for real)

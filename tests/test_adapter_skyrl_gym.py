@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-skyrl_gym = pytest.importorskip("skyrl_gym", reason="skyrl-gym not installed: pip install 'dsec[skyrl]'")
+skyrl_gym = pytest.importorskip("skyrl_gym", reason="skyrl-gym not installed: pip install -e '.[skyrl]'")
 
 from dsec.adapters.skyrl_gym import ENV_ID, DsecToolGroup  # noqa: E402
 

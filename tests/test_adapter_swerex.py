@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-pytest.importorskip("swerex", reason="swe-rex (the `swerex` package) is not installed: pip install 'dsec[swerex]'")
+pytest.importorskip("swerex", reason="swe-rex (the `swerex` package) is not installed: pip install -e '.[swerex]'")
 
 from pydantic import ValidationError
 from swerex.deployment.abstract import AbstractDeployment

@@ -20,7 +20,7 @@ VERL_PY = Path(os.environ.get("DSEC_VERL_PYTHON", str(ROOT / ".venv-verl" / "bin
 
 def _verl_missing() -> str | None:
     if not VERL_PY.exists():
-        return f"no Python with verl at {VERL_PY} (scripts/install.sh makes .venv-verl: pip install 'dsec[verl]')"
+        return f"no Python with verl at {VERL_PY} (scripts/install.sh makes .venv-verl: pip install -e '.[verl]')"
     r = subprocess.run([str(VERL_PY), "-c", "import verl.tools.base_tool, dsec.adapters.verl_tool"],
                        capture_output=True, text=True, timeout=300)
     if r.returncode != 0:

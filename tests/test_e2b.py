@@ -14,7 +14,7 @@ from dsec.apiserver.e2b.ids import to_dsec
 from dsec.store import open_db
 from dsec.store.sandboxes import SandboxIndex
 
-pytest.importorskip("e2b", reason="the e2b SDK is not installed: pip install 'dsec[e2b]'")
+pytest.importorskip("e2b", reason="the e2b SDK is not installed: pip install -e '.[e2b]'")
 
 from e2b import AsyncSandbox, CommandExitException, Sandbox, SandboxQuery, SandboxState
 from e2b.exceptions import (AuthenticationException, FileNotFoundException, InvalidArgumentException,

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-pytest.importorskip("e2b", reason="the e2b SDK is not installed: pip install 'dsec[e2b]'")
+pytest.importorskip("e2b", reason="the e2b SDK is not installed: pip install -e '.[e2b]'")
 
 from e2b import AsyncSandbox, Sandbox
 from e2b.exceptions import RateLimitException, SandboxException

@@ -1,15 +1,19 @@
-"""`pip install dsec` (no extras) is a working client: SDK, blocking SDK and the CLI's client
-commands import and run without the server's packages; `dsec[server]` brings those. Proved
-without a network: a subprocess whose import system refuses the server-only packages."""
+"""`pip install dsec-sandbox` (no extras) is a working client: SDK, blocking SDK and the CLI's
+client commands import and run without the server's packages; `dsec-sandbox[server]` brings those.
+Proved without a network: a subprocess whose import system refuses the server-only packages; and
+for real: the built wheel in a clean venv (which needs the package index)."""
 
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
 import tomllib
+import zipfile
 from pathlib import Path
 
 from dsec.config import SERVER_INSTALL, SERVER_MODULES
@@ -37,9 +41,11 @@ PRELUDE = textwrap.dedent(f"""
 
 
 def run_client_only(code: str) -> subprocess.CompletedProcess[str]:
+    # PYTHONPATH kept: a checkout tested with PYTHONPATH=src (a worktree) is the one imported
+    env = {"PATH": "/usr/bin:/bin", "COLUMNS": "200",
+           **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"}}
     return subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin",
-                                                                            "COLUMNS": "200"})
+                          capture_output=True, text=True, timeout=120, env=env)
 
 
 def names(requirements: list[str]) -> set[str]:
@@ -109,7 +115,8 @@ def test_core_dependencies_have_no_server_packages():
     assert {"pydantic", "httpx", "typer", "rich"} <= core
     assert {"fastapi", "uvicorn", "structlog", "qemu.qmp"} <= server
     assert not core & server
-    assert {"mypy", "pytest", "pytest-asyncio", "dsec"} <= names(PYPROJECT["optional-dependencies"]["test"])
+    test = names(PYPROJECT["optional-dependencies"]["test"])
+    assert {"mypy", "pytest", "pytest-asyncio", "build", PYPROJECT["name"]} <= test
     # Every module the server extra installs is in dsec.config.SERVER_MODULES, and no
     # core package provides one of them.
     by_module = importlib.metadata.packages_distributions()
@@ -124,3 +131,55 @@ def test_core_dependencies_have_no_server_packages():
 
 def test_install_script_installs_the_server_and_test_extras():
     assert ".[server,test]" in (ROOT / "scripts" / "install.sh").read_text()
+
+
+def test_the_distribution_name_is_ours():
+    # `dsec` and `dsec-sdk` on PyPI are other projects: `pip install dsec` would not be this one.
+    assert PYPROJECT["name"] == "dsec-sandbox"
+    assert PYPROJECT["scripts"] == {"dsec": "dsec.cli:main"}
+    assert SERVER_INSTALL == "pip install 'dsec-sandbox[server]'"
+
+
+def test_wheel_installs_the_client_alone_in_a_clean_venv(tmp_path):
+    """`python -m build` (the sdist, then the wheel from it) and the wheel in a fresh venv, its
+    dependencies from the package index: `import dsec.sdk` and `dsec --help` work, and none of
+    the server's packages came with it."""
+    tree = tmp_path / "tree"      # a copy: the build writes egg-info and build/ into the tree it builds
+    shutil.copytree(ROOT / "src", tree / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    shutil.copy(ROOT / "pyproject.toml", tree)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    dist = tmp_path / "dist"
+    p = subprocess.run([sys.executable, "-m", "build", "--outdir", str(dist), str(tree)], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert sorted(f.name for f in dist.iterdir()) == ["dsec_sandbox-0.1.0-py3-none-any.whl",
+                                                      "dsec_sandbox-0.1.0.tar.gz"]
+    wheel = dist / "dsec_sandbox-0.1.0-py3-none-any.whl"
+    files = set(zipfile.ZipFile(wheel).namelist())
+    on_disk = {f.relative_to(ROOT / "src").as_posix() for f in (ROOT / "src" / "dsec").rglob("*.py")}
+    assert on_disk <= files, sorted(on_disk - files)     # every module, backends/vm's too
+    assert {"dsec/py.typed", "dsec/insandbox/dsec-agent.c", "dsec/backends/vm/ramshim.c"} <= files
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    py, env["PATH"] = venv / "bin" / "python", f"{venv / 'bin'}:/usr/bin:/bin"
+    p = subprocess.run([str(py), "-m", "pip", "install", "-q", str(wheel)], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    p = subprocess.run([str(py), "-c", textwrap.dedent(f"""
+        import importlib.metadata as md, importlib.util, sys
+        import dsec, dsec.sdk, dsec.sdk.sync
+        from dsec import SyncClient
+        assert dsec.__file__.startswith(sys.prefix), dsec.__file__     # the wheel's, not the checkout's
+        assert md.version("dsec-sandbox") == "0.1.0"
+        present = [m for m in {sorted(SERVER_MODULES)!r} if importlib.util.find_spec(m)]
+        assert not present, present
+        print("ok")
+    """)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stdout + p.stderr
+    dsec_cmd = str(venv / "bin" / "dsec")
+    p = subprocess.run([dsec_cmd, "--help"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "Usage" in p.stdout, p.stdout + p.stderr
+    p = subprocess.run([dsec_cmd, "up"], cwd=tmp_path, env={**env, "COLUMNS": "200"}, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2 and SERVER_INSTALL in p.stderr, p.stdout + p.stderr

@@ -14,11 +14,11 @@ from pathlib import Path
 DEFAULT_HOME = "/var/lib/dsec"
 DEFAULT_PORT = 7620
 
-# -- the install: `pip install dsec` is the client (SDK, shared types, the CLI's client
-# commands); `pip install 'dsec[server]'` adds what serving needs (`dsec up`, backends, images,
+# -- the install: `pip install dsec-sandbox` is the client (SDK, shared types, the CLI's client
+# commands); `pip install 'dsec-sandbox[server]'` adds what serving needs (`dsec up`, backends, images,
 # VM disks, benchmarks). Here, not in a module of its own, because the SDK may import only
 # dsec.sdk, dsec.types and dsec.config (scripts/check_architecture.py).
-SERVER_INSTALL = "pip install 'dsec[server]'"
+SERVER_INSTALL = "pip install 'dsec-sandbox[server]'"
 # Top-level modules only the server side imports: the [server] extra's packages and what they
 # alone pull in (starlette comes with fastapi). tests/test_packaging.py keeps this and
 # pyproject.toml in step.

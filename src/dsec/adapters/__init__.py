@@ -5,5 +5,5 @@ only the client SDK (`dsec.sdk`, `dsec.types`): it runs wherever the SDK runs, t
 dsec over HTTP, and nothing in dsec imports it.
 
 - `dsec.adapters.swerex`: a SWE-ReX deployment + runtime (so SWE-agent) on dsec containers
-  (`pip install 'dsec[swerex]'`; docs/adapters.md).
+  (`pip install 'dsec-sandbox[swerex]'`; docs/adapters.md).
 """

@@ -1,4 +1,4 @@
-"""Harbor environments on dsec sandboxes: `pip install 'dsec[harbor]'` (Python >= 3.12, as Harbor).
+"""Harbor environments on dsec sandboxes: `pip install 'dsec-sandbox[harbor]'` (Python >= 3.12, as Harbor).
 
 Harbor loads a custom environment by import path; point it here (docs/adapters.md):
 

@@ -283,7 +283,7 @@ WS_POLICY = 1008          # refused: no key, not the caller's sandbox, bad port
 WS_TOO_BIG = 1009
 WS_ERROR = 1011           # the sandbox's side failed
 _NOT_SENDABLE = {1004, 1005, 1006, 1015}   # reserved: never in a close frame
-SERVER_FIX = "pip install -e '.[server]' (wsproto)"
+SERVER_FIX = "pip install 'dsec-sandbox[server]' (wsproto)"
 
 
 def _close_code(code: int | None) -> int:

@@ -45,7 +45,7 @@ err_console = Console(stderr=True, soft_wrap=not sys.stderr.isatty())   # logs a
 
 
 def _fail(e: DsecError) -> None:
-    # escape(): messages may hold brackets ("dsec[server]", "toolkits[0]") that are not markup
+    # escape(): messages may hold brackets ("dsec-sandbox[server]", "toolkits[0]") that are not markup
     err_console.print(f"[red]error[/red]: {escape(e.message)}" + (f"\n  field: {escape(e.field)}" if e.field else "")
                       + (f"\n  fix: {escape(e.fix)}" if e.fix else ""))
     raise typer.Exit(2)

@@ -17,12 +17,12 @@ import typer
 from dsec.config import DEFAULT_HOME, DEFAULT_PORT
 
 cluster_app = typer.Typer(no_args_is_help=True,
-                          help="cluster mode on Ray: an edge per node, apiserver replicas (needs dsec[cluster])")
+                          help="cluster mode on Ray: an edge per node, apiserver replicas (needs dsec-sandbox[cluster])")
 
 Address = Annotated[str, typer.Option(help="the Ray cluster (ray.init address): 'auto' finds the local one")]
 
 
-CLUSTER_INSTALL = "pip install 'dsec[cluster]'"
+CLUSTER_INSTALL = "pip install 'dsec-sandbox[cluster]'"
 
 
 def _connect(address: str) -> None:

@@ -246,7 +246,7 @@ class S3LayerStore(RemoteLayerStore):
                     from botocore.config import Config
                 except ImportError as e:
                     raise StoreError(f"layer store {self.url} needs botocore, which this Python lacks",
-                                     fix="pip install 'dsec[s3]' (the server) and apt-get install "
+                                     fix="pip install 'dsec-sandbox[s3]' (the server) and apt-get install "
                                          "python3-botocore (the lazy view's daemon)") from e
                 cfg = Config(connect_timeout=min(5.0, self.timeout_s), read_timeout=self.timeout_s,
                              retries={"max_attempts": self.attempts, "mode": "standard"},

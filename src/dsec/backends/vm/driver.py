@@ -140,7 +140,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, LivenessWatche
         self.initrd = guest.build_initramfs(paths, kernel)
         self.ram_shim = ramshim.build(paths.bin)   # clones' QEMU: the template's RAM stays read-only
         self.accel = AccelChooser(paths.vm / "accel.json", self.qemu, self.kernel.vmlinuz)
-        self.templates = Templates(paths, self)
+        self.templates: Templates[VMSpec] = Templates(paths, self)
         self.started: dict[str, str] = {}   # how each VM came up here: cold|clone|snapshot|resumed
         self._pmem_lock = asyncio.Lock()
 
@@ -285,6 +285,10 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, LivenessWatche
         self.started[sandbox_id] = how
         log.info("vm started", extra={"sandbox": sandbox_id, "how": how, "kind": spec.kind,
                                       "accel": spec.accel, "seconds": round(time.monotonic() - t0, 3)})
+
+    def guest_identity(self) -> dict[str, str]:
+        """The guest kernel and initramfs every layered VM boots: part of a template's key."""
+        return {"kernel": str(self.kernel.vmlinuz), "initrd": str(self.initrd)}
 
     async def cold_boot(self, spec: VMSpec, d: Path, *, ram_file: Path | None = None,
                         ram_shared: bool = False, name: str | None = None) -> int:

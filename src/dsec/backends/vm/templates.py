@@ -30,16 +30,36 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Generic, Protocol, TypeVar
 
+from dsec.agent.client import AgentClient
 from dsec.backends.vm import console as vmconsole
 from dsec.backends.vm.qemu import Qmp, kill, shell_safe
 from dsec.config import Paths
 
-if TYPE_CHECKING:
-    from dsec.backends.vm.driver import VMDriver, VMSpec
-
 log = logging.getLogger("dsec.backends.vm")
+
+
+class BootSpec(Protocol):
+    """What Templates needs of a VM spec (driver.VMSpec, a dataclass with a sandbox_id)."""
+
+    def boot_identity(self) -> dict[str, Any]: ...
+
+
+Spec = TypeVar("Spec", bound=BootSpec)
+SpecIn = TypeVar("SpecIn", bound=BootSpec, contravariant=True)
+
+
+class Booter(Protocol[SpecIn]):
+    """What Templates needs of the driver that owns it (driver.VMDriver). Taken, not imported:
+    driver.py imports this module, and importing it back made the package's one import circle."""
+
+    def guest_identity(self) -> dict[str, str]: ...
+
+    async def cold_boot(self, spec: SpecIn, d: Path, *, ram_file: Path | None = None,
+                        ram_shared: bool = False, name: str | None = None) -> int: ...
+
+    async def wait_agent(self, name: str, d: Path | None = None) -> AgentClient: ...
 
 
 @dataclass(frozen=True)
@@ -64,19 +84,18 @@ def ram_dir(paths: Paths) -> Path:
     return base / f"dsec-vm-{tag}"
 
 
-class Templates:
-    def __init__(self, paths: Paths, driver: "VMDriver"):
+class Templates(Generic[Spec]):
+    def __init__(self, paths: Paths, booter: Booter[Spec]):
         self.paths = paths
-        self.driver = driver
+        self.booter = booter
         self.root = paths.vm_templates
         self.rams = ram_dir(paths)
         self._locks: dict[str, asyncio.Lock] = {}
         self._users: dict[str, int] = {}      # template key -> creations restoring from it now
         self.max_templates = max(1, int(os.environ.get("DSEC_VM_TEMPLATES_MAX", "16")))
 
-    def key(self, spec: "VMSpec") -> str:
-        ident = {**spec.boot_identity(), "kernel": str(self.driver.kernel.vmlinuz),
-                 "initrd": str(self.driver.initrd)}
+    def key(self, spec: Spec) -> str:
+        ident = {**spec.boot_identity(), **self.booter.guest_identity()}
         return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
 
     def _template(self, key: str) -> Template:
@@ -85,7 +104,7 @@ class Templates:
     def _usable(self, t: Template) -> bool:
         return t.state.is_file() and t.upper.is_file() and t.ram.is_file()
 
-    async def ensure(self, spec: "VMSpec") -> Template:
+    async def ensure(self, spec: Spec) -> Template:
         t = self._template(self.key(spec))
         if not self._usable(t):
             async with self._locks.setdefault(t.key, asyncio.Lock()):
@@ -96,7 +115,7 @@ class Templates:
         return t
 
     @asynccontextmanager
-    async def use(self, spec: "VMSpec") -> AsyncIterator[Template]:
+    async def use(self, spec: Spec) -> AsyncIterator[Template]:
         """The template of `spec`, kept from eviction until the clone's QEMU has it mapped."""
         t = await self.ensure(spec)
         self._users[t.key] = self._users.get(t.key, 0) + 1    # no await since ensure: not evicted
@@ -124,18 +143,18 @@ class Templates:
             if ram.stem not in kept:
                 ram.unlink(missing_ok=True)
 
-    async def _build(self, spec: "VMSpec", t: Template) -> None:
+    async def _build(self, spec: Spec, t: Template) -> None:
         t0 = time.monotonic()
         shutil.rmtree(t.dir, ignore_errors=True)
         t.dir.mkdir(parents=True, mode=0o700)
         self.rams.mkdir(parents=True, exist_ok=True, mode=0o700)
         t.ram.unlink(missing_ok=True)
         name = f"tpl-{t.key[:12]}"
-        boot = replace(spec, sandbox_id=name)
+        boot = replace(spec, sandbox_id=name)   # type: ignore[type-var]  # a dataclass (VMSpec)
         pid = -1
         try:
-            pid = await self.driver.cold_boot(boot, t.dir, ram_file=t.ram, ram_shared=True, name=name)
-            agent = await self.driver.wait_agent(name, t.dir)
+            pid = await self.booter.cold_boot(boot, t.dir, ram_file=t.ram, ram_shared=True, name=name)
+            agent = await self.booter.wait_agent(name, t.dir)
             # disconnect first: the saved guest then waits for a host, as every clone must
             await agent.close()
             async with Qmp(t.dir / "qmp.sock", name) as q:

@@ -5,6 +5,7 @@ network, nothing written to the host) and leave no mounts or containers behind."
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shutil
@@ -274,3 +275,39 @@ async def test_build_memory_stays_within_the_project_policy(server, client, tmp_
         with pytest.raises(InvalidArgument) as e:
             await c.build_image("df-mem", ctx)                   # the step prints its limit, then fails
         assert str(1024 << 20) in str(e.value), str(e.value)[-800:]
+
+
+async def test_uploads_in_flight_are_counted_against_the_project(server, client):
+    """Issue 22, item 4: uploads were bounded one by one, never together: a tenant could stream
+    any number of 16 GiB bodies to DSEC_HOME/build at once. What a project's uploads in flight
+    hold (bodies as they arrive, then what they may unpack to) is counted against its
+    max_disk_mb: a second upload past it is refused (429 naming the body), and once the first
+    is gone its bytes are given back."""
+    import socket
+
+    import httpx
+    from dsec.sdk.client import Client
+    p = await client.create_project(f"df-up-{os.urandom(3).hex()}")
+    await client.set_policy(p.id, {"max_disk_mb": 64})
+    key = (await client.create_key(p.id)).key
+    first = socket.create_connection(("127.0.0.1", server.port))
+    held = (63 << 20) + (1 << 19)          # 63.5 MiB of a body that never completes
+    first.sendall(f"POST /v1/images/import?name=up-a&format=docker-archive HTTP/1.1\r\nHost: x\r\n"
+                  f"Authorization: Bearer {key}\r\nContent-Length: {128 << 20}\r\n\r\n".encode())
+    await asyncio.to_thread(first.sendall, bytes(held))
+    await asyncio.sleep(1)
+    before = set((server.home / "build").glob("*"))
+    async with httpx.AsyncClient(base_url=server.url, timeout=60, headers={"Authorization": f"Bearer {key}"}) as h:
+        r = await h.post("/v1/images/import", params={"name": "up-b", "format": "docker-archive"},
+                         content=bytes(1 << 20))
+        assert r.status_code == 429, r.text[:300]
+        err = r.json()["error"]
+        assert err["field"] == "body" and "64 MiB" in err["message"] and "max_disk_mb" in err["fix"], err
+        first.close()                      # the first upload goes away: its bytes are given back
+        await asyncio.sleep(1)
+        r = await h.post("/v1/images/import", params={"name": "up-c", "format": "docker-archive"},
+                         content=bytes(1 << 20))
+        assert r.status_code != 429, r.text[:300]
+    assert set((server.home / "build").glob("*")) <= before
+    async with Client(server.url, api_key=key) as c:           # another project is not held up by it
+        assert await c.images() is not None

@@ -14,7 +14,8 @@ by it); an admin's (root project's) images are published to all. Builds through 
 no network (`network=true` is refused: buildah runs in a network namespace of its own, D45);
 pulling from a registry (the node's egress) is an admin's choice. Uploads are bounded by the guard (IMAGE_BODY_BYTES) and unpacked by bsdtar chrooted
 into the upload dir (images/unpack.py: no path resolves outside it; no owners, devices or
-setuid bits).
+setuid bits); what a project's uploads in flight hold on the node's disk is counted against its
+max_disk_mb (images/uploads.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import tempfile
+from dataclasses import replace
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Callable, Literal
@@ -39,25 +41,30 @@ if TYPE_CHECKING:
     from dsec.apiserver.context import ApiContext
     from dsec.images.progress import Progress
     from dsec.images.service import ImageService
+    from dsec.images.uploads import UploadHold
 
 log = logging.getLogger("dsec.apiserver.images")
 
 Name = Annotated[str, Query(pattern=NAME_RE, description="the dsec image name to register")]
 
 
-def _unpack(tar: Path, dest: Path, field: str, max_disk_mb: int | None = None) -> None:
+def _unpack(tar: Path, dest: Path, field: str, hold: "UploadHold") -> None:
     """Unpack an uploaded tar beneath `dest` (images/unpack.py: chrooted bsdtar; no owners,
     special bits, devices or xattrs; '..' refused), bounded in what it unpacks to (never more
-    than the body limit nor the project's disk policy)."""
+    than the body limit nor the project's disk policy), that bound counted against the
+    project's uploads in flight first."""
     from dsec.images.unpack import UPLOAD_RULES, bounded, unpack_beneath
-    cap = min(IMAGE_BODY_BYTES, max_disk_mb << 20) if max_disk_mb else IMAGE_BODY_BYTES
-    unpack_beneath(tar, dest, field=field, what="the request body", rules=bounded(UPLOAD_RULES, tar, cap))
+    rules = bounded(UPLOAD_RULES, tar, IMAGE_BODY_BYTES)
+    # what the unpack may write: its own bound, or what the project's room still allows
+    rules = replace(rules, max_bytes=hold.add_up_to(rules.max_bytes or IMAGE_BODY_BYTES, "unpacking the request body"))
+    unpack_beneath(tar, dest, field=field, what="the request body", rules=rules)
 
 
 def _ndjson(images: "ImageService", work: Path, project: str,
-            fn: "Callable[[Progress], ImageBuildResult]") -> StreamingResponse:
+            fn: "Callable[[Progress], ImageBuildResult]", hold: "UploadHold | None" = None) -> StreamingResponse:
     """Run fn on the node's heavy lane; stream its progress, then its result or error. The work
-    dir (the upload) is removed when fn is done, whether or not the client still listens."""
+    dir (the upload) is removed when fn is done, whether or not the client still listens, and
+    what the upload held is given back."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[ImageProgress | None] = asyncio.Queue()
 
@@ -78,6 +85,8 @@ def _ndjson(images: "ImageService", work: Path, project: str,
         finally:
             from dsec.images.builder import safe_rmtree
             await asyncio.to_thread(safe_rmtree, work)
+            if hold is not None:
+                hold.release()
             queue.put_nowait(None)
 
     task = asyncio.create_task(runner())
@@ -107,23 +116,26 @@ def add_image_routes(app: FastAPI, ctx: "ApiContext") -> None:
             raise Forbidden(f"only an admin (a key of the root project) may {what}", field=field,
                             fix="leave it off, or ask an admin")
 
-    async def upload(request: Request, images: "ImageService") -> Path:
+    async def upload(request: Request, images: "ImageService", who: Principal) -> tuple[Path, "UploadHold"]:
+        """The body, streamed to a work dir under DSEC_HOME/build; its bytes (and later what it
+        unpacks to) counted against the project's uploads in flight (images/uploads.py)."""
+        hold = images.uploads.hold(who.project_id, ctx.iam.effective_policy(who.project_id).max_disk_mb)
         base = images.paths.home / "build"
         base.mkdir(parents=True, exist_ok=True)
         work = Path(tempfile.mkdtemp(prefix="upload-", dir=base))
         try:
             with open(work / "body.tar", "wb") as f:
                 async for chunk in request.stream():     # bounded by the guard (IMAGE_BODY_BYTES)
+                    hold.add(len(chunk))
                     f.write(chunk)
+            if (work / "body.tar").stat().st_size == 0:
+                raise InvalidArgument("the request body is empty", field="body", fix="send the tar as the body")
         except BaseException:
             from dsec.images.builder import safe_rmtree
             await asyncio.to_thread(safe_rmtree, work)
+            hold.release()
             raise
-        if (work / "body.tar").stat().st_size == 0:
-            from dsec.images.builder import safe_rmtree
-            await asyncio.to_thread(safe_rmtree, work)
-            raise InvalidArgument("the request body is empty", field="body", fix="send the tar as the body")
-        return work
+        return work, hold
 
     @app.post("/v1/images/build", response_class=StreamingResponse,
               responses={200: {"content": {"application/x-ndjson": {}},
@@ -145,21 +157,20 @@ def add_image_routes(app: FastAPI, ctx: "ApiContext") -> None:
                                   fix="leave network off and put what the build needs into the context; "
                                       "an operator on the node may build with `dsec image build --network`")
         memory_mb = build_memory(ctx, who, memory_mb)
-        disk_mb = ctx.iam.effective_policy(who.project_id).max_disk_mb
-        work = await upload(request, images)
+        work, hold = await upload(request, images, who)
         owner = owner_of(who)
 
         def build(progress: "Progress") -> ImageBuildResult:
             from dsec.images.dockerfile import build_dockerfile
             context = work / "context"
             context.mkdir()
-            _unpack(work / "body.tar", context, "body", disk_mb)
+            _unpack(work / "body.tar", context, "body", hold)
             (work / "body.tar").unlink()
             return build_dockerfile(images, name, context, dockerfile=dockerfile, replace=replace,
                                     network=network, memory_mb=memory_mb, timeout_s=timeout_s,
                                     progress=progress, owner=owner,
                                     usable=lambda info: visible(ctx.iam, who, info))
-        return _ndjson(images, work, who.project_id, build)
+        return _ndjson(images, work, who.project_id, build, hold)
 
     @app.post("/v1/images/import", response_class=StreamingResponse,
               responses={200: {"content": {"application/x-ndjson": {}},
@@ -173,21 +184,20 @@ def add_image_routes(app: FastAPI, ctx: "ApiContext") -> None:
         images = services()
         owner = owner_of(who)
         _check_replace(images, name, replace, owner)
-        disk_mb = ctx.iam.effective_policy(who.project_id).max_disk_mb
-        work = await upload(request, images)
+        work, hold = await upload(request, images, who)
 
         def run(progress: "Progress") -> ImageBuildResult:
             if format == "oci":
                 layout = work / "layout"
                 layout.mkdir()
-                _unpack(work / "body.tar", layout, "body", disk_mb)
+                _unpack(work / "body.tar", layout, "body", hold)
                 info = images.import_oci(name, oci=layout, ref=ref, replace=replace, progress=progress,
                                          source=f"upload:oci:{name}")
             else:
                 info = images.import_oci(name, docker_archive=work / "body.tar", replace=replace,
                                          progress=progress, source=f"upload:docker-archive:{name}")
             return ImageBuildResult(image=_own(images, info, owner))
-        return _ndjson(images, work, who.project_id, run)
+        return _ndjson(images, work, who.project_id, run, hold)
 
     @app.post("/v1/images/pull", response_class=StreamingResponse,
               responses={200: {"content": {"application/x-ndjson": {}},

@@ -37,6 +37,7 @@ from .mounts import LayerMounts, mounts_under
 from .progress import Progress, report
 from .pull import check_ref, pull_to_layout
 from .shared import SharedStore
+from .uploads import UploadLedger
 from .store import (DIGEST_RE, TMP_PREFIX, FileLock, Registry, check_digest, check_may_replace, check_name,
                     layer_file, now_utc)
 
@@ -110,6 +111,7 @@ class ImageService:
                                   self.lazy.source if self.lazy else None)
         self._store_lock = FileLock(self.paths.store / ".lock")
         self.heavy = HeavyWork()
+        self.uploads = UploadLedger(self.paths.home)     # what uploads in flight hold, per project
         self._sweep_stale_temps()
 
     # ---- building --------------------------------------------------------------------

@@ -2,7 +2,7 @@
 sandboxes (crun + the agent as PID 1): Landlock per command/session, kernel and agent paths
 root cannot write, the writable-layer disk quota, per-command rlimits, the recursive-grep
 hazard, signals to PID 1, and an overwritten /bin/bash staying in its sandbox.
-See docs/decisions.md D11 and the Landlock section of dsec-agent.c."""
+See docs/decisions.md D11 and the Landlock section of insandbox/agent/base.c."""
 
 from __future__ import annotations
 

@@ -158,7 +158,8 @@ def test_wheel_installs_the_client_alone_in_a_clean_venv(tmp_path):
     files = set(zipfile.ZipFile(wheel).namelist())
     on_disk = {f.relative_to(ROOT / "src").as_posix() for f in (ROOT / "src" / "dsec").rglob("*.py")}
     assert on_disk <= files, sorted(on_disk - files)     # every module, backends/vm's too
-    assert {"dsec/py.typed", "dsec/insandbox/dsec-agent.c", "dsec/backends/vm/ramshim.c"} <= files
+    assert {"dsec/py.typed", "dsec/insandbox/dsec-agent.c", "dsec/insandbox/agent/protocol.h", "dsec/insandbox/agent/exec.c",
+            "dsec/backends/vm/ramshim.c"} <= files
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)

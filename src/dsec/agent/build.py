@@ -13,14 +13,23 @@ from dsec.insandbox import source
 
 log = logging.getLogger("dsec.agent")
 
-SOURCE = source("dsec-agent.c")
+SOURCE = source("dsec-agent.c")   # the one translation unit; it includes its parts from agent/
+PARTS = SOURCE.parent / "agent"
 # Preferred first: musl gives a ~100 KiB binary with a tiny idle footprint.
 COMPILERS: tuple[tuple[str, str], ...] = (("musl-gcc", "musl-tools"), ("gcc", "gcc"))
 CFLAGS = ("-static", "-Os", "-s", "-Wall", "-Wextra")
 
 
+def source_files() -> list[Path]:
+    return [SOURCE, *sorted(p for p in PARTS.iterdir() if p.suffix in (".c", ".h"))]
+
+
 def source_hash() -> str:
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    """Of the whole source (every part): a change anywhere names a new binary."""
+    h = hashlib.sha256()
+    for f in source_files():
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def agent_binary(bin_dir: Path) -> Path:

@@ -2,7 +2,9 @@
 
 Files here are copied or compiled into sandboxes; none of them is imported by the host:
 - dsec-agent.c      the in-sandbox agent (container PID 1, VM guest service): exec, sessions,
-                    files, streaming (docs/agent-protocol.md); built static by dsec.agent.build
+                    files, streaming (docs/agent-protocol.md); built static by dsec.agent.build;
+                    one translation unit that includes its parts from agent/ (agent/protocol.h
+                    is generated from dsec/agent/protocol.py by dsec.agent.gen_header)
 - fncall_zygote.py  the FnCall pool manager/zygote (stdlib only), copied into pool containers
 - vm-init.sh        a microVM's initramfs /init (busybox sh): overlay of the layers, then the agent
 - code_interpreter_server.py  E2B's code-interpreter protocol on port 49999 over Jupyter kernels

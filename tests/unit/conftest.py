@@ -6,6 +6,7 @@ tests/conftest.py (they are requested by name only, never autouse).
 
 from __future__ import annotations
 
+import importlib
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator
@@ -51,7 +52,10 @@ async def agent(stub: AgentStub) -> AsyncIterator[AgentClient]:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     c = Clock()
-    monkeypatch.setattr(edge_module, "time", c)
+    for part in edge_module.PARTS:      # every part of the edge that reads the clock
+        module = importlib.import_module(f"dsec.edge.{part}")
+        if hasattr(module, "time"):
+            monkeypatch.setattr(module, "time", c)
     return c
 
 

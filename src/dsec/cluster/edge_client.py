@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import inspect
 import json
 import socket
 from collections.abc import AsyncIterator
@@ -21,9 +22,7 @@ import httpx
 from dsec.apiserver.context import EdgeHandle, FnCallHandle
 from dsec.cluster.wire import (EDGE_PREFIX, FNCALL_PREFIX, TUNNEL_EOF, TUNNEL_OK, TUNNEL_PATH, EdgeUnreachable,
                                MethodSpec, error_from, specs)
-from dsec.types import (BulkItem, DsecError, ExecEvent, ExecInfo, ExecRequest, ExecResult, FileEntry, FnCallRequest, FsEvent,
-                        FnCallResult, ImageInfo, NetworkPolicy, NodeStatus, PackDiffRequest, SandboxArgs, SandboxInfo,
-                        SnapshotInfo)
+from dsec.types import (DsecError, FnCallRequest, FnCallResult)
 
 CONNECT_TIMEOUT_S = 5.0
 TUNNEL_CHUNK = 64 * 1024
@@ -107,109 +106,33 @@ def _decode_error(content: bytes, status: int | None) -> DsecError:
     return error_from(body, status)
 
 
+def _verb(protocol: type, spec: MethodSpec) -> Any:
+    """The client side of one protocol method: its signature (positional and keyword arguments
+    bound as the protocol declares them), sent as `spec` says."""
+    sig = inspect.signature(getattr(protocol, spec.name))
+
+    def kwargs_of(self: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        bound = sig.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        return {k: v for k, v in bound.arguments.items() if k != "self"}
+
+    if spec.kind == "stream":
+        def stream(self: Any, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+            return self._stream(spec.name, **kwargs_of(self, args, kwargs))
+        method: Any = stream
+    else:
+        async def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return await self._call(EDGE_SPECS, EDGE_PREFIX, spec.name, **kwargs_of(self, args, kwargs))
+        method = call
+    method.__name__ = method.__qualname__ = spec.name
+    method.__signature__ = sig
+    method.__doc__ = getattr(protocol, spec.name).__doc__
+    return method
+
+
 class HttpEdge(_Rpc):
-    """EdgeHandle over HTTP (see the module doc)."""
-
-    def _c(self, method: str, **kwargs: Any) -> Any:
-        return self._call(EDGE_SPECS, EDGE_PREFIX, method, **kwargs)
-
-    async def status(self) -> NodeStatus:
-        return await self._c("status")
-
-    async def create(self, project: str, args: SandboxArgs) -> SandboxInfo:
-        return await self._c("create", project=project, args=args)
-
-    async def snapshot(self, sandbox_id: str) -> SnapshotInfo:
-        return await self._c("snapshot", sandbox_id=sandbox_id)
-
-    async def get_snapshot(self, snapshot_id: str) -> SnapshotInfo:
-        return await self._c("get_snapshot", snapshot_id=snapshot_id)
-
-    async def list_snapshots(self, project: str | None = None) -> builtins.list[SnapshotInfo]:
-        return await self._c("list_snapshots", project=project)
-
-    async def delete_snapshot(self, snapshot_id: str) -> None:
-        await self._c("delete_snapshot", snapshot_id=snapshot_id)
-
-    async def suspend(self, sandbox_id: str) -> SandboxInfo:
-        return await self._c("suspend", sandbox_id=sandbox_id)
-
-    async def console(self, sandbox_id: str, tail: int = 65536) -> bytes:
-        return await self._c("console", sandbox_id=sandbox_id, tail=tail)
-
-    async def resume(self, sandbox_id: str) -> SandboxInfo:
-        return await self._c("resume", sandbox_id=sandbox_id)
-
-    async def get(self, sandbox_id: str, usage: bool = False) -> SandboxInfo:
-        return await self._c("get", sandbox_id=sandbox_id, usage=usage)
-
-    async def list(self, project: str | None = None, include_ended: bool = False) -> builtins.list[SandboxInfo]:
-        return await self._c("list", project=project, include_ended=include_ended)
-
-    async def stop(self, sandbox_id: str, reason: str | None = None) -> SandboxInfo:
-        return await self._c("stop", sandbox_id=sandbox_id, reason=reason)
-
-    async def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo:
-        return await self._c("set_network", sandbox_id=sandbox_id, policy=policy)
-
-    def exec_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
-        return self._stream("exec_stream", sandbox_id=sandbox_id, req=req)
-
-    async def run(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
-        return await self._c("run", sandbox_id=sandbox_id, req=req)
-
-    async def attach(self, sandbox_id: str, exec_id: str) -> ExecResult:
-        return await self._c("attach", sandbox_id=sandbox_id, exec_id=exec_id)
-
-    async def exec_start(self, sandbox_id: str, req: ExecRequest) -> ExecInfo:
-        return await self._c("exec_start", sandbox_id=sandbox_id, req=req)
-
-    def exec_follow(self, sandbox_id: str, exec_id: str) -> AsyncIterator[ExecEvent]:
-        return self._stream("exec_follow", sandbox_id=sandbox_id, exec_id=exec_id)
-
-    def watch_dir(self, sandbox_id: str, path: str, recursive: bool = False,
-                  user: str | None = None) -> AsyncIterator[FsEvent]:
-        return self._stream("watch_dir", sandbox_id=sandbox_id, path=path, recursive=recursive, user=user)
-
-    async def exec_stdin(self, sandbox_id: str, exec_id: str, data: bytes, close: bool = False) -> None:
-        await self._c("exec_stdin", sandbox_id=sandbox_id, exec_id=exec_id, data=data, close=close)
-
-    async def exec_signal(self, sandbox_id: str, exec_id: str, signal: int) -> None:
-        await self._c("exec_signal", sandbox_id=sandbox_id, exec_id=exec_id, signal=signal)
-
-    async def list_execs(self, sandbox_id: str) -> builtins.list[ExecInfo]:
-        return await self._c("list_execs", sandbox_id=sandbox_id)
-
-    async def set_timeout(self, sandbox_id: str, timeout_s: float) -> SandboxInfo:
-        return await self._c("set_timeout", sandbox_id=sandbox_id, timeout_s=timeout_s)
-
-    async def suspend_many(self, sandbox_ids: builtins.list[str]) -> builtins.list[BulkItem]:
-        return await self._c("suspend_many", sandbox_ids=sandbox_ids)
-
-    async def resume_many(self, sandbox_ids: builtins.list[str]) -> builtins.list[BulkItem]:
-        return await self._c("resume_many", sandbox_ids=sandbox_ids)
-
-    async def close_session(self, sandbox_id: str, name: str) -> None:
-        await self._c("close_session", sandbox_id=sandbox_id, name=name)
-
-    async def read_file(self, sandbox_id: str, path: str, maxlen: int = 64 << 20) -> bytes:
-        return await self._c("read_file", sandbox_id=sandbox_id, path=path, maxlen=maxlen)
-
-    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644,
-                         mkdirs: bool = True) -> None:
-        await self._c("write_file", sandbox_id=sandbox_id, path=path, data=data, mode=mode, mkdirs=mkdirs)
-
-    async def list_dir(self, sandbox_id: str, path: str) -> builtins.list[FileEntry]:
-        return await self._c("list_dir", sandbox_id=sandbox_id, path=path)
-
-    async def remove_file(self, sandbox_id: str, path: str) -> None:
-        await self._c("remove_file", sandbox_id=sandbox_id, path=path)
-
-    async def pack_diff(self, sandbox_id: str, req: PackDiffRequest) -> ImageInfo:
-        return await self._c("pack_diff", sandbox_id=sandbox_id, req=req)
-
-    async def resolve_images(self, refs: builtins.list[tuple[str, str]]) -> builtins.list[ImageInfo]:
-        return await self._c("resolve_images", refs=refs)
+    """EdgeHandle over HTTP (see the module doc). Every verb but the tunnel is derived from the
+    protocol's declaration (below the class): a verb added to EdgeHandle needs no code here."""
 
     @asynccontextmanager
     async def port_connection(self, sandbox_id: str, port: int
@@ -266,6 +189,11 @@ class HttpEdge(_Rpc):
             await ws.close()
             if relay is not None:
                 relay.close()
+
+
+for _spec in EDGE_SPECS.values():
+    if _spec.kind != "tunnel":          # port_connection: the WebSocket relay above
+        setattr(HttpEdge, _spec.name, _verb(EdgeHandle, _spec))
 
 
 class HttpFnCall(_Rpc):

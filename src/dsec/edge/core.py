@@ -1,0 +1,130 @@
+"""Shared state of the edge and the lookups every part uses (backend by kind, capability
+checks, records by id); the constants of the edge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import logging
+import os
+from collections import Counter
+from dataclasses import dataclass
+from typing import TypeVar
+
+from dsec.backends.base import Backend
+from dsec.config import Paths
+from dsec.edge.admission import Admission
+from dsec.edge.deadlines import Deadlines
+from dsec.edge.live import LiveSandbox
+from dsec.edge.load import NodeLoad
+from dsec.edge.reclaim import Reclaimer
+from dsec.edge.warm_pool import WarmPools
+from dsec.edge.records import EdgeRecords, SandboxRecord
+from dsec.images.service import ImageService
+from dsec.images.stacks import Stacks
+from dsec.placement.locality import CacheSummary
+from dsec.types import (Conflict, InvalidArgument, NotFound, SandboxInfo, SandboxState, Unavailable)
+
+log = logging.getLogger("dsec.edge")
+
+LIVE = (SandboxState.creating, SandboxState.running, SandboxState.suspended, SandboxState.stopping)
+DISK_POLL_S = float(os.environ.get("DSEC_DISK_POLL_S", "10"))   # fallback quota check interval
+BULK_PARALLEL = 16        # parks/resumes of one bulk call at a time (each reclaims memory: I/O- and CPU-bound)
+PURGE_EVERY_S = 60.0      # ended records and what they left are forgotten at most this often
+MAX_WATCHES_PER_PROJECT = 256   # open directory watches of one project on this node (16 a sandbox: the agent's)
+# Warm pool sandboxes while they wait (warm_pool.py): the node's own, counted by admission at
+# this size; a claim gives them the claimer's limits.
+WARM_PROJECT = "system"
+WARM_LABEL = "dsec.warm-pool"
+WARM_CPU_CORES = 1.0
+WARM_MEMORY_MB = 256
+# Push a waiting one's memory to zram (~1 MiB: the agent) at the cost of its first command
+# faulting it back in; off by default: the pool exists for that first command's latency.
+WARM_RECLAIM = os.environ.get("DSEC_WARM_POOL_RECLAIM", "0") == "1"
+
+
+def _park_after(rec: SandboxRecord) -> int | None:
+    """Idle seconds after which the sandbox is parked (None: never)."""
+    return rec.args.suspend_idle_s
+Cap = TypeVar("Cap")
+
+
+@dataclass(frozen=True)
+class EdgeSettings:
+    node_id: str = "local"
+    reap_interval_s: float = 2.0
+    keep_ended_s: float = 24 * 3600      # stopped/failed records stay visible this long
+    max_parallel_creates: int = 4
+    services: tuple[str, ...] = ()       # backends served beside the edge on this node (e.g. "fncall")
+
+
+class EdgeCore:
+    """The state every part of the edge shares (set up by Edge.__init__), and the lookups
+    they all use. Each part (lifecycle.py, parking.py, execs.py ...) is a class over it; Edge
+    (edge.py) puts them together."""
+
+    paths: Paths
+    images: ImageService
+    stacks: Stacks
+    _backends: dict[str, Backend]
+    _unavailable: dict[str, tuple[str, str | None]]
+    settings: EdgeSettings
+    node_id: str
+    admission: Admission
+    records: EdgeRecords
+    _live: dict[str, LiveSandbox]
+    _dirty: set[str]
+    _create_slots: asyncio.Semaphore
+    _reaper: asyncio.Task[None] | None
+    _exit_tasks: set[asyncio.Task[None]]
+    _next_ping: dict[int, float]
+    _disk_next: float
+    _creating_keys: dict[tuple[str, str], asyncio.Task[SandboxInfo]]
+    _load: NodeLoad
+    _cached_images: CacheSummary
+    _deadlines: Deadlines
+    _purge_next: float
+    _watches: Counter[str]
+    _reclaimer: Reclaimer
+    _pools: WarmPools
+
+    @property
+    def backends(self) -> builtins.list[str]:
+        return list(self._backends) + list(self.settings.services)
+
+    def _distinct_backends(self) -> builtins.list[Backend]:
+        """Each backend object once (one VM driver serves two kinds)."""
+        return list({id(b): b for b in self._backends.values()}.values())
+
+    def _backend(self, kind: str) -> Backend:
+        b = self._backends.get(kind)
+        if b is None:
+            why, fix = self._unavailable.get(kind, (f"this node has no {kind!r} backend", None))
+            raise Unavailable(f"backend {kind!r} is not available on node {self.node_id}: {why}", field="backend",
+                              fix=fix or f"use a backend this node offers ({', '.join(self.backends)})")
+        return b
+
+    def _capability(self, rec: SandboxRecord, cap: type[Cap], verb: str) -> Cap:
+        """The sandbox's backend as `cap`, or the one error for a verb its backend lacks."""
+        b = self._backend(rec.backend)
+        if not isinstance(b, cap):
+            raise InvalidArgument(f"sandbox {rec.id}: backend {rec.backend!r} cannot {verb}", field="backend",
+                                  fix=b.instead.get(verb, f"use a sandbox of a backend that can {verb}"))
+        return b
+
+    def _record(self, sandbox_id: str) -> SandboxRecord:
+        live = self._live.get(sandbox_id)
+        rec = live.rec if live is not None else self.records.get(sandbox_id)
+        if rec is None:
+            raise NotFound(f"no sandbox {sandbox_id!r} on node {self.node_id}", field="sandbox_id",
+                           fix="list sandboxes with `dsec sandbox ls`; stopped ones are forgotten after a day")
+        return rec
+
+    def _running(self, sandbox_id: str) -> LiveSandbox:
+        rec = self._record(sandbox_id)
+        live = self._live.get(sandbox_id)
+        if rec.state != SandboxState.running or live is None:
+            raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}" + (f": {rec.error}" if rec.error else ""),
+                           field="sandbox_id", fix="create a new sandbox")
+        return live

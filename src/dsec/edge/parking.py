@@ -1,0 +1,158 @@
+"""Parking: suspend/resume (one and in bulk) and VM snapshots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from dsec.agent.client import AgentError
+from dsec.backends.base import (Hibernation, Parking, Snapshots)
+from dsec.edge.live import LiveSandbox
+from dsec.types import (BulkItem, DsecError, NotFound, SandboxInfo, SandboxState, SnapshotInfo, Unavailable, make_snapshot_id)
+from dsec.edge.core import (BULK_PARALLEL, EdgeCore, log)
+
+
+class ParkingVerbs(EdgeCore):
+    async def snapshot(self, sandbox_id: str) -> SnapshotInfo:
+        """Save a running sandbox so it can be restored as new sandboxes (`snapshot=` in its args)."""
+        live = self._running(sandbox_id)
+        snaps = self._capability(live.rec, Snapshots, "snapshot")
+        rec = live.rec
+        self._touch(rec)
+        snap_id = make_snapshot_id(self.node_id)
+        rec.in_flight += 1
+        try:
+            size = await snaps.snapshot(rec.id, snap_id, {"image": rec.image, "image_digest": rec.image_digest,
+                                                          "project": rec.project, "created_at": time.time()})
+        finally:
+            rec.in_flight -= 1
+        log.info("snapshot", extra={"sandbox": rec.id, "snapshot": snap_id, "bytes": size})
+        return await self.get_snapshot(snap_id)
+
+    def _snapshot_backends(self) -> builtins.list[Snapshots]:
+        return [b for b in self._distinct_backends() if isinstance(b, Snapshots)]
+
+    def _snapshot_info(self, r: dict[str, Any]) -> SnapshotInfo:
+        return SnapshotInfo(node=self.node_id, **{**r, "created_at": datetime.fromtimestamp(r["created_at"], timezone.utc)})
+
+    def _find_snapshot(self, snapshot_id: str) -> tuple[Snapshots, dict[str, Any]]:
+        """The backend holding the snapshot, and its record (file reads: call in a thread)."""
+        for b in self._snapshot_backends():
+            try:
+                return b, b.snapshot_record(snapshot_id)
+            except NotFound:
+                continue
+        raise NotFound(f"no snapshot {snapshot_id!r} on node {self.node_id}", field="snapshot_id",
+                       fix="use an id returned by Sandbox.snapshot(); list them with `dsec vm snapshot ls`")
+
+    async def get_snapshot(self, snapshot_id: str) -> SnapshotInfo:
+        _, record = await asyncio.to_thread(self._find_snapshot, snapshot_id)
+        return self._snapshot_info(record)
+
+    async def list_snapshots(self, project: str | None = None) -> builtins.list[SnapshotInfo]:
+        out: builtins.list[SnapshotInfo] = []
+        for b in self._snapshot_backends():
+            out += [self._snapshot_info(r) for r in await asyncio.to_thread(b.snapshot_records)
+                    if project is None or r["project"] == project]
+        return out
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        """Remove a snapshot. Sandboxes restored from it keep running and restoring: they hold
+        their own links to what they need of it."""
+        owner, _ = await asyncio.to_thread(self._find_snapshot, snapshot_id)
+        await owner.delete_snapshot(snapshot_id)
+        log.info("snapshot deleted", extra={"snapshot": snapshot_id})
+
+    async def suspend(self, sandbox_id: str) -> SandboxInfo:
+        """Park a sandbox: off the CPU, its memory freed, its state kept. Its next request (or
+        resume()) brings it back where it was, running commands included."""
+        live = self._running(sandbox_id)
+        parking = self._capability(live.rec, Parking, "suspend")
+        async with live.park_lock:
+            if live.rec.state != SandboxState.running:
+                return live.rec.info(self.node_id)
+            live.backend.unwatch_exit(live.id)    # parking stops its runtime on purpose
+            # tracked execs read the connection dropped below: let go of the running ones (the
+            # agent keeps their output; exec_follow/attach re-attach there after the resume)
+            for exec_id, t in list(live.commands.tracked.items()):
+                if not t.done and t.task is not None:
+                    del live.commands.tracked[exec_id]
+                    t.error = Unavailable(f"sandbox {live.id} was suspended while exec {exec_id} was followed; "
+                                          "it runs on", field="exec_id", fix="follow or attach it again")
+                    t.task.cancel()
+            to_disk = live.backend if isinstance(live.backend, Hibernation) and await self._quiescent_agent(live) else None
+            await live.drop_agent()
+            try:
+                size = await to_disk.hibernate(live.id) if to_disk is not None else None
+                if size is None:
+                    size = await parking.park(live.id)
+            except BaseException:
+                self._watch_exit(live)        # it runs on (a park that failed undoes itself)
+                raise
+            live.rec.state = SandboxState.suspended
+            self._load.update(live.rec, live=True)
+            self.records.set_state(live.id, SandboxState.suspended)
+        log.info("sandbox parked", extra={"sandbox": live.id, "bytes": size})
+        return live.rec.info(self.node_id)
+
+    async def _quiescent_agent(self, live: LiveSandbox) -> bool:
+        """Whether the sandbox may be parked to disk as far as the edge can tell: no request is
+        using it, and its agent keeps no exec (running, or finished with output nobody
+        collected: a fresh agent would not have it). The backend (Hibernation) then checks
+        that nothing but the agent runs in it."""
+        if live.execs or live.rec.in_flight:
+            return False
+        try:
+            return not await (await live.connect()).list_execs()
+        except (DsecError, OSError, AgentError):
+            return False
+
+    async def resume(self, sandbox_id: str) -> SandboxInfo:
+        """Bring a parked sandbox back (no-op for a running one)."""
+        rec = self._record(sandbox_id)
+        live = self._live.get(sandbox_id)
+        if live is None:
+            return rec.info(self.node_id)
+        async with live.park_lock:
+            if rec.state == SandboxState.suspended:
+                parking = self._capability(rec, Parking, "resume")
+                self.admission.admit(await self.status(), rec.cpu_cores, rec.memory_mb)
+                t0 = time.monotonic()
+                try:
+                    await parking.unpark(rec.id)
+                    await self._adopt_agent(live)
+                except DsecError as e:
+                    await self._fail(live, f"could not resume the parked sandbox: {e.message}")
+                    raise
+                rec.state = SandboxState.running
+                self._load.update(rec, live=True)
+                self.records.set_state(rec.id, SandboxState.running)
+                self._watch_exit(live)
+                self._schedule(rec)
+                log.info("sandbox resumed", extra={"sandbox": rec.id, "seconds": round(time.monotonic() - t0, 3)})
+        self._touch(rec)
+        return rec.info(self.node_id)
+
+    async def suspend_many(self, sandbox_ids: builtins.list[str]) -> builtins.list[BulkItem]:
+        """Park many at once (trainer preemption), BULK_PARALLEL at a time; each one's outcome."""
+        return await self._bulk(sandbox_ids, self.suspend)
+
+    async def resume_many(self, sandbox_ids: builtins.list[str]) -> builtins.list[BulkItem]:
+        return await self._bulk(sandbox_ids, self.resume)
+
+    async def _bulk(self, sandbox_ids: builtins.list[str], verb: Any) -> builtins.list[BulkItem]:
+        slots = asyncio.Semaphore(BULK_PARALLEL)
+
+        async def one(sid: str) -> BulkItem:
+            async with slots:
+                try:
+                    info = await verb(sid)
+                    return BulkItem(id=sid, state=info.state)
+                except DsecError as e:
+                    live = self._live.get(sid)
+                    return BulkItem(id=sid, state=live.rec.state if live is not None else None, error=e.message)
+        return builtins.list(await asyncio.gather(*(one(s) for s in sandbox_ids)))

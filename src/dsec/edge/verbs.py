@@ -1,0 +1,69 @@
+"""Verbs only some backends have (capabilities): network policy, layer diffs, the VM console.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+
+from dsec.backends.base import (Console, Egress, LayerDiff)
+from dsec.types import (DEFAULT_SCRUB, Conflict, ImageInfo,
+                        NetworkPolicy, PackDiffRequest, SandboxInfo)
+from dsec.edge.core import (EdgeCore, log)
+
+
+class CapabilityVerbs(EdgeCore):
+    async def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo:
+        """Replace a running sandbox's egress policy; new connections see it immediately."""
+        live = self._running(sandbox_id)
+        egress = self._capability(live.rec, Egress, "set_network")
+        async with live.net_lock:
+            try:
+                await egress.set_network(live.id, policy)
+            except FileNotFoundError as e:   # stopped (or died) under us
+                raise Conflict(f"sandbox {live.id} is {live.rec.state.value}", field="sandbox_id",
+                               fix="create a new sandbox") from e
+            live.rec.args = live.rec.args.model_copy(update={"network": policy})
+            self.records.set_args(live.id, live.rec.args)
+        self._touch(live.rec)
+        log.info("network policy replaced", extra={"sandbox": live.id, "rules": len(policy.rules)})
+        return live.rec.info(self.node_id)
+
+    async def pack_diff(self, sandbox_id: str, req: PackDiffRequest) -> ImageInfo:
+        """The sandbox's writable changes (additions, modifications, whiteouts, opaque dirs),
+        minus the scrub list, as a new workspace layer stacked on the workspace the sandbox
+        started from."""
+        live = self._running(sandbox_id)
+        diff = self._capability(live.rec, LayerDiff, "pack_diff")
+        rec = live.rec
+        self._touch(rec)
+        workspace = getattr(rec.args, "workspace", None)
+        parents = [await self.stacks.resolve(workspace, "workspace")] if workspace else []
+        scrub = list(DEFAULT_SCRUB if req.scrub is None else req.scrub)
+        rec.in_flight += 1      # not reaped while packing
+        try:
+            # the node's heavy-work lane (bounded, own threads): creations never queue behind it
+            async with self.images.heavy.slot(rec.project), diff.frozen_upper(rec.id) as upper:
+                disk_mb = getattr(rec.args, "disk_mb", None)   # a layer is bounded by its sandbox's quota
+                info = await self.images.heavy.run(
+                    self.images.pack_upper, req.name, upper.path, parents=parents, scrub=scrub,
+                    source=f"pack_diff:{rec.id}:base={rec.image_digest}", replace=req.replace, map_id=upper.map_id,
+                    max_bytes=disk_mb << 20 if disk_mb else None, owner=rec.project)
+        finally:
+            rec.in_flight -= 1
+            self._touch(rec)
+        self.stacks.forget(req.name)
+        log.info("pack_diff", extra={"sandbox": rec.id, "layer": req.name, "digest": info.digest})
+        return info
+
+    async def resolve_images(self, refs: builtins.list[tuple[str, str]]) -> builtins.list[ImageInfo]:
+        """The image each (field, name) means on this node, owner included, as a create here
+        would resolve it (the same cache); NotFound naming the field for a missing one. An
+        apiserver without the node's registry checks tenancy with it (control._place)."""
+        return [await self.stacks.resolve(name, field) for field, name in refs]
+
+    async def console(self, sandbox_id: str, tail: int = 65536) -> bytes:
+        """The end of a sandbox's console log (kept while the record is, failed ones included)."""
+        rec = self._record(sandbox_id)
+        console = self._capability(rec, Console, "console")
+        return await asyncio.to_thread(console.console, rec.id, tail)

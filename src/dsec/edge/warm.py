@@ -1,0 +1,97 @@
+"""The edge's hooks for warm pools (warm_pool.py, docs/decisions.md D28): what a pool
+sandbox is, how one is started, claimed, given back and dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Hashable
+from typing import Any
+
+from dsec.backends.base import (Backend, Prepared, Reclaim)
+from dsec.backends.warm import WarmClaim
+from dsec.edge.warm_pool import ENV as WARM_ENV
+from dsec.edge.warm_pool import PoolTarget, WarmSandbox, parse_targets
+from dsec.edge.records import SandboxRecord
+from dsec.types import (MAX_TTL_S, ContainerArgs, DsecError, InvalidArgument, SandboxState, make_sandbox_id)
+from dsec.edge.core import (WARM_PROJECT, WARM_LABEL, WARM_CPU_CORES, WARM_MEMORY_MB, WARM_RECLAIM, EdgeCore, log)
+
+
+class WarmHooks(EdgeCore):
+    def _take_warm(self, backend: Backend, prepared: Prepared) -> WarmSandbox | None:
+        """An idle pool sandbox for this request (its agent still connected), or None."""
+        if not isinstance(backend, WarmClaim):
+            return None
+        key = backend.warm_key(prepared)
+        while (w := self._pools.take(key)) is not None:
+            if not w.agent.closed:
+                return w
+            task = asyncio.create_task(self._warm_drop(w), name=f"warm-drop-{w.id}")   # died while waiting
+            self._exit_tasks.add(task)
+            task.add_done_callback(self._exit_tasks.discard)
+        return None
+
+    def _give_back_warm(self, warm: WarmSandbox | None) -> None:
+        if warm is not None:
+            self._load.update(warm.rec, live=True)
+            self._pools.give_back(warm)
+
+    def _warm_args(self, t: PoolTarget) -> ContainerArgs:
+        # memory_mb 256: the agent's retained-output bound and /dev/shm are then those of any
+        # request of 256 MiB or more (claim.py); limits are the claimer's from the claim on
+        return ContainerArgs(image=t.image, cpu_cores=WARM_CPU_CORES, memory_mb=WARM_MEMORY_MB,
+                             ttl_idle_s=MAX_TTL_S, labels={WARM_LABEL: t.image})
+
+    async def _warm_prepared(self, t: PoolTarget) -> tuple[Backend, Prepared, Hashable | None]:
+        backend = self._backend("container")
+        prepared = await backend.prepare(self._warm_args(t), self.stacks)
+        key = backend.warm_key(prepared) if isinstance(backend, WarmClaim) else None
+        return backend, prepared, key
+
+    async def _warm_key_of(self, t: PoolTarget) -> Hashable | None:
+        return (await self._warm_prepared(t))[2]
+
+    async def _warm_start(self, t: PoolTarget) -> WarmSandbox:
+        """Start one idle pool sandbox: prepared, admitted and counted like any other (as the
+        node's own), no record (a cache: orphans after a crash, destroyed at the next start)."""
+        backend, prepared, key = await self._warm_prepared(t)
+        if key is None:
+            raise InvalidArgument(f"image {t.image!r} cannot have a warm pool on node {self.node_id}",
+                                  field=WARM_ENV, fix="use a container image")
+        args = prepared.args
+        self.admission.admit(await self.status(), args.cpu_cores, args.memory_mb)
+        now = time.time()
+        rec = SandboxRecord(id=make_sandbox_id(self.node_id), project=WARM_PROJECT, backend=args.backend,
+                            state=SandboxState.running, args=args, image=args.image,
+                            image_digest=prepared.image_digest, uid=prepared.uid, gid=prepared.gid,
+                            created_at=now, last_active_at=now)
+        self._load.update(rec, live=True)
+        try:
+            await backend.create(rec.id, prepared, self.stacks)
+            agent = await backend.wait_agent(rec.id)
+        except BaseException:
+            self._load.update(rec, live=False)
+            await asyncio.shield(backend.destroy(rec.id))
+            raise
+        if WARM_RECLAIM and isinstance(backend, Reclaim):   # cheap while it waits: what the agent touched goes to zram
+            try:
+                await backend.reclaim(rec.id)
+            except DsecError as e:
+                log.debug("could not reclaim a warm sandbox's memory", extra={"sandbox": rec.id, "error": e.message})
+        log.info("warm sandbox ready", extra={"sandbox": rec.id, "image": t.image})
+        return WarmSandbox(rec=rec, key=key, backend=backend, agent=agent)
+
+    async def _warm_drop(self, w: WarmSandbox) -> None:
+        self._load.update(w.rec, live=False)
+        await w.agent.close()
+        await w.backend.destroy(w.id)
+
+    async def warm_pools(self) -> dict[str, Any]:
+        """The node's warm pools: per image its size, idle and starting sandboxes, last error."""
+        return self._pools.status()
+
+    async def set_warm_pools(self, spec: str) -> dict[str, Any]:
+        """Reconfigure the pools ('image:size,...'; '' for none); refilled or drained in the background."""
+        self._pools.set_targets(parse_targets(spec, field="pools"))
+        return self._pools.status()

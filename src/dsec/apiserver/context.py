@@ -73,6 +73,16 @@ class FnCallHandle(Protocol):
 
 
 @dataclass
+class ApiRuntime:
+    """What the apiserver keeps between requests (one per ApiContext)."""
+
+    reconcile_lock: asyncio.Lock = field(default_factory=asyncio.Lock)   # quotas.reconcile, one at a time
+    reconciled_at: float = 0.0                                          # ... and when it last ran
+    # the sandbox index's writer, an index.IndexKeeper (typed loosely: index.py imports this module)
+    index_keeper: Any = None
+
+
+@dataclass
 class ApiContext:
     iam: IAM
     edges: Mapping[str, EdgeHandle]
@@ -80,7 +90,7 @@ class ApiContext:
     placer: Placer
     images: ImageService | None = None
     fncall: Mapping[str, FnCallHandle] = field(default_factory=dict)   # node -> its FnCall service
-    extra: dict[str, Any] = field(default_factory=dict)
+    runtime: ApiRuntime = field(default_factory=ApiRuntime)
 
     def edge_for(self, sandbox_id: str) -> EdgeHandle:
         node = node_of(sandbox_id)

@@ -1,6 +1,7 @@
 """The control-plane steps every API front (dsec's own routes, the E2B routes) shares: which
-sandboxes a caller may reach, creation bounded by the project's policy and quota and placed on
-a node, and the policy check of commands that loosen something."""
+sandboxes and snapshots a caller may reach, creation bounded by the project's policy and quota
+and placed on a node, and every other policy decision (commands that loosen something, network
+policy changes). Routes decide nothing themselves."""
 
 from __future__ import annotations
 
@@ -12,12 +13,11 @@ from dsec.apiserver.context import ApiContext, EdgeHandle
 from dsec.apiserver.index import keeper
 from dsec.apiserver.tenancy import check_usable, check_usable_on
 from dsec.iam import Principal
-from dsec.iam.policy import check_create, is_root
-from dsec.types import (CapacityExceeded, DsecError, ExecRequest, NodeUnreachable, NotFound, SandboxArgs,
-                        SandboxInfo)
+from dsec.iam.policy import check_create, check_network, is_root
+from dsec.types import (CapacityExceeded, DsecError, ExecRequest, NetworkPolicy, NodeUnreachable, NotFound, SandboxArgs,
+                        SandboxInfo, node_of_snapshot)
 
-PLACEMENT_TRIES = 3
-
+PLACEMENT_TRIES = 3      # nodes tried in turn when the chosen one refuses at its own final check
 
 log = logging.getLogger("dsec.apiserver")
 
@@ -38,11 +38,31 @@ async def owned_edge(ctx: ApiContext, sandbox_id: str, who: Principal) -> EdgeHa
     return (await owned(ctx, sandbox_id, who))[0]
 
 
+async def owned_snapshot(ctx: ApiContext, snapshot_id: str, who: Principal, field: str = "snapshot_id") -> EdgeHandle:
+    """The edge holding a snapshot the caller's project (or an ancestor) took; others' look missing."""
+    node = node_of_snapshot(snapshot_id)
+    edge = ctx.edges.get(node)
+    missing = NotFound(f"no snapshot {snapshot_id!r}", field=field,
+                       fix="use an id returned by Sandbox.snapshot(); list them with `dsec vm snapshot ls`")
+    if edge is None:
+        raise missing
+    try:
+        info = await edge.get_snapshot(snapshot_id)
+    except NotFound:
+        raise missing from None
+    if not ctx.iam.can_access(who, info.project):
+        raise missing          # a snapshot holds a guest's memory: other projects never reach it
+    return edge
+
+
 async def create_sandbox(ctx: ApiContext, who: Principal, args: SandboxArgs) -> SandboxInfo:
     """Create on the least-loaded node that admits it, bounded by the project's policy and
-    its (and every ancestor's) quota; other projects' layers look missing. (A restore from a
-    snapshot goes to the snapshot's node: the caller runs it through create_on.)"""
+    its (and every ancestor's) quota; other projects' layers look missing. A restore from a
+    snapshot goes to the snapshot's node."""
     check_create(ctx.iam.effective_policy(who.project_id), args, who.project_id)
+    snapshot = getattr(args, "snapshot", None)
+    if snapshot:
+        return await create_on(ctx, await owned_snapshot(ctx, snapshot, who, field="snapshot"), who, args)
     image: str | None = None      # its digest: placement prefers nodes that hold it (D34)
     if ctx.images is not None:
         image = check_usable(ctx.iam, ctx.images, who, args)[0].digest
@@ -64,6 +84,14 @@ async def _indexed(ctx: ApiContext, who: Principal, args: SandboxArgs,
     info = await (idempotent.once(ctx, who.project_id, key, create) if key else create())
     keeper(ctx).created(info)
     return info
+
+
+async def set_network(ctx: ApiContext, edge: EdgeHandle, sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo:
+    """Replace a running sandbox's egress policy, within its project's policy (the sandbox's
+    project, which may be a sub-project of the caller's)."""
+    project = (await edge.get(sandbox_id)).project
+    check_network(ctx.iam.effective_policy(project), policy, project, prefix="")
+    return await edge.set_network(sandbox_id, policy)
 
 
 async def stop_sandbox(ctx: ApiContext, edge: EdgeHandle, sandbox_id: str,

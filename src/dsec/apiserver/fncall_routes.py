@@ -33,7 +33,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from dsec.apiserver.guard import RUN_CODE_AUTH_FIX, principal_of, request_key
+from dsec.apiserver.deps import caller, is_admin
+from dsec.apiserver.guard import RUN_CODE_AUTH_FIX
 from dsec.apiserver.sf_jupyter import RunJupyterRequest, RunJupyterResponse, run_jupyter
 from dsec.apiserver.sf_jupyter import sandbox_error as jupyter_sandbox_error
 from dsec.apiserver.sf_keypath import PathKeyMiddleware
@@ -161,10 +162,6 @@ def add_fncall_routes(app: FastAPI, ctx: "ApiContext") -> None:
     # /run_code with a Bearer key, never a key in the path
     app.add_middleware(PathKeyMiddleware)
 
-    def principal(request: Request) -> Principal:
-        # the guard (guard.py) authenticated it before the body was read; the key may be ?api_key=
-        return principal_of(request) or ctx.iam.authenticate(request_key(request))
-
     def nodes_for(req: FnCallRequest) -> list[str]:
         healthy = [n.node_id for n in ctx.watcher.nodes()
                    if n.healthy and "fncall" in n.backends and n.node_id in ctx.fncall]
@@ -190,7 +187,7 @@ def add_fncall_routes(app: FastAPI, ctx: "ApiContext") -> None:
     @app.post("/v1/fncall", response_model=FnCallResult, tags=["fncall"])
     async def fncall(req: FnCallRequest, request: Request) -> FnCallResult:
         """Run one short stateless program in a warm container."""
-        return await run_one(req, principal(request))
+        return await run_one(req, caller(request))
 
     @app.post("/v1/fncall/batch", tags=["fncall"],
               responses={200: {"content": {"application/x-ndjson": {}},
@@ -198,7 +195,7 @@ def add_fncall_routes(app: FastAPI, ctx: "ApiContext") -> None:
     async def fncall_batch(batch: FnCallBatch, request: Request) -> StreamingResponse:
         """Run many calls; each result is one NDJSON line as soon as it is ready. A call that
         cannot run reports status sandbox-error; it never fails the batch."""
-        who = principal(request)
+        who = caller(request)
 
         async def one(i: int, req: FnCallRequest) -> FnCallBatchItem:
             try:
@@ -228,7 +225,7 @@ def add_fncall_routes(app: FastAPI, ctx: "ApiContext") -> None:
     async def fncall_pools(request: Request) -> list[dict]:
         """Warm pools per node: workers, idle, starting, waiting callers, calls served (the
         counts of calls, node-wide and so of every project, for an admin key only)."""
-        admin = principal(request).project_id == ctx.iam.root().id
+        admin = is_admin(ctx, caller(request))
         out = []
         for node, service in ctx.fncall.items():
             out += [{"node": node, **{k: v for k, v in p.items() if admin or k != "calls"}}
@@ -238,7 +235,7 @@ def add_fncall_routes(app: FastAPI, ctx: "ApiContext") -> None:
     @app.post("/run_jupyter", response_model=RunJupyterResponse, tags=["fncall"])
     async def run_jupyter_route(req: RunJupyterRequest, request: Request) -> RunJupyterResponse:
         """SandboxFusion-compatible: cells run in order in one Jupyter kernel of a fresh sandbox."""
-        who = principal(request)
+        who = caller(request)
         try:
             return await run_jupyter(ctx, who, req)
         except InvalidArgument:
@@ -249,14 +246,14 @@ def add_fncall_routes(app: FastAPI, ctx: "ApiContext") -> None:
     @app.get("/v1/ping", tags=["fncall"])
     async def ping(request: Request) -> str:
         """SandboxFusion's liveness check."""
-        principal(request)
+        caller(request)
         return "pong"
 
     @app.post("/run_code", response_model=RunCodeResponse, tags=["fncall"])
     async def run_code(req: RunCodeRequest, request: Request) -> RunCodeResponse:
         """SandboxFusion-compatible: what verl's sandbox_fusion tool and reward code call."""
         try:
-            who = principal(request)
+            who = caller(request)
         except Unauthorized as e:
             raise Unauthorized(e.message, field=e.field, fix=RUN_CODE_AUTH_FIX) from None
         try:

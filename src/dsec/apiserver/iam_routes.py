@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, Query, Request, Response
+from fastapi import FastAPI, Query, Response
 
+from dsec.apiserver.deps import Who
 from dsec.apiserver import quotas
 from dsec.apiserver.context import ApiContext
-from dsec.apiserver.guard import principal_of, request_key
 from dsec.iam import ApiKeyInfo, Principal, Project
 from dsec.iam.store import DEFAULT_ROTATION_GRACE_S, MAX_ROTATION_GRACE_S
 from dsec.sdk.iam_types import (KeyInfo, KeyList, NewKey, ProjectCreate, ProjectInfo, ProjectList, QuotaInfo,
@@ -23,13 +23,6 @@ from dsec.sdk.iam_types import (KeyInfo, KeyList, NewKey, ProjectCreate, Project
 from dsec.types import Conflict, NotFound
 
 PROJECT_FIX = "check the id and API key; list your projects with `dsec project ls`"
-
-
-def _principal(request: Request) -> Principal:
-    return principal_of(request) or request.app.state.ctx.iam.authenticate(request_key(request))
-
-
-Who = Annotated[Principal, Depends(_principal)]
 
 
 def _project(p: Project) -> ProjectInfo:

@@ -31,10 +31,11 @@ from typing import TYPE_CHECKING, Annotated, Callable, Literal
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import StreamingResponse
 
-from dsec.apiserver.guard import IMAGE_BODY_BYTES, principal_of, request_key
+from dsec.apiserver.deps import admin_only, caller, is_admin
+from dsec.apiserver.guard import IMAGE_BODY_BYTES
 from dsec.apiserver.tenancy import visible
 from dsec.iam import Principal
-from dsec.types import (NAME_RE, DsecError, ErrorDetail, Forbidden, ImageBuildResult, ImageConfig, ImageInfo,
+from dsec.types import (NAME_RE, DsecError, ErrorDetail, ImageBuildResult, ImageConfig, ImageInfo,
                         ImageProgress, ImagePullRequest, InternalError, InvalidArgument, NotFound, Unavailable)
 
 if TYPE_CHECKING:
@@ -100,21 +101,13 @@ def _ndjson(images: "ImageService", work: Path, project: str,
 
 
 def add_image_routes(app: FastAPI, ctx: "ApiContext") -> None:
-    def principal(request: Request) -> Principal:
-        return principal_of(request) or ctx.iam.authenticate(request_key(request))
-
     def services() -> "ImageService":
         if ctx.images is None:
             raise Unavailable("this apiserver has no image registry attached")
         return ctx.images
 
     def owner_of(who: Principal) -> str | None:
-        return None if who.project_id == ctx.iam.root().id else who.project_id
-
-    def admin_only(who: Principal, what: str, field: str) -> None:
-        if owner_of(who) is not None:
-            raise Forbidden(f"only an admin (a key of the root project) may {what}", field=field,
-                            fix="leave it off, or ask an admin")
+        return None if is_admin(ctx, who) else who.project_id
 
     async def upload(request: Request, images: "ImageService", who: Principal) -> tuple[Path, "UploadHold"]:
         """The body, streamed to a work dir under DSEC_HOME/build; its bytes (and later what it
@@ -147,7 +140,7 @@ def add_image_routes(app: FastAPI, ctx: "ApiContext") -> None:
                           timeout_s: Annotated[float, Query(gt=0, le=7200)] = 1800) -> StreamingResponse:
         """Build the Dockerfile in the uploaded context (a tar) with buildah; RUN steps run
         unprivileged in a user namespace without network (network=true is refused)."""
-        who = principal(request)
+        who = caller(request)
         images = services()
         if network:
             # buildah runs in a network namespace of its own (images/build_jail.py): a build
@@ -180,7 +173,7 @@ def add_image_routes(app: FastAPI, ctx: "ApiContext") -> None:
                            ref: Annotated[str | None, Query(max_length=255)] = None,
                            replace: bool = False) -> StreamingResponse:
         """Import an uploaded OCI layout (as a tar) or `docker save` archive."""
-        who = principal(request)
+        who = caller(request)
         images = services()
         owner = owner_of(who)
         _check_replace(images, name, replace, owner)
@@ -204,9 +197,9 @@ def add_image_routes(app: FastAPI, ctx: "ApiContext") -> None:
                                "description": "ImageProgress lines, the last with result or error"}})
     async def pull_image(request: Request, req: ImagePullRequest) -> StreamingResponse:
         """Admin only: pull from a registry the node reaches (skopeo), then import."""
-        who = principal(request)
+        who = caller(request)
         images = services()
-        admin_only(who, "pull images from registries (the node's egress)", "ref")
+        admin_only(ctx, who, "pull images from registries (the node's egress)", "ref")
         base = images.paths.home / "build"
         base.mkdir(parents=True, exist_ok=True)
         work = Path(tempfile.mkdtemp(prefix="pull-", dir=base))
@@ -219,7 +212,7 @@ def add_image_routes(app: FastAPI, ctx: "ApiContext") -> None:
     @app.get("/v1/images/{name}/config", response_model=ImageConfig)
     async def get_image_config(request: Request, name: str) -> ImageConfig:
         """The ENV/WORKDIR/USER/CMD a Dockerfile gave the image (empty for other images)."""
-        who = principal(request)
+        who = caller(request)
         images = services()
         info = images.get(name)
         if not visible(ctx.iam, who, info):

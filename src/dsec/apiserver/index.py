@@ -33,7 +33,6 @@ log = logging.getLogger("dsec.apiserver.index")
 BATCH_S = 0.05
 SYNC_MIN_S = 1.0
 KEEP_ENDED_S = 86400.0      # ended rows are pruned after a day (listing with include_ended asks the edges)
-_KEY = "sandbox_index_keeper"
 
 
 def sync_s() -> float:
@@ -173,7 +172,7 @@ class IndexKeeper:
 
 def keeper(ctx: "ApiContext") -> IndexKeeper:
     """The apiserver's keeper (one per ApiContext, made on first use)."""
-    k = ctx.extra.get(_KEY)
+    k = ctx.runtime.index_keeper
     if k is None:
-        k = ctx.extra[_KEY] = IndexKeeper(ctx)
+        k = ctx.runtime.index_keeper = IndexKeeper(ctx)
     return k

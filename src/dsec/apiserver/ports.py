@@ -32,15 +32,15 @@ from typing import Annotated, Any
 from urllib.parse import quote
 
 import h11
-from fastapi import Depends, FastAPI, Request, WebSocket
+from fastapi import FastAPI, Request, WebSocket
 from fastapi import Path as PathParam
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
+from dsec.apiserver.deps import Who
 from dsec.apiserver.control import owned_edge
 from dsec.apiserver.context import ApiContext, EdgeHandle
-from dsec.apiserver.guard import principal_of, request_key
 from dsec.iam import Principal
 from dsec.types import BadGateway, DsecError, GatewayTimeout, InvalidArgument, Unauthorized
 
@@ -441,12 +441,6 @@ async def proxy_websocket(websocket: WebSocket, edge: EdgeHandle, sandbox_id: st
 
 
 # -- routes ----------------------------------------------------------------------------------
-def _principal(request: Request) -> Principal:
-    """Who the guard authenticated (as app.py's routes do)."""
-    return principal_of(request) or request.app.state.ctx.iam.authenticate(request_key(request))
-
-
-Who = Annotated[Principal, Depends(_principal)]
 Port = Annotated[int, PathParam(ge=1, le=65535, description="a TCP port inside the sandbox")]
 
 

@@ -25,7 +25,6 @@ from dsec.types import SandboxInfo, node_of
 log = logging.getLogger("dsec.apiserver.quotas")
 
 RECONCILE_MIN_S = 0.5
-_LOCK, _LAST = "quota_reconcile_lock", "quota_reconciled_at"
 
 
 async def reserve(ctx: ApiContext, project: str, args: Any) -> str:
@@ -61,15 +60,14 @@ async def ended(ctx: ApiContext, sandbox_id: str) -> None:
 async def reconcile(ctx: ApiContext, since: float = 0.0) -> bool:
     """Release reservations of sandboxes no edge has any more. True if that may have freed
     quota since `since` (a reconcile ran after it: worth trying again)."""
-    lock = ctx.extra.setdefault(_LOCK, asyncio.Lock())
-    async with lock:
-        last = float(ctx.extra.get(_LAST, 0.0))
+    async with ctx.runtime.reconcile_lock:
+        last = ctx.runtime.reconciled_at
         if last >= since and since:
             return True                       # another caller reconciled after our refusal
         if time.time() - last < RECONCILE_MIN_S:
             return False
         t0 = time.time()
-        ctx.extra[_LAST] = t0
+        ctx.runtime.reconciled_at = t0
         held = await asyncio.to_thread(ctx.iam.quotas.held, t0)
         # every node at once, each within the listing deadline (fanout.py, D38); a node that
         # did not answer keeps its sandboxes' quota

@@ -10,14 +10,14 @@ is the node's capacity spent ahead of demand.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
-from dsec.apiserver.guard import principal_of, request_key
+from dsec.apiserver.deps import Who, admin_only
 from dsec.iam import Principal
-from dsec.types import Forbidden, NotFound
+from dsec.types import NotFound
 
 if TYPE_CHECKING:
     from dsec.apiserver.context import ApiContext
@@ -33,18 +33,9 @@ class WarmPoolConfig(BaseModel):
     pools: str = Field(max_length=4096, description="comma-separated image:size, e.g. 'debian-python:8,busybox:4'")
 
 
-def _principal(request: Request) -> Principal:
-    return principal_of(request) or request.app.state.ctx.iam.authenticate(request_key(request))
-
-
-Who = Annotated[Principal, Depends(_principal)]
-
-
 def add_warm_pool_routes(app: FastAPI, ctx: "ApiContext") -> None:
     def edge_of(node: str, who: Principal) -> WarmPoolHandle:
-        if who.project_id != ctx.iam.root().id:
-            raise Forbidden("only an admin (a key of the root project) sees or sets a node's warm pools",
-                            field="node", fix="ask an admin")
+        admin_only(ctx, who, "see or set a node's warm pools", "node", fix="ask an admin")
         edge = ctx.edges.get(node)
         if edge is None or not hasattr(edge, "warm_pools"):
             raise NotFound(f"no node {node!r} with warm pools", field="node",

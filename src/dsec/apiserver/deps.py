@@ -1,0 +1,50 @@
+"""What every route of dsec's own API shares: who is calling, the apiserver's context, the
+common parameter types, and the sandbox/snapshot lookups that hide other projects' ids.
+
+One definition each: a router declares `who: Who, ctx: Ctx` and gets both (the guard
+authenticated the key from the headers before the body was read; apiserver/guard.py).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Query, Request
+from fastapi import Path as PathParam
+
+from dsec.apiserver import control
+from dsec.apiserver.context import ApiContext, EdgeHandle
+from dsec.apiserver.guard import principal_of, request_key
+from dsec.iam import Principal
+from dsec.types import Forbidden
+
+
+def context(request: Request) -> ApiContext:
+    return request.app.state.ctx
+
+
+def caller(request: Request) -> Principal:
+    """Who the guard authenticated (`Authorization: Bearer <key>`), or the key authenticated now."""
+    return principal_of(request) or context(request).iam.authenticate(request_key(request))
+
+
+# FastAPI resolves these (string) annotations in the routers' module globals: import them by name.
+Ctx = Annotated[ApiContext, Depends(context)]
+Who = Annotated[Principal, Depends(caller)]
+Path_ = Annotated[str, Query(min_length=1, max_length=4096, description="path inside the sandbox")]
+ExecId = Annotated[str, PathParam(pattern=r"^[0-9]{1,10}$", description="the exec_id from run/stream")]
+
+
+def is_admin(ctx: ApiContext, who: Principal) -> bool:
+    """A key of the root project."""
+    return who.project_id == ctx.iam.root().id
+
+
+def admin_only(ctx: ApiContext, who: Principal, what: str, field: str, fix: str = "leave it off, or ask an admin") -> None:
+    if not is_admin(ctx, who):
+        raise Forbidden(f"only an admin (a key of the root project) may {what}", field=field, fix=fix)
+
+
+async def owned(ctx: ApiContext, sandbox_id: str, who: Principal) -> EdgeHandle:
+    """The edge of a sandbox the caller's project (or an ancestor) owns; others' look missing."""
+    return await control.owned_edge(ctx, sandbox_id, who)

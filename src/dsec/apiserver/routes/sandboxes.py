@@ -1,0 +1,98 @@
+"""Sandboxes: create, list, get, stop; network policy, timeout, console; parking (one and in bulk); layer diffs."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Body, Query
+from fastapi.responses import Response
+
+from dsec.apiserver import control, listing
+from dsec.apiserver.deps import Ctx, Who, owned
+from dsec.iam import Principal
+from dsec.apiserver.context import ApiContext
+from dsec.types import (BulkResult, BulkSelector, ImageInfo, NetworkPolicy, PackDiffRequest, SandboxArgs, SandboxInfo,
+                        SandboxList)
+
+router = APIRouter()
+
+
+@router.post("/v1/sandboxes", status_code=201, response_model=SandboxInfo)
+async def create_sandbox(args: Annotated[SandboxArgs, Body()], who: Who, ctx: Ctx) -> SandboxInfo:
+    """Create a sandbox; `backend` picks the argument type: container (default), microvm, vm."""
+    return await control.create_sandbox(ctx, who, args)
+
+
+@router.get("/v1/sandboxes", response_model=SandboxList)
+async def list_sandboxes(who: Who, ctx: Ctx, include_ended: bool = False) -> SandboxList:
+    """The caller's sandboxes on every node; a node that does not answer within seconds is
+    named in `unreachable_nodes` and its sandboxes listed as last indexed (listing.py)."""
+    return await listing.list_sandboxes(ctx, who, include_ended)
+
+
+@router.get("/v1/sandboxes/{sandbox_id}", response_model=SandboxInfo)
+async def get_sandbox(sandbox_id: str, who: Who, ctx: Ctx) -> SandboxInfo:
+    edge = await owned(ctx, sandbox_id, who)
+    return await edge.get(sandbox_id, usage=True)
+
+
+@router.delete("/v1/sandboxes/{sandbox_id}", response_model=SandboxInfo)
+async def stop_sandbox(sandbox_id: str, who: Who, ctx: Ctx) -> SandboxInfo:
+    edge = await owned(ctx, sandbox_id, who)
+    return await control.stop_sandbox(ctx, edge, sandbox_id)
+
+
+@router.put("/v1/sandboxes/{sandbox_id}/network", response_model=SandboxInfo)
+async def set_network(sandbox_id: str, policy: NetworkPolicy, who: Who, ctx: Ctx) -> SandboxInfo:
+    """Replace the egress policy of a running sandbox (effective for new connections at once)."""
+    return await control.set_network(ctx, await owned(ctx, sandbox_id, who), sandbox_id, policy)
+
+
+@router.get("/v1/sandboxes/{sandbox_id}/console", response_class=Response)
+async def console(sandbox_id: str, who: Who, ctx: Ctx,
+                  tail: Annotated[int, Query(ge=1, le=1 << 20)] = 65536) -> Response:
+    """VM sandboxes: the last `tail` bytes of the guest's serial console (kernel messages,
+    init errors), also after the VM failed."""
+    edge = await owned(ctx, sandbox_id, who)
+    return Response(await edge.console(sandbox_id, tail), media_type="text/plain; charset=utf-8")
+
+
+# before /v1/sandboxes/{sandbox_id}/...: "bulk" is not a sandbox id
+
+async def bulk(ctx: ApiContext, sel: BulkSelector, who: Principal, verb: str) -> BulkResult:
+    """The caller's sandboxes with all of sel.labels, on every node, through each edge's bulk
+    verb; those of a node that does not answer come back with an error naming it."""
+    return await listing.bulk(ctx, who, dict(sel.labels), verb)
+
+
+@router.post("/v1/sandboxes/bulk/suspend", response_model=BulkResult)
+async def suspend_many(sel: BulkSelector, who: Who, ctx: Ctx) -> BulkResult:
+    """Park every one of the caller's sandboxes that has all these labels (e.g. a trainer's
+    job, on preemption); each one's outcome. Parked ones resume on their next request."""
+    return await bulk(ctx, sel, who, "suspend_many")
+
+
+@router.post("/v1/sandboxes/bulk/resume", response_model=BulkResult)
+async def resume_many(sel: BulkSelector, who: Who, ctx: Ctx) -> BulkResult:
+    return await bulk(ctx, sel, who, "resume_many")
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/suspend", response_model=SandboxInfo)
+async def suspend(sandbox_id: str, who: Who, ctx: Ctx) -> SandboxInfo:
+    """Park the sandbox (a VM saved to disk, a container frozen with its memory pushed to
+    compressed swap); the next request to it resumes it."""
+    edge = await owned(ctx, sandbox_id, who)
+    return await edge.suspend(sandbox_id)
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/resume", response_model=SandboxInfo)
+async def resume(sandbox_id: str, who: Who, ctx: Ctx) -> SandboxInfo:
+    edge = await owned(ctx, sandbox_id, who)
+    return await edge.resume(sandbox_id)
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/pack_diff", status_code=201, response_model=ImageInfo)
+async def pack_diff(sandbox_id: str, req: PackDiffRequest, who: Who, ctx: Ctx) -> ImageInfo:
+    """Snapshot the sandbox's writable changes as a new workspace layer NAME@VERSION."""
+    edge = await owned(ctx, sandbox_id, who)
+    return await edge.pack_diff(sandbox_id, req)

@@ -87,3 +87,24 @@ async def test_execs_keyed_by_the_sdk_are_kept_briefly_and_within_their_own_budg
         t.ended_at -= exec_tracker.SDK_KEEP_FINISHED_S + 1
     table.prune()
     assert list(table.tracked) == ["1"]
+
+
+async def test_closing_from_a_tracked_exec_does_not_cancel_that_exec() -> None:
+    """A tracked exec that finds its sandbox dead fails it, and the teardown closes the table: the
+    exec's own task must finish that teardown, not be cancelled in the middle of it (a VM's
+    files were left behind once every run() carried an SDK key)."""
+    table = ExecTable()
+    done: list[str] = []
+
+    async def dies(_: TrackedExec) -> AsyncIterator[ExecEvent]:
+        yield ExecEvent(type="start", exec_id="1")
+        table.close()                  # what the teardown does, from this task
+        await asyncio.sleep(0)         # the teardown's next await (destroying the sandbox)
+        done.append("teardown")
+        raise InvalidArgument("gone", field="cmd")
+
+    other = table.start_tracking(ExecInfo(exec_id=""), "other", fake_exec("2", ["x"], asyncio.Event()))
+    t = table.start_tracking(ExecInfo(exec_id=""), "k", dies)
+    await asyncio.gather(t.task, other.task, return_exceptions=True)
+    assert done == ["teardown"] and t.error is not None
+    assert other.task.cancelled() or other.ended_at is not None

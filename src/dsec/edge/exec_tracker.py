@@ -160,12 +160,12 @@ class ExecTable:
 
     def close(self) -> None:
         """The sandbox is going away (or the edge stops): stop following. The agent keeps
-        whatever it has not released."""
-        for t in self.tracked.values():
-            if t.task is not None and not t.task.done():
-                t.task.cancel()
-        for t in self.by_key.values():
-            if t.task is not None and not t.task.done():
+        whatever it has not released. Never the calling task: a tracked exec that found its
+        sandbox dead fails it itself, and cancelling it there would cut the teardown short
+        (the sandbox's files were left behind)."""
+        me = asyncio.current_task()
+        for t in [*self.tracked.values(), *self.by_key.values()]:
+            if t.task is not None and t.task is not me and not t.task.done():
                 t.task.cancel()
 
 

@@ -15,7 +15,7 @@ from dsec.edge.exec_events import exec_events
 from dsec.edge.exec_tracker import TrackedExec, now_utc
 from dsec.edge.live import LiveSandbox
 from dsec.security.users import resolve_user
-from dsec.types import (Conflict, ExecEvent, ExecInfo, ExecRequest, ExecResult, InvalidArgument, NotFound, SandboxFailed, SandboxInfo, SandboxState)
+from dsec.types import (Conflict, DsecError, ExecEvent, ExecInfo, ExecRequest, ExecResult, InvalidArgument, NotFound, SandboxFailed, SandboxInfo, SandboxState)
 from dsec.edge.core import EdgeCore
 
 
@@ -90,6 +90,17 @@ class Execs(EdgeCore):
                 self._dirty.add(rec.id)
 
     async def run(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+        if req.idempotency_key is not None:
+            # the tracker's own error (a missing cwd, a busy session ...) as it was raised, not
+            # the exit event's text: a keyed run answers as an unkeyed one does
+            tracked = await self._start_tracked(sandbox_id, req, detached=False)
+            try:
+                return await tracked.wait_result()
+            except DsecError as e:
+                if e is tracked.error:
+                    raise
+                raise SandboxFailed(f"the command ended without a result: {e}", field="cmd",   # let go of (a park)
+                                    fix="run it again") from None
         async for ev in self.exec_stream(sandbox_id, req):
             if ev.type == "exit":
                 if ev.result is None:     # a followed (idempotent) exec that was lost

@@ -1,0 +1,39 @@
+"""Nodes (the watcher/placement view of an edge)."""
+
+from __future__ import annotations
+
+
+from pydantic import (BaseModel)
+
+
+class NodeCapacity(BaseModel):
+    cpu_cores: float        # ceilings on committed limits: the node's share x the overcommit ratios
+    memory_mb: int
+    max_sandboxes: int
+    # the edge's share of its host when not all of it (its cgroup's limits, DSEC_NODE_SHARE,
+    # DSEC_NODE_CPU_CORES / DSEC_NODE_MEMORY_MB: edge/node_share.py); None: the whole host
+    node_cpu_cores: float | None = None
+    node_memory_mb: int | None = None
+
+
+class NodeStatus(BaseModel):
+    node_id: str
+    healthy: bool
+    backends: list[str]
+    capacity: NodeCapacity
+    committed_cpu_cores: float = 0.0
+    committed_memory_mb: int = 0
+    sandboxes: int = 0
+    reason: str | None = None
+    pressure: float = 0.0   # highest PSI avg10 / its admission limit: 0 idle, >= 1 the edge refuses
+    # short keys (dsec.placement.locality.image_key) of images the node holds locally, most
+    # recently used at most 256: placement prefers these nodes while load allows (D34)
+    cached_images: frozenset[str] = frozenset()
+
+    @property
+    def load(self) -> float:
+        """Fraction of the tightest resource already committed."""
+        c = self.capacity
+        return max(self.committed_memory_mb / max(c.memory_mb, 1),
+                   self.committed_cpu_cores / max(c.cpu_cores, 1e-9),
+                   self.sandboxes / max(c.max_sandboxes, 1))

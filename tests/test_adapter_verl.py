@@ -2,7 +2,7 @@
 server: verl's tool registry loads the tool from a tool-config YAML and verl's ToolAgentLoop runs
 a three-turn trajectory (scripted policy, byte-level tokenizer: no weights) whose tool calls run
 in one dsec sandbox. verl pulls torch (GBs): it lives in its own virtualenv (.venv-verl, made by
-scripts/install.sh, or $DSEC_VERL_PYTHON)."""
+scripts/install-extras.sh tests, or $DSEC_VERL_PYTHON)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ VERL_PY = Path(os.environ.get("DSEC_VERL_PYTHON", str(ROOT / ".venv-verl" / "bin
 
 def _verl_missing() -> str | None:
     if not VERL_PY.exists():
-        return f"no Python with verl at {VERL_PY} (scripts/install.sh makes .venv-verl: pip install -e '.[verl]')"
+        return f"no Python with verl at {VERL_PY} (scripts/install-extras.sh tests makes .venv-verl: pip install -e '.[verl]')"
     r = subprocess.run([str(VERL_PY), "-c", "import verl.tools.base_tool, dsec.adapters.verl_tool"],
                        capture_output=True, text=True, timeout=300)
     if r.returncode != 0:

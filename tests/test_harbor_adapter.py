@@ -3,7 +3,7 @@ server: its EnvironmentFactory loading the environment by import path (exec with
 user and timeout; file and directory uploads and downloads; stop), and a whole Harbor Trial
 (its runner, the scripted `oracle` agent, the verifier) on a task whose environment/Dockerfile
 is built on the server. Harbor needs Python >= 3.12: it runs in its own virtualenv
-(.venv-harbor, made by scripts/install.sh where a python3.12 exists, or $DSEC_HARBOR_PYTHON)."""
+(.venv-harbor, made by scripts/install-extras.sh tests where a python3.12 exists, or $DSEC_HARBOR_PYTHON)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ HARBOR_PY = Path(os.environ.get("DSEC_HARBOR_PYTHON", str(ROOT / ".venv-harbor" 
 
 def _harbor_ok() -> str | None:
     if not HARBOR_PY.exists():
-        return f"no Python with Harbor at {HARBOR_PY} (Harbor needs Python >= 3.12: scripts/install.sh makes .venv-harbor)"
+        return f"no Python with Harbor at {HARBOR_PY} (Harbor needs Python >= 3.12: scripts/install-extras.sh tests makes .venv-harbor)"
     r = subprocess.run([str(HARBOR_PY), "-c", "import harbor, dsec.adapters.harbor"], capture_output=True, text=True)
     if r.returncode != 0:
         return f"{HARBOR_PY} cannot import harbor and dsec.adapters.harbor: {r.stderr[-300:]}"
@@ -31,7 +31,7 @@ def _harbor_ok() -> str | None:
 
 pytestmark = [pytest.mark.skipif(_harbor_ok() is not None, reason=_harbor_ok() or ""),
               pytest.mark.skipif(shutil.which("buildah") is None,
-                                 reason="buildah is not installed (apt-get install buildah; scripts/install.sh)")]
+                                 reason="buildah is not installed (apt-get install buildah; scripts/install-extras.sh builds)")]
 
 
 def _run(server, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:

@@ -19,7 +19,7 @@ from dsec.types import ContainerArgs, InvalidArgument, NotFound
 from conftest import stranger_key
 
 pytestmark = pytest.mark.skipif(shutil.which("buildah") is None,
-                                reason="buildah is not installed (apt-get install buildah; scripts/install.sh)")
+                                reason="buildah is not installed (apt-get install buildah; scripts/install-extras.sh builds)")
 
 DOCKERFILE = """\
 FROM debian-python

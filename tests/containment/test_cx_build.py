@@ -22,7 +22,7 @@ from dsec.sdk.client import Client
 from dsec.types import InvalidArgument
 
 pytestmark = pytest.mark.skipif(shutil.which("buildah") is None,
-                                reason="buildah is not installed (apt-get install buildah; scripts/install.sh)")
+                                reason="buildah is not installed (apt-get install buildah; scripts/install-extras.sh builds)")
 
 
 def _context(tmp_path: Path, dockerfile: str) -> Path:

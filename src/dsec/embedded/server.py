@@ -112,7 +112,7 @@ def vm_driver(paths: Paths) -> "tuple[VMDriver | None, tuple[str, str | None]]":
     except DsecError as e:
         log.warning("VM backends unavailable", extra={"reason": e.message})
         return None, (e.message, e.fix or "run `dsec vm fetch-kernel` and install qemu-system-x86 "
-                                          "(scripts/install.sh does both), then restart dsec")
+                                          "(scripts/install-extras.sh vm does both), then restart dsec")
 
 
 def system_project(iam: IAM) -> str:

@@ -22,7 +22,7 @@ import pytest
 
 from dsec.testing.isolated import free_port
 
-INSTALL_FIX = "apt-get install postgresql (scripts/install.sh does)"
+INSTALL_FIX = "apt-get install postgresql (scripts/install-extras.sh cluster does)"
 
 
 def pg_bindir() -> Path | None:

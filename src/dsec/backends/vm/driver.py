@@ -135,7 +135,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, LivenessWatche
         kernel = guest.installed_kernel(paths)   # never downloads here: that is install time
         if kernel is None:
             raise Unavailable("no guest kernel on this node", field="backend",
-                              fix="run `dsec vm fetch-kernel` (scripts/install.sh does), then restart dsec")
+                              fix="run `dsec vm fetch-kernel` (scripts/install-extras.sh vm does), then restart dsec")
         self.kernel = kernel
         self.initrd = guest.build_initramfs(paths, kernel)
         self.ram_shim = ramshim.build(paths.bin)   # clones' QEMU: the template's RAM stays read-only

@@ -33,7 +33,7 @@ def qemu_binary() -> str:
     path = shutil.which(QEMU)
     if path is None:
         raise Unavailable("the microvm/vm backends need QEMU, which is not installed on this node",
-                          field="backend", fix="apt-get install qemu-system-x86 qemu-utils (scripts/install.sh does)")
+                          field="backend", fix="apt-get install qemu-system-x86 qemu-utils (scripts/install-extras.sh vm does)")
     return path
 
 

@@ -6,11 +6,9 @@ the debootstrap download cache is shared between sessions so debian-python build
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ import pytest
 from dsec.testing.isolated import ServerProcess, cleanup_home, link_node_downloads
 from dsec.testing.postgres import pg_cluster, pg_dsn  # noqa: F401 - fixtures: a real throwaway PostgreSQL
 from dsec.config import Paths
+from dsec.testing.waiting import wait_until
 
 # Reuse the install step's debootstrap cache (scripts/install.sh builds the same images there).
 SHARED_CACHE = Path(os.environ.get("DSEC_TEST_CACHE", str(Paths.from_env().home / "cache")))
@@ -122,13 +121,10 @@ def stranger_key(server: ServerProcess, prefix: str) -> str:
 async def wait_file(sb, path: str, timeout_s: float = 30) -> str:
     """The contents of `path` in the sandbox once it is there and not empty (a background
     process inside signals readiness by writing it)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    async def written() -> str:
         r = await sb.run(f"cat {path} 2>/dev/null")
-        if r.exit_code == 0 and r.stdout:
-            return r.stdout
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"{path} did not appear in the sandbox")
+        return r.stdout if r.exit_code == 0 else ""
+    return await wait_until(written, timeout_s=timeout_s, what=f"{path} to appear in the sandbox")
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ from dsec import Client
 from dsec.store import open_db
 from dsec.store.sandboxes import SandboxIndex
 from dsec.types import DsecError
+from dsec.testing.waiting import wait_until
 
 
 def _node(sandbox_id: str) -> str:
@@ -28,13 +29,7 @@ def _node(sandbox_id: str) -> str:
 
 
 async def _wait(cond, timeout_s: float = 15.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = await cond()
-        if got:
-            return got
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+    return await wait_until(cond, timeout_s=timeout_s, every_s=0.2, what=what)
 
 
 # -- the store on both engines ------------------------------------------------------------

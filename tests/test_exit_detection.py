@@ -10,6 +10,8 @@ import signal
 import time
 from pathlib import Path
 
+from dsec.testing.waiting import wait_until
+
 
 def agent_pid(server, sandbox_id: str) -> int:
     return int((server.paths.sandboxes / sandbox_id / "run" / "pid").read_text())
@@ -17,12 +19,12 @@ def agent_pid(server, sandbox_id: str) -> int:
 
 async def wait_ended(sb, within_s: float):
     """Poll GET (which never touches the agent) until the sandbox is no longer running."""
-    deadline = time.monotonic() + within_s
-    while True:
-        info = await sb.refresh()
-        if info.state.value != "running" or time.monotonic() > deadline:
-            return info
-        await asyncio.sleep(0.1)
+    await wait_until(lambda: _not_running(sb), timeout_s=within_s)
+    return sb.info
+
+
+async def _not_running(sb) -> bool:
+    return (await sb.refresh()).state.value != "running"
 
 
 async def committed_mb(client) -> int:
@@ -41,10 +43,13 @@ async def settled_committed_mb(client) -> int:
 
 
 async def wait_committed(client, pred, within_s: float = 10) -> int:
-    deadline = time.monotonic() + within_s
-    while not pred(mb := await committed_mb(client)) and time.monotonic() < deadline:
-        await asyncio.sleep(0.2)
-    return mb
+    seen: list[int] = []
+
+    async def probe() -> bool:
+        seen.append(await committed_mb(client))
+        return pred(seen[-1])
+    await wait_until(probe, timeout_s=within_s, every_s=0.2)
+    return seen[-1]
 
 
 async def test_killed_init_is_failed_at_once_with_its_reason(client, server):

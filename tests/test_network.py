@@ -15,7 +15,6 @@ import socket
 import sqlite3
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from dsec.backends.container.network import NetSettings, veth_name
 from dsec.backends.container.spec import cgroup_path
 from dsec.security import netpolicy
 from dsec.types import InvalidArgument
+from dsec.testing.waiting import wait_until
 
 from conftest import requires_root
 
@@ -149,12 +149,7 @@ def pinned_dsec_objects() -> list[str]:
 
 
 async def wait_for(cond, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        await asyncio.sleep(0.05)
-    return cond()
+    return bool(await wait_until(cond, timeout_s=timeout_s, every_s=0.05))
 
 
 async def assert_net_freed(server, sandbox_id: str, cgid: int) -> None:

@@ -18,6 +18,7 @@ import pytest
 from conftest import stranger_key
 
 from dsec import Client
+from dsec.testing.waiting import wait_until
 
 try:   # the [server] extra's WebSocket library (the server relays WebSockets with it too)
     from wsproto import ConnectionType, WSConnection
@@ -163,12 +164,9 @@ def _auth(server) -> dict[str, str]:
 
 
 async def _wait_listening(http: httpx.AsyncClient, server, sandbox_id: str, port: int, path: str = "") -> None:
-    for _ in range(100):
-        r = await http.get(_url(server, sandbox_id, port, path), headers=_auth(server))
-        if r.status_code != 503:
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"port {port} never listened: {r.text}")
+    async def listening() -> bool:
+        return (await http.get(_url(server, sandbox_id, port, path), headers=_auth(server))).status_code != 503
+    await wait_until(listening, timeout_s=10, what=f"port {port} in {sandbox_id} to listen")
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import pytest
 
 from dsec.backends.vm.qemu import pid_alive
 from dsec.types import Conflict, InvalidArgument, MicroVMArgs
+from dsec.testing.waiting import wait_until, wait_until_sync
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None,
@@ -28,18 +29,16 @@ def _qemu_pid(server, sandbox_id: str) -> int:
 
 async def _left_running(sb, within_s: float):
     """The sandbox's info once it is no longer running (or when within_s has passed)."""
-    deadline = time.monotonic() + within_s
-    while (info := await sb.refresh()).state.value == "running" and time.monotonic() < deadline:
-        await asyncio.sleep(0.2)
-    return info
+    async def ended() -> bool:
+        return (await sb.refresh()).state.value != "running"
+    await wait_until(ended, timeout_s=within_s, every_s=0.2)
+    return sb.info
 
 
 def assert_vm_freed(server, sandbox_id: str, pid: int, within_s: float = 15.0) -> None:
     """QEMU gone and the VM's dir removed (a failed VM is reported failed first, then torn down)."""
     d = server.paths.vm_sandboxes / sandbox_id
-    deadline = time.monotonic() + within_s
-    while (pid_alive(pid, sandbox_id) or d.exists()) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until_sync(lambda: not pid_alive(pid, sandbox_id) and not d.exists(), timeout_s=within_s)
     assert not pid_alive(pid, sandbox_id)
     assert not d.exists()
 

@@ -20,6 +20,7 @@ from dsec.backends.container.hibernate import on_disk
 from dsec.backends.container.spec import cgroup_path
 from dsec.edge.warm_pool import parse_targets
 from dsec.types import InvalidArgument, node_of
+from dsec.testing.waiting import wait_until
 
 POOL = "busybox:2"
 START_S = 180      # a server start takes ~50 s when the shared box is loaded
@@ -38,13 +39,10 @@ def _pool(server: ServerProc) -> dict:
 
 
 async def _wait_idle(server: ServerProc, image: str = "busybox", idle: int = 2, timeout_s: float = 60) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    async def refilled() -> dict | None:
         st = await asyncio.to_thread(_pool, server)
-        if st["pools"][image]["idle"] >= idle and st["pools"][image]["starting"] == 0:
-            return st
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"pool {image} did not refill to {idle}: {st}")
+        return st if st["pools"][image]["idle"] >= idle and st["pools"][image]["starting"] == 0 else None
+    return await wait_until(refilled, timeout_s=timeout_s, every_s=0.2, what=f"pool {image} to refill to {idle}")
 
 
 async def _pool_ids(server: ServerProc) -> set[str]:

@@ -8,7 +8,8 @@ import math
 import subprocess
 import sys
 
-from dsec.bench.density import Opts, bench, markdown, rows
+from dsec.bench.density import Opts, bench
+from dsec.bench.density_report import markdown, rows
 from dsec.config import Paths
 
 

@@ -65,8 +65,8 @@ def test_type_checkers_see_the_blocking_types(tmp_path):
     revealed = [line.split("Revealed type is ", 1)[1].strip('"').replace("builtins.", "")
                 for line in p.stdout.splitlines() if "Revealed type is" in line]
     assert revealed == ["dsec.sdk.sync.SyncSandbox", "dsec.sdk.sync.SyncFiles", "bytes",
-                        "typing.Iterator[dsec.types.ExecEvent]", "dsec.sdk.sync.SyncSandbox | None",
-                        "list[dsec.types.SandboxInfo]"], p.stdout
+                        "typing.Iterator[dsec.types.execs.ExecEvent]", "dsec.sdk.sync.SyncSandbox | None",
+                        "list[dsec.types.sandboxes.SandboxInfo]"], p.stdout
 
 
 def _members(cls: type) -> dict[str, typing.Any]:

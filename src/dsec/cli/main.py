@@ -75,7 +75,7 @@ def up(host: str = "127.0.0.1", port: int = DEFAULT_PORT, node_id: str = "local"
         async def wait() -> None:
             c = Client(autostart=True)
             try:
-                await c._ensure_ready()
+                await c.ready()
             finally:
                 await c.close()
         _run(wait())
@@ -593,7 +593,8 @@ def bench_density(
         out: Path = Path("docs/benchmarks.md")) -> None:
     """Most idle sandboxes the node holds, host memory per idle and parked sandbox, bulk park/resume,
     burst create -> first output; side by side with raw crun."""
-    from dsec.bench.density import Opts, run_density_bench
+    from dsec.bench.density import Opts
+    from dsec.bench.density_report import run_density_bench
     run_density_bench(Opts(n=n, image=image, cpu=cpu, memory_mb=memory_mb, park=park, concurrency=concurrency,
                            raw_n=raw_n, burst=burst, exec_sample=exec_sample, pressure_retries=pressure_retries),
                       out=out if record else None, json_path=json_path)

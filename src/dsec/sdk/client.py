@@ -111,6 +111,12 @@ class Client:
     async def close(self) -> None:
         await self._http.aclose()
 
+    async def ready(self) -> None:
+        """Wait until the server answers (starting the local one first with autostart). Every
+        call does this itself; a caller that only wants the server up (`dsec up --background`)
+        calls it alone."""
+        await self._ensure_ready()
+
     # -- plumbing ------------------------------------------------------------------------
     async def _ensure_ready(self) -> None:
         if self._ready:

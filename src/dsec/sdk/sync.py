@@ -52,6 +52,13 @@ class SyncClient(_sync.Synchronized):
     def close(self) -> None:
         _sync.call(self, "close")
 
+    def ready(self) -> None:
+        """Wait until the server answers (starting the local one first with autostart). Every
+        call does this itself; a caller that only wants the server up (`dsec up --background`)
+        calls it alone.
+        """
+        _sync.call(self, "ready")
+
     def create_container(self, args: ContainerArgs | None = None, **kwargs: Any) -> SyncSandbox:
         """Create a container sandbox. Pass ContainerArgs, or its fields as keywords."""
         return cast("SyncSandbox", _sync.call(self, "create_container", args, **kwargs))
@@ -280,7 +287,8 @@ class SyncSandbox(_sync.Synchronized):
             idempotency_key: str | None = None) -> ExecResult:
         """Run `cmd` (a shell command line) and return its result. With `idempotency_key`, a
         retry after a timeout or lost connection returns the first run's result: the command
-        runs once.
+        runs once. Without one the SDK makes one for its own resends (a connection lost while
+        the server answers is resent; the command still runs once).
         """
         return cast("ExecResult", _sync.call(self, "run", cmd, session=session, timeout_s=timeout_s, cwd=cwd,
                                              env=env, stdin=stdin, user=user,

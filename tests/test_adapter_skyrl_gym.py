@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from pathlib import Path
 
@@ -97,6 +98,29 @@ async def test_close_leaves_no_sandbox_and_tools_never_run_on_the_host(server, c
         assert info.state.value in ("stopped", "stopping"), info
     finally:
         host_secret.unlink()
+
+
+def test_python_tool_answers_what_skyrls_own_tool_answers(server, run_sync, monkeypatch):
+    """Issue 23: the docs promise PythonCodeExecutorToolGroup's result strings, tracebacks
+    included; the code ran from stdin and tracebacks said "<stdin>" where SkyRL's say "<string>"."""
+    from skyrl_gym.tools.python import PythonCodeExecutorToolGroup
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}:{os.environ['PATH']}")   # its `python`
+    codes = ["print(6*7)", "import sys; print(sys.argv)", "1/0", "def f(:\n  pass",
+             "import sys; print('out'); print('err', file=sys.stderr)", "x = 'a'\nraise KeyError(x)\n\n"]
+
+    def answers() -> list[str]:
+        env = make_env(server, reward_spec={"ground_truth": "x"}, files={})
+        env.init([])
+        try:
+            group = env.tool_groups[0]
+            big = "x = 1\n" * 30_000 + "print(x + 1)"       # past one argument's 128 KiB: from stdin
+            return [group.python(c) for c in codes] + [group.python(big)]
+        finally:
+            env.close()
+    got = run_sync(answers)
+    host = PythonCodeExecutorToolGroup()
+    assert got[:-1] == [host.python(c) for c in codes]
+    assert 'File "<string>", line 1' in got[2] and got[-1] == "2"
 
 
 def test_bad_reward_spec_is_refused(server):

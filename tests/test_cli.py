@@ -74,3 +74,20 @@ def test_down_finds_the_server_without_its_pid_file_and_a_second_up_is_refused(d
     finally:
         srv.kill()
         _cleanup_home(srv.home)
+
+
+def test_up_in_the_background_serves_on_its_port(dsec_home, images, tmp_path_factory):
+    """`dsec up --background --port P` started `dsec up` without its flags: it served on 7620
+    while the CLI waited on P (and gave up); with DSEC_URL set elsewhere it waited there."""
+    import httpx
+    from conftest import ServerProc, _cleanup_home, side_home
+    srv = ServerProc(side_home(dsec_home, tmp_path_factory, "cli-bg"))     # its home and a free port
+    env = {**srv.env, "DSEC_URL": "http://127.0.0.1:9"}                     # nothing serves there
+    try:
+        up = subprocess.run([sys.executable, "-m", "dsec", "up", "--background", "--port", str(srv.port)],
+                            env=env, capture_output=True, text=True, timeout=120)
+        assert up.returncode == 0 and f"serving at {srv.url}" in up.stdout, up.stdout + up.stderr
+        assert httpx.get(f"{srv.url}/healthz", timeout=5).status_code == 200
+    finally:
+        subprocess.run([sys.executable, "-m", "dsec", "down", "--timeout-s", "30"], env=env, timeout=60)
+        _cleanup_home(srv.home)

@@ -68,6 +68,29 @@ async def test_harbor_trial_with_oracle_agent_and_dockerfile(server, client, tmp
     assert set(await _sandboxes(client)) <= before             # the trial left no sandbox running
 
 
+async def test_harbor_cli_trial_with_the_documented_flags(server, client, tmp_path):
+    """docs/adapters.md's command line (issue 23: it said `--ek`, which `harbor trial start`
+    does not take, and the deprecated `--environment-import-path`): `-e IMPORT_PATH` and
+    `--environment-kwarg k=v`, here with the kwargs given on the command line, not the env."""
+    r = _run(server, "-c", "import sys; sys.path.insert(0, 'examples'); from harbor_trial import write_toy_task; "
+             f"from pathlib import Path; print(write_toy_task(Path({str(tmp_path)!r})))")
+    assert r.returncode == 0, r.stderr
+    task = r.stdout.strip()
+    before = set(await _sandboxes(client))
+    harbor = str(HARBOR_PY.parent / "harbor")
+    r = subprocess.run([harbor, "trial", "start", "-p", task, "-a", "oracle", "-e", "dsec.adapters.harbor:DsecEnvironment",
+                        "--environment-kwarg", f"url={server.url}", "--environment-kwarg", f"api_key={server.key}",
+                        "--trials-dir", str(tmp_path / "trials"), "--trial-name", "cli"],
+                       capture_output=True, text=True, timeout=900, cwd=str(tmp_path),
+                       env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "COLUMNS": "200"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads((tmp_path / "trials" / "cli" / "result.json").read_text())
+    assert result["exception_info"] is None, result["exception_info"]
+    assert result["verifier_result"]["rewards"] == {"reward": 1}
+    assert "deprecated" not in (r.stdout + r.stderr).lower()
+    assert set(await _sandboxes(client)) <= before
+
+
 def test_adapter_not_importable_without_harbor():
     """The core never imports the adapter; importing it without harbor names the extra."""
     r = subprocess.run([sys.executable, "-c", "import dsec, dsec.sdk; import sys; "

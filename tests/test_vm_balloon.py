@@ -4,7 +4,7 @@ template clone's balloon never writes the template's RAM file that every clone m
 Real QEMU guests (TCG here) through the whole stack. The guest fills a tmpfs with FILL_MB and
 removes it; the QEMU process's host RSS (VmRSS) must fall back by most of that within a
 bounded time. Without reporting it stays: the guest's freed pages are still the QEMU
-process's memory (docs: /work/notes/bench-vm-balloon.md has both, side by side)."""
+process's memory (docs/benchmarks.md, vm-balloon, has both side by side; D29)."""
 
 from __future__ import annotations
 

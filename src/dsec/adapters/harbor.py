@@ -2,8 +2,8 @@
 
 Harbor loads a custom environment by import path; point it here (docs/adapters.md):
 
-    harbor trial start -p TASK -a oracle \\
-        --environment-import-path dsec.adapters.harbor:DsecEnvironment --ek url=http://dsec:7620
+    harbor trial start -p TASK -a oracle -e dsec.adapters.harbor:DsecEnvironment \\
+        --environment-kwarg url=http://dsec:7620 --environment-kwarg api_key=$KEY
 
 or in a TrialConfig / JobConfig: `environment: {import_path: "dsec.adapters.harbor:DsecEnvironment",
 kwargs: {url: ..., api_key: ...}}`. The task's `[environment] docker_image` names a dsec image
@@ -50,7 +50,7 @@ def image_name_for(environment_name: str, content_hash: str) -> str:
 class DsecEnvironment(BaseEnvironment):
     """A Harbor environment backed by one dsec container sandbox.
 
-    kwargs (Harbor's `--ek key=value` / `environment.kwargs`): url, api_key (default
+    kwargs (Harbor's `--environment-kwarg key=value` / `environment.kwargs`): url, api_key (default
     $DSEC_URL / $DSEC_API_KEY, else the local dsec), image (overrides the task's docker_image),
     ttl_idle_s, build_network (let the Dockerfile's RUN steps use the network: admin keys only),
     container_kwargs (more ContainerArgs fields, e.g. {"disk_mb": 20480})."""

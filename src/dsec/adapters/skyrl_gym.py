@@ -40,6 +40,7 @@ ENV_ID = "dsec-code"
 SESSION = "skyrl"
 _ACTION = re.compile(r"<tool>\s*<(python|bash)>(.*?)</\1>\s*</tool>", re.DOTALL)
 _SOLUTION = re.compile(r"<solution>(.*?)</solution>", re.DOTALL)
+MAX_ARG_BYTES = 128 * 1024 - 1   # MAX_ARG_STRLEN less the NUL: the largest -c argument
 
 _clients: dict[tuple[str | None, str | None], SyncClient] = {}
 _clients_lock = threading.Lock()
@@ -65,8 +66,12 @@ class DsecToolGroup(ToolGroup):
 
     @tool
     def python(self, code: str) -> str:
-        # PythonCodeExecutorToolGroup's contract: stdout stripped, or the error text with stderr
-        r = self.sandbox.run("python3 -", stdin=code, timeout_s=self.timeout_s)
+        # PythonCodeExecutorToolGroup's contract: stdout stripped, or the error text with stderr.
+        # The code is python's -c argument there too, so tracebacks say "<string>" and sys.argv is
+        # ['-c']; it travels as stdin (no shell quoting). Past Linux's 128 KiB per argument (where
+        # SkyRL's own subprocess fails) it runs as `python3 -` from stdin instead.
+        cmd = 'exec python3 -c "$(cat)"' if len(code.encode()) < MAX_ARG_BYTES else "exec python3 -"
+        r = self.sandbox.run(cmd, stdin=code, timeout_s=self.timeout_s)
         if r.timed_out:
             return f"Error executing Python code: Execution timed out after {self.timeout_s} seconds."
         if r.stderr:

@@ -166,7 +166,7 @@ def add_fncall_routes(app: FastAPI, ctx: "ApiContext") -> None:
         healthy = [n.node_id for n in ctx.watcher.nodes()
                    if n.healthy and "fncall" in n.backends and n.node_id in ctx.fncall]
         if not healthy:
-            raise Unavailable("no healthy node offers the fncall backend", fix="retry later; see `dsec nodes`")
+            raise Unavailable("no healthy node offers the fncall backend", fix="retry later; see GET /v1/nodes")
         return _rendezvous(healthy, f"{req.image}\0{req.language.lower()}")
 
     async def run_one(req: FnCallRequest, who: Principal) -> FnCallResult:

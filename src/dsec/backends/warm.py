@@ -5,7 +5,7 @@ settings afterwards, says which of a request's settings are fixed at start (`war
 requests with the same key can be served by the same pre-started sandbox) and applies the
 rest at claim time (`claim`: limits, network policy). Everything the edge keeps per sandbox
 (project, labels, env, TTL, lifetime, output budget) is the edge's record and needs nothing
-of the backend. Pool logic lives in dsec.edge.warm_pool (docs: /work/notes/D28-warm-pool.md).
+of the backend. Pool logic lives in dsec.edge.warm_pool (docs/decisions.md, D28).
 """
 
 from __future__ import annotations

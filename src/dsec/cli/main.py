@@ -66,7 +66,7 @@ def up(host: str = "127.0.0.1", port: int = DEFAULT_PORT, node_id: str = "local"
     """Serve the apiserver with one embedded edge (the single-machine default)."""
     if background:
         from dsec.sdk.client import Client
-        os.environ.setdefault("DSEC_URL", f"http://{host}:{port}")
+        os.environ["DSEC_URL"] = f"http://{host}:{port}"    # where it serves, whatever DSEC_URL said
         log_file = Paths.from_env().server_log   # private before the server writes to it
         log_file.parent.mkdir(parents=True, exist_ok=True)
         os.close(os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))

@@ -2,7 +2,7 @@
 
     build_dockerfile(svc, "myenv", "ctx/")  ->  (ImageInfo, ImageConfig)
 
-How (docs: /work/notes/D37-dockerfile-harbor.md):
+How (docs/decisions.md, D37):
 1. Parse the Dockerfile's FROM lines (and `COPY --from=IMAGE`): every base must be a dsec image
    (there is no registry to pull from). Each is exported once per image digest from its mounted
    EROFS layers to an OCI layout and pulled into dsec's own containers-storage

@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import IO, Any
+from urllib.parse import urlsplit
 
 import httpx
 from pydantic import BaseModel
@@ -128,7 +129,7 @@ class Client:
                 if not self.autostart:
                     raise Unavailable(f"no dsec apiserver at {self.url}",
                                       fix="start one with `dsec up`, or set DSEC_URL")
-                await asyncio.to_thread(start_local_server)
+                await asyncio.to_thread(start_local_server, self.url)
                 deadline = time.monotonic() + AUTOSTART_WAIT_S
                 while not await self._healthy():
                     if time.monotonic() > deadline:
@@ -734,14 +735,18 @@ def _fncall_failed(call: Any, error: str) -> FnCallResult:
     return FnCallResult(status=FnCallStatus.sandbox_error, language=str(lang), error=error)
 
 
-def start_local_server() -> None:
-    """Start `dsec up` in the background (embedded default), logging to <home>/server.log."""
+def start_local_server(url: str = DEFAULT_URL) -> None:
+    """Start `dsec up` in the background (embedded default), logging to <home>/server.log, serving
+    at `url`'s host and port: where the caller then waits for it."""
     if not server_installed():
         # Fail now rather than wait AUTOSTART_WAIT_S for a server that cannot start.
         raise Unavailable("no dsec apiserver is running and the server side is not installed here",
                           fix=f"set DSEC_URL to a running dsec, or `{SERVER_INSTALL}` and `dsec up`")
     paths = Paths.from_env()
     paths.home.mkdir(parents=True, exist_ok=True)
+    where = urlsplit(url)
+    argv = [sys.executable, "-m", "dsec", "up", "--host", where.hostname or "127.0.0.1",
+            "--port", str(where.port or DEFAULT_PORT)]
     with open(paths.server_log, "ab") as logf:
-        subprocess.Popen([sys.executable, "-m", "dsec", "up"], stdin=subprocess.DEVNULL, stdout=logf,
+        subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf,
                          stderr=logf, start_new_session=True, env=os.environ.copy())

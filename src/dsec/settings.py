@@ -270,6 +270,10 @@ class Settings(BaseModel):
     def paths(self) -> Paths:
         return Paths(self.home.home)
 
+    def with_home(self, home: Path | str) -> Settings:
+        """The same settings for another DSEC_HOME (a cluster edge's own home)."""
+        return self.model_copy(update={"home": HomeSettings(home=Path(home))})
+
     def groups(self) -> list[Group]:
         return [getattr(self, name) for name in type(self).model_fields]
 

@@ -304,6 +304,17 @@ def names() -> set[str]:
     return {str(f.alias) for g in group_classes() for f in g.model_fields.values()}
 
 
+# DSEC_* names of the test suite and its helpers, not of dsec itself
+TEST_NAMES = frozenset({"DSEC_TEST_CACHE", "DSEC_SCHEMA_RANDOM", "DSEC_HARBOR_PYTHON", "DSEC_VERL_PYTHON"})
+
+
+def unknown_names(environ: Mapping[str, str] | None = None) -> list[str]:
+    """DSEC_* variables set that no setting reads (typos, or settings that were removed)."""
+    environ = os.environ if environ is None else environ
+    known = names() | TEST_NAMES
+    return sorted(k for k in environ if k.startswith("DSEC_") and k not in known)
+
+
 def is_secret(f: Any) -> bool:
     return bool(isinstance(f.json_schema_extra, dict) and f.json_schema_extra.get("secret"))
 

@@ -55,6 +55,7 @@ async def split():
     from dsec.images.builtin import ensure_builtin
     from dsec.images.service import ImageService
     from dsec.placement import Placer
+    from dsec.settings import Settings
     from dsec.testing.isolated import cleanup_home
     from dsec.watcher import Watcher
 
@@ -74,7 +75,8 @@ async def split():
         iam = IAM(paths.iam_db)
         iam.bootstrap(paths.admin_key_file)
         secret = secrets.token_urlsafe(32)
-        async with node_services(paths, NODE, system_project(iam)) as (edge, fncall):
+        settings = Settings.from_env().with_home(home)     # as the edge process reads them
+        async with node_services(settings, NODE, system_project(iam)) as (edge, fncall):
             edge_sock = bind("0.0.0.0")
             edge_url = f"http://127.0.0.1:{edge_sock.getsockname()[1]}"
             edge_srv = await serve(edge_app(edge, secret, fncall), edge_sock)

@@ -79,10 +79,11 @@ async def test_a_node_ends_lost_only_once_it_stays_gone(tmp_path, monkeypatch):
     from dsec.placement import Placer
     from dsec.store.sandboxes import IndexedSandbox
     from dsec.watcher import Watcher
-    monkeypatch.setenv("DSEC_INDEX_LOST_S", "0.5")
+    from dsec.settings import Settings
     iam = IAM(tmp_path / "iam.db")
     edges: dict = {}
-    k = IndexKeeper(ApiContext(iam=iam, edges=edges, watcher=Watcher({}), placer=Placer()))
+    k = IndexKeeper(ApiContext(iam=iam, edges=edges, watcher=Watcher({}), placer=Placer(),
+                               settings=Settings.from_env({"DSEC_INDEX_LOST_S": "0.5"})))
     try:
         k.index.upsert_many([IndexedSandbox("sb-ngone.a", "ngone", "p", "running"),
                              IndexedSandbox("sb-nback.a", "nback", "p", "running")])

@@ -201,13 +201,16 @@ async def test_tiny_request_gets_the_quota_floor_and_a_proportional_weight(clien
         await sb.stop()
 
 
-def test_quota_floor_is_an_operator_setting(monkeypatch):
+def test_quota_floor_is_an_operator_setting():
+    from dsec.settings import ContainerSettings
     from dsec.types import InvalidArgument
-    monkeypatch.setenv("DSEC_CPU_QUOTA_FLOOR_CORES", "0.02")
-    assert qos.cpu_quota_us(0.005) == 2000 and qos.cpu_quota_us(1.5) == 150000
-    monkeypatch.setenv("DSEC_CPU_QUOTA_FLOOR_CORES", "0")
-    assert qos.cpu_quota_us(0.005) == 1000          # the kernel's minimum
-    monkeypatch.setenv("DSEC_CPU_QUOTA_FLOOR_CORES", "lots")
-    with pytest.raises(InvalidArgument) as e:
-        qos.cpu_quota_us(0.5)
-    assert e.value.field == "DSEC_CPU_QUOTA_FLOOR_CORES" and "0.1" in (e.value.fix or "")
+
+    def floor(value: str) -> float:
+        return ContainerSettings.from_env({"DSEC_CPU_QUOTA_FLOOR_CORES": value}).cpu_quota_floor_cores
+    assert qos.cpu_quota_us(0.005, floor("0.02")) == 2000 and qos.cpu_quota_us(1.5, floor("0.02")) == 150000
+    assert qos.cpu_quota_us(0.005, floor("0")) == 1000          # the kernel's minimum
+    assert qos.cpu_quota_us(0.005) == 10000                     # the default floor, 0.1 core
+    for bad in ("lots", "65"):
+        with pytest.raises(InvalidArgument) as e:
+            floor(bad)
+        assert e.value.field == "DSEC_CPU_QUOTA_FLOOR_CORES" and "0.1" in (e.value.fix or "")

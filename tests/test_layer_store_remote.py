@@ -24,9 +24,16 @@ from dsec.images.builtin import make_busybox_rootfs
 from dsec.images.layerstore import StoreMissing, open_store
 from dsec.images.lazy import LazyView
 from dsec.images.mounts import mountinfo
+from dsec.settings import ImageSettings
 from dsec.testing.isolated import cleanup_home
 from dsec.testing.s3server import S3Server, weed_binary
 from dsec.types import DsecError, InvalidArgument, NotFound, Unavailable
+
+
+def node_images(paths: Paths) -> ImageService:
+    """A node's image service with the settings of this (monkeypatched) environment, as a server builds it."""
+    return ImageService(paths, settings=ImageSettings.from_env())
+
 
 BIG = 24 << 20
 
@@ -67,7 +74,7 @@ def nodes(request):
     yield make
     for home in homes:
         LayerMounts(Paths(home)).unmount_all()
-        LazyView(Paths(home)).stop()
+        LazyView(Paths(home), settings=ImageSettings.from_env()).stop()
         cleanup_home(home)
     left = [m.mountpoint for m in mountinfo() if any(m.mountpoint.startswith(str(h)) for h in homes)]
     assert not left, f"stray mounts: {left}"
@@ -91,7 +98,7 @@ def _build_app(paths: Paths, tmp: Path, name: str, big: int = BIG) -> ImageServi
     (root / "data").mkdir()
     (root / "data" / "big").write_bytes(os.urandom(big))
     (root / "data" / "small.txt").write_text("hello from node A\n")
-    svc = ImageService(paths)
+    svc = node_images(paths)
     svc.build_from_dir(name, root)
     return svc
 
@@ -159,7 +166,7 @@ def test_s3_node_b_runs_image_from_node_a_pulling_only_what_it_reads(s3, nodes, 
     svc_a.publish("private-app")
 
     b = nodes("B")
-    assert ImageService(b).registry.get_image("app") is None       # node B has never seen it
+    assert node_images(b).registry.get_image("app") is None       # node B has never seen it
     srv = ServerProc(b.home, env={"DSEC_LAYER_STORE": url, **s3.env()})
     srv.start()
     try:
@@ -187,7 +194,7 @@ def test_s3_node_b_runs_image_from_node_a_pulling_only_what_it_reads(s3, nodes, 
     assert isinstance(denied, NotFound) and denied.field == "image", denied
     # containment: the store's credentials stay with the node, never in the sandbox
     assert s3.secret_key not in env and "AWS_" not in env
-    st = LazyView(b).stats()
+    st = LazyView(b, settings=ImageSettings.from_env()).stats()
     assert st["errors"] == 0 and st["remote_bytes"] > 0, st
     # only what the sandbox read travelled: busybox and the metadata, not the 24 MiB file
     assert st["remote_bytes"] < layer.size_bytes / 4, (st, layer.size_bytes)
@@ -198,7 +205,7 @@ def test_s3_node_b_runs_image_from_node_a_pulling_only_what_it_reads(s3, nodes, 
     # the same image, whole-layer copy (DSEC_LAZY=0), same run: the baseline
     monkeypatch.setenv("DSEC_LAZY", "0")
     c_node = nodes("C")
-    svc_c = ImageService(c_node)
+    svc_c = node_images(c_node)
     assert svc_c.lazy is None
     mnt = svc_c.mount_image("app")[0]
     assert (mnt / "data" / "small.txt").read_text() == "hello from node A\n"
@@ -218,7 +225,7 @@ def test_shared_posix_path(nodes, monkeypatch, tmp_path):
     assert json.loads((shared / "images" / "app.json").read_text())["digest"] == svc_a.get("app").digest
 
     b = nodes("B")
-    svc_b = ImageService(b)
+    svc_b = node_images(b)
     assert svc_b.get("app").digest == svc_a.get("app").digest
     mnt = svc_b.mount_image("app")[0]
     assert (mnt / "data" / "small.txt").read_text() == "hello from node A\n"
@@ -246,7 +253,7 @@ def test_corrupt_store_objects_are_refused(s3, nodes, monkeypatch, tmp_path):
     # layer bytes: a read of the damaged chunk fails with EIO, the rest still reads
     _corrupt(s3, f"corrupt/layers/{hexd}.erofs", 12 << 20)
     b = nodes("B")
-    svc_b = ImageService(b)
+    svc_b = node_images(b)
     mnt = svc_b.mount_image("app")[0]
     assert (mnt / "data" / "small.txt").read_text() == "hello from node A\n"
     with pytest.raises(OSError) as e:
@@ -259,7 +266,7 @@ def test_corrupt_store_objects_are_refused(s3, nodes, monkeypatch, tmp_path):
     monkeypatch.setenv("DSEC_LAZY", "0")
     c = nodes("C")
     with pytest.raises(Unavailable) as u:
-        ImageService(c).mount_image("app")
+        node_images(c).mount_image("app")
     assert "does not match its digest" in u.value.message and url in u.value.message
     assert not (c.store / f"{hexd}.erofs").exists()
     assert not [p for p in c.store.iterdir() if p.name.startswith(".tmp-")]
@@ -268,7 +275,7 @@ def test_corrupt_store_objects_are_refused(s3, nodes, monkeypatch, tmp_path):
     # the chunk manifest: must match the sha256 the image record pins
     _corrupt(s3, f"corrupt/layers/{hexd}.chunks.json", 0)
     with pytest.raises(Unavailable) as u:
-        ImageService(nodes("D")).get("app")
+        node_images(nodes("D")).get("app")
     assert "does not match the sha256 its image record pins" in u.value.message
 
     # the image record: must match its own digest
@@ -277,7 +284,7 @@ def test_corrupt_store_objects_are_refused(s3, nodes, monkeypatch, tmp_path):
     rec["layers"][0]["digest"] = "sha256:" + "0" * 64
     c3.put_object(Bucket=s3.bucket, Key="corrupt/images/app.json", Body=json.dumps(rec).encode())
     with pytest.raises(Unavailable) as u:
-        ImageService(nodes("E")).get("app")
+        node_images(nodes("E")).get("app")
     assert "corrupt" in u.value.message and u.value.fix
 
 
@@ -287,10 +294,10 @@ def test_store_gone_is_a_clear_error(s3, nodes, monkeypatch, tmp_path):
         monkeypatch.setenv("DSEC_LAYER_STORE_TIMEOUT_S", "2")
         svc_a = _build_app(nodes("A"), tmp_path, "app")
         size = svc_a.get("app").layers[0].size_bytes
-        svc_b = ImageService(nodes("B"))
+        svc_b = node_images(nodes("B"))
         mnt = svc_b.mount_image("app")[0]               # fetched and mounted while the store is up
         assert (mnt / "data" / "small.txt").read_text() == "hello from node A\n"
-        svc_c = ImageService(nodes("C"))
+        svc_c = node_images(nodes("C"))
         svc_c.get("app")                                # known to node C, nothing read yet
         s3.stop()
         assert not s3.is_up()
@@ -330,9 +337,9 @@ def test_bad_store_setting_names_the_variable(nodes, monkeypatch):
     for bad in ("s3://", "http://example/x", "file://relative/path", "nfs:/x"):
         monkeypatch.setenv("DSEC_LAYER_STORE", bad)
         with pytest.raises(InvalidArgument) as e:
-            ImageService(nodes("X"))
+            node_images(nodes("X"))
         assert e.value.field == "DSEC_LAYER_STORE" and "s3://" in e.value.fix
     monkeypatch.setenv("DSEC_LAYER_STORE", "file:///nonexistent-dsec-store")
     monkeypatch.setenv("DSEC_LAZY", "0")
     with pytest.raises(NotFound):            # an empty store: the name is simply unknown
-        ImageService(nodes("Y")).get("nothing-here")
+        node_images(nodes("Y")).get("nothing-here")

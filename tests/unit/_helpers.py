@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time as _time
 
+from dsec.settings import Settings
 from dsec.backends.base import Backend
 from dsec.config import Paths
 from dsec.edge.admission import Admission
@@ -46,7 +47,7 @@ class Node:
                     unavailable: dict[str, tuple[str, str | None]] | None = None) -> Edge:
         # reaper practically off: tests call reap_once() themselves
         self.edge = Edge(self.paths, self.images, self.backends, EdgeSettings(reap_interval_s=3600),
-                         admission or roomy(), unavailable)
+                         admission or roomy(), unavailable, conf=Settings.from_env())   # as a server would
         await self.edge.start()
         return self.edge
 

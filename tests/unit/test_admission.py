@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dsec.edge.admission import Admission, PressureHigh, psi_limits_from_env
+from dsec.edge.admission import Admission, PressureHigh, psi_limits
+from dsec.settings import AdmissionSettings, Settings
 from dsec.edge.pressure import HostProbe, parse_psi
 from dsec.types import CapacityExceeded, MicroVMArgs, NodeCapacity, NodeStatus, SandboxState
 
@@ -71,7 +72,7 @@ def clock() -> Clock:
 
 def two_core_node(proc: FakeProc, clock: Clock) -> Admission:
     """The defaults on a 2-core, 8-GiB node (this host's own size does not matter)."""
-    return Admission.for_this_host(probe=HostProbe(proc.root, clock=clock), cores=2)
+    return Admission.for_this_host(probe=HostProbe(proc.root, clock=clock), cores=2, conf=Settings.from_env())
 
 
 def status(n: int = 0, cpu: float = 0.0, mem: int = 0) -> NodeStatus:
@@ -137,7 +138,7 @@ def test_pressure_refuses_naming_the_resource_value_limit_and_setting(
 
 def test_pressure_limits_are_set_by_their_variables(env) -> None:
     env.setenv("DSEC_ADMIT_PSI_MEMORY_FULL", "2.5")
-    limits = {(p.resource, p.kind): p.limit for p in psi_limits_from_env(os.environ)}
+    limits = {(p.resource, p.kind): p.limit for p in psi_limits(AdmissionSettings.from_env())}
     assert limits == {("cpu", "some"): 100, ("memory", "some"): 20, ("memory", "full"): 2.5, ("io", "full"): 20}
 
 

@@ -22,6 +22,7 @@ from dsec.edge.pressure import HostProbe
 from dsec.iam import IAM, Principal
 from dsec.images.service import ImageService
 from dsec.placement import Placer
+from dsec.settings import AdmissionSettings, Settings
 from dsec.testing.fake_backend import FakeBackend
 from dsec.types import CapacityExceeded, ContainerArgs, InvalidArgument, LayerInfo, NotFound
 from dsec.watcher import Watcher
@@ -40,7 +41,7 @@ def env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 
 def two_core_8gib(tmp_path: Path) -> Admission:
     proc = FakeProc(Path(tempfile.mkdtemp(dir=tmp_path)) / "proc")
-    return Admission.for_this_host(probe=HostProbe(proc.root), cores=2)
+    return Admission.for_this_host(probe=HostProbe(proc.root), cores=2, conf=Settings.from_env())
 
 
 # -- the share -------------------------------------------------------------------------------
@@ -117,13 +118,13 @@ def test_cgroup_v2_limits_of_the_edge_and_its_ancestors_bound_the_share(tmp_path
     (root / "ray" / "memory.max").write_text("max\n")
     limits = cgroup_limits(proc, root)
     assert (limits.cpu_cores, limits.memory_mb, limits.where) == (0.5, 1024, "/ray/edge1")
-    share = node_share({}, 2, 8192, limits)
+    share = node_share(AdmissionSettings(), 2, 8192, limits)
     assert (share.cpu_cores, share.memory_mb, share.explicit) == (0.5, 1024, True)
     assert share.cpu_basis == "cpu.max of cgroup /ray/edge1"
     with pytest.raises(InvalidArgument) as e:            # an explicit amount cannot exceed the cgroup
-        node_share({"DSEC_NODE_CPU_CORES": "1"}, 2, 8192, limits)
+        node_share(AdmissionSettings.from_env({"DSEC_NODE_CPU_CORES": "1"}), 2, 8192, limits)
     assert "0.5 CPU cores (cpu.max of cgroup /ray/edge1)" in e.value.message
-    assert node_share({"DSEC_NODE_SHARE": "1/2"}, 2, 8192, limits).cpu_cores == 0.25
+    assert node_share(AdmissionSettings.from_env({"DSEC_NODE_SHARE": "1/2"}), 2, 8192, limits).cpu_cores == 0.25
 
 
 def test_cgroup_v1_limits(tmp_path) -> None:
@@ -136,7 +137,7 @@ def test_cgroup_v1_limits(tmp_path) -> None:
     (root / "cpu,cpuacct" / "svc" / "cpu.cfs_period_us").write_text("100000\n")
     (root / "cpu,cpuacct" / "cpu.cfs_quota_us").write_text("-1\n")
     assert cgroup_limits(proc, root) == CgroupLimits(1.5, 2048, "/svc")
-    assert node_share({}, 4, 8192, CgroupLimits()) .explicit is False
+    assert node_share(AdmissionSettings(), 4, 8192, CgroupLimits()) .explicit is False
 
 
 def test_cluster_up_splits_a_shared_host_between_its_edges() -> None:
@@ -181,7 +182,8 @@ async def two(env, tmp_path: Path, short_tmp: Path) -> AsyncIterator[Two]:
         backends.append(FakeBackend(short_tmp / f"rt-{node}"))
         if node == "n1":
             env.setenv("DSEC_NODE_CPU_CORES", "0.001")
-        adm = Admission.for_this_host(probe=HostProbe(FakeProc(tmp_path / f"proc-{node}").root), cores=2)
+        adm = Admission.for_this_host(probe=HostProbe(FakeProc(tmp_path / f"proc-{node}").root), cores=2,
+                                      conf=Settings.from_env())
         env.delenv("DSEC_NODE_CPU_CORES", raising=False)
         adm.mem_reserve_mb = 0
         edges[node] = Edge(paths, images[node], [backends[-1]], EdgeSettings(node_id=node, reap_interval_s=3600),

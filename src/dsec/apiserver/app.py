@@ -129,7 +129,8 @@ def create_app(ctx: ApiContext) -> FastAPI:
     public = frozenset(p for p in ("/healthz", app.openapi_url, app.docs_url, app.redoc_url,
                                    app.swagger_ui_oauth2_redirect_url) if p)
     # authenticate from the headers, then bound the body per route (guard.py)
-    app.add_middleware(RequestGuard, authenticate=ctx.iam.authenticate, public_paths=public)
+    app.add_middleware(RequestGuard, authenticate=ctx.iam.authenticate, public_paths=public,
+                       image_body_bytes=ctx.settings.server.image_upload_max_bytes)
     _add_openapi(app, public)
 
     # -- errors: always JSON {"error": {code, message, field, fix}} ------------------------

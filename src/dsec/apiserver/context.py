@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from dsec.iam import IAM
 from dsec.images.service import ImageService
 from dsec.placement import Placer
+from dsec.settings import Settings
 from dsec.types import (BulkItem, ExecEvent, ExecInfo, ExecRequest, ExecResult, FileEntry, FnCallRequest, FsEvent, FnCallResult, ImageInfo,
                         NetworkPolicy, NodeStatus, NotFound, PackDiffRequest, SandboxArgs, SandboxInfo, SnapshotInfo,
                         node_of)
@@ -91,6 +92,7 @@ class ApiContext:
     images: ImageService | None = None
     fncall: Mapping[str, FnCallHandle] = field(default_factory=dict)   # node -> its FnCall service
     runtime: ApiRuntime = field(default_factory=ApiRuntime)
+    settings: Settings = field(default_factory=Settings)   # the composition root's (dsec.settings)
 
     def edge_for(self, sandbox_id: str) -> EdgeHandle:
         node = node_of(sandbox_id)

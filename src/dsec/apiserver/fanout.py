@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Mapping
 
@@ -16,20 +15,16 @@ from dsec.types import SandboxInfo
 log = logging.getLogger("dsec.apiserver.fanout")
 
 
-def node_deadline_s() -> float:
-    return float(os.environ.get("DSEC_LIST_NODE_DEADLINE_S", "3"))
-
-
 async def _one(edge: EdgeHandle, include_ended: bool, deadline_s: float) -> list[SandboxInfo]:
     return await asyncio.wait_for(edge.list(None, include_ended), deadline_s)
 
 
-async def fan_out(edges: Mapping[str, EdgeHandle], include_ended: bool = False
+async def fan_out(edges: Mapping[str, EdgeHandle], include_ended: bool = False, deadline: float = 3.0
                   ) -> tuple[dict[str, list[SandboxInfo]], dict[str, str], float]:
-    """(node -> its sandboxes, node -> why it did not answer, when the nodes were asked)."""
+    """(node -> its sandboxes, node -> why it did not answer within `deadline` s
+    (DSEC_LIST_NODE_DEADLINE_S), when the nodes were asked)."""
     listed_at = time.time()
     nodes = list(edges.items())
-    deadline = node_deadline_s()
     results = await asyncio.gather(*(_one(edge, include_ended, deadline) for _, edge in nodes),
                                    return_exceptions=True)
     answers: dict[str, list[SandboxInfo]] = {}

@@ -24,7 +24,6 @@ import base64
 import binascii
 import hashlib
 import logging
-import os
 from collections.abc import AsyncIterator
 from enum import Enum
 from typing import TYPE_CHECKING, Optional
@@ -241,7 +240,7 @@ def add_fncall_routes(app: FastAPI, ctx: "ApiContext") -> None:
         except InvalidArgument:
             raise
         except DsecError as e:
-            return jupyter_sandbox_error(e)
+            return jupyter_sandbox_error(e, ctx.settings.server.pod_name)
 
     @app.get("/v1/ping", tags=["fncall"])
     async def ping(request: Request) -> str:
@@ -266,5 +265,5 @@ def add_fncall_routes(app: FastAPI, ctx: "ApiContext") -> None:
             return RunCodeResponse(status=RunStatus.SandboxError,
                                    message=e.message + (f"; fix: dsec image build {fc.image} --builtin"
                                                         if missing_image else ""),
-                                   executor_pod_name=os.environ.get("MY_POD_NAME"))
+                                   executor_pod_name=ctx.settings.server.pod_name)
         return to_run_code_response(res)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
@@ -46,7 +45,8 @@ MAX_FILE_BYTES = 64 * MiB          # PUT .../files: one file per call
 EXEC_BODY_BYTES = 24 * MiB         # ExecRequest: cmd (1 MiB) + stdin (16 MiB) + env, JSON-escaped
 FNCALL_BODY_BYTES = 64 * MiB       # FnCallRequest: code, stdin, files, files_b64 (16 MiB each)
 DEFAULT_BODY_BYTES = 1 * MiB       # every other route: sandbox args, policies, pack_diff
-IMAGE_BODY_BYTES = int(os.environ.get("DSEC_IMAGE_UPLOAD_MAX_BYTES", str(16 * 1024 * MiB)))  # build context / image tar
+IMAGE_BODY_BYTES = 16 * 1024 * MiB  # build context / image tar: the default of DSEC_IMAGE_UPLOAD_MAX_BYTES
+IMAGE_PATHS = re.compile(r"^/v1/images/(build|import)$")
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ BODY_LIMITS = (
               "write large input to a file first (files.write) and redirect it into the command"),
     BodyLimit("POST", re.compile(r"^/(v1/fncall(/batch)?|run_code|run_jupyter)$"), FNCALL_BODY_BYTES,
               "send fewer calls per batch, or smaller code, stdin and files per call"),
-    BodyLimit("POST", re.compile(r"^/v1/images/(build|import)$"), IMAGE_BODY_BYTES,
+    BodyLimit("POST", IMAGE_PATHS, IMAGE_BODY_BYTES,
               "send a smaller build context (a .dockerignore'd copy) or image; or import on the node"),
     # E2B envd: file uploads, and stdin (one message, or a client stream over a command's life)
     BodyLimit("POST", re.compile(r"^/e2b/files$"), MAX_FILE_BYTES,
@@ -98,12 +98,12 @@ def is_e2b_sandbox_traffic(request: Request) -> bool:
     return is_e2b_path(request.url.path) and E2B_SANDBOX_HEADER in request.headers
 
 
-def body_limit(method: str, path: str) -> tuple[int, str]:
+def body_limit(method: str, path: str, image_bytes: int = IMAGE_BODY_BYTES) -> tuple[int, str]:
     if PORT_PATHS.match(path):
         return MAX_FILE_BYTES, PORT_FIX
     for lim in BODY_LIMITS:
         if lim.method == method and lim.path.match(path):
-            return lim.max_bytes, lim.fix
+            return image_bytes if lim.path is IMAGE_PATHS else lim.max_bytes, lim.fix
     return DEFAULT_BODY_BYTES, DEFAULT_FIX
 
 
@@ -144,8 +144,9 @@ class RequestGuard:
     for errors no route handled: a JSON 500 on a connection that stays usable."""
 
     def __init__(self, app: ASGIApp, *, authenticate: Callable[[str | None], Principal],
-                 public_paths: frozenset[str]):
+                 public_paths: frozenset[str], image_body_bytes: int = IMAGE_BODY_BYTES):
         self.app = app
+        self.image_body_bytes = image_body_bytes     # DSEC_IMAGE_UPLOAD_MAX_BYTES
         self.authenticate = authenticate
         self.public_paths = public_paths
 
@@ -167,7 +168,7 @@ class RequestGuard:
                 await _reply(send, e, e2b=e2b)
                 return
             scope.setdefault("state", {})["dsec_principal"] = principal
-        limit, fix = body_limit(method, path)
+        limit, fix = body_limit(method, path, self.image_body_bytes)
         declared = request.headers.get("content-length")
         if declared is not None:
             if not declared.strip().isdigit():

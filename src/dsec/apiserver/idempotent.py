@@ -10,7 +10,6 @@ sandbox, not a second protocol of retries. A first attempt that fails frees the 
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Awaitable, Callable
 
@@ -21,14 +20,10 @@ from dsec.types import Conflict, SandboxInfo
 POLL_S = (0.05, 0.5)        # first and longest wait between looks at a pending claim
 
 
-def wait_s() -> float:
-    return float(os.environ.get("DSEC_IDEMPOTENT_WAIT_S", "120"))
-
-
 async def once(ctx: ApiContext, project: str, key: str,
                create: Callable[[], Awaitable[SandboxInfo]]) -> SandboxInfo:
     claims = keeper(ctx).claims
-    deadline = time.monotonic() + wait_s()
+    deadline = time.monotonic() + ctx.settings.server.idempotent_wait_s
     pause = POLL_S[0]
     while True:
         c = await asyncio.to_thread(claims.claim, project, key)

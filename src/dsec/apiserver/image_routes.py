@@ -12,7 +12,7 @@ last line with `result` (ImageBuildResult) or `error` (ErrorDetail):
 Tenancy: what a project makes is owned by it (visible to it and its relatives, replaced only
 by it); an admin's (root project's) images are published to all. Builds through the API have
 no network (`network=true` is refused: buildah runs in a network namespace of its own, D45);
-pulling from a registry (the node's egress) is an admin's choice. Uploads are bounded by the guard (IMAGE_BODY_BYTES) and unpacked by bsdtar chrooted
+pulling from a registry (the node's egress) is an admin's choice. Uploads are bounded by the guard (DSEC_IMAGE_UPLOAD_MAX_BYTES) and unpacked by bsdtar chrooted
 into the upload dir (images/unpack.py: no path resolves outside it; no owners, devices or
 setuid bits); what a project's uploads in flight hold on the node's disk is counted against its
 max_disk_mb (images/uploads.py).
@@ -32,7 +32,6 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import StreamingResponse
 
 from dsec.apiserver.deps import admin_only, caller, is_admin
-from dsec.apiserver.guard import IMAGE_BODY_BYTES
 from dsec.apiserver.tenancy import visible
 from dsec.iam import Principal
 from dsec.types import (NAME_RE, DsecError, ErrorDetail, ImageBuildResult, ImageConfig, ImageInfo,
@@ -49,15 +48,15 @@ log = logging.getLogger("dsec.apiserver.images")
 Name = Annotated[str, Query(pattern=NAME_RE, description="the dsec image name to register")]
 
 
-def _unpack(tar: Path, dest: Path, field: str, hold: "UploadHold") -> None:
+def _unpack(tar: Path, dest: Path, field: str, hold: "UploadHold", body_bytes: int) -> None:
     """Unpack an uploaded tar beneath `dest` (images/unpack.py: chrooted bsdtar; no owners,
     special bits, devices or xattrs; '..' refused), bounded in what it unpacks to (never more
     than the body limit nor the project's disk policy), that bound counted against the
     project's uploads in flight first."""
     from dsec.images.unpack import UPLOAD_RULES, bounded, unpack_beneath
-    rules = bounded(UPLOAD_RULES, tar, IMAGE_BODY_BYTES)
+    rules = bounded(UPLOAD_RULES, tar, body_bytes)
     # what the unpack may write: its own bound, or what the project's room still allows
-    rules = replace(rules, max_bytes=hold.add_up_to(rules.max_bytes or IMAGE_BODY_BYTES, "unpacking the request body"))
+    rules = replace(rules, max_bytes=hold.add_up_to(rules.max_bytes or body_bytes, "unpacking the request body"))
     unpack_beneath(tar, dest, field=field, what="the request body", rules=rules)
 
 
@@ -118,7 +117,7 @@ def add_image_routes(app: FastAPI, ctx: "ApiContext") -> None:
         work = Path(tempfile.mkdtemp(prefix="upload-", dir=base))
         try:
             with open(work / "body.tar", "wb") as f:
-                async for chunk in request.stream():     # bounded by the guard (IMAGE_BODY_BYTES)
+                async for chunk in request.stream():     # bounded by the guard (DSEC_IMAGE_UPLOAD_MAX_BYTES)
                     hold.add(len(chunk))
                     f.write(chunk)
             if (work / "body.tar").stat().st_size == 0:
@@ -157,7 +156,7 @@ def add_image_routes(app: FastAPI, ctx: "ApiContext") -> None:
             from dsec.images.dockerfile import build_dockerfile
             context = work / "context"
             context.mkdir()
-            _unpack(work / "body.tar", context, "body", hold)
+            _unpack(work / "body.tar", context, "body", hold, ctx.settings.server.image_upload_max_bytes)
             (work / "body.tar").unlink()
             return build_dockerfile(images, name, context, dockerfile=dockerfile, replace=replace,
                                     network=network, memory_mb=memory_mb, timeout_s=timeout_s,
@@ -183,7 +182,8 @@ def add_image_routes(app: FastAPI, ctx: "ApiContext") -> None:
             if format == "oci":
                 layout = work / "layout"
                 layout.mkdir()
-                _unpack(work / "body.tar", layout, "body", hold)
+                _unpack(work / "body.tar", layout, "body", hold,
+                        ctx.settings.server.image_upload_max_bytes)
                 info = images.import_oci(name, oci=layout, ref=ref, replace=replace, progress=progress,
                                          source=f"upload:oci:{name}")
             else:

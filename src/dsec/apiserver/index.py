@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -33,14 +32,6 @@ log = logging.getLogger("dsec.apiserver.index")
 BATCH_S = 0.05
 SYNC_MIN_S = 1.0
 KEEP_ENDED_S = 86400.0      # ended rows are pruned after a day (listing with include_ended asks the edges)
-
-
-def sync_s() -> float:
-    return float(os.environ.get("DSEC_INDEX_SYNC_S", "15"))
-
-
-def lost_s() -> float:
-    return float(os.environ.get("DSEC_INDEX_LOST_S", "300"))
 
 
 def indexed(info: SandboxInfo) -> IndexedSandbox:
@@ -136,9 +127,10 @@ class IndexKeeper:
 
     async def _loop(self) -> None:
         while True:
-            await asyncio.sleep(sync_s())
+            await asyncio.sleep(self.ctx.settings.cluster.index_sync_s)
             try:
-                answers, _, listed_at = await fan_out(self.ctx.edges, include_ended=False)
+                answers, _, listed_at = await fan_out(self.ctx.edges, False,
+                                                                      self.ctx.settings.server.list_node_deadline_s)
                 for node, infos in answers.items():
                     self.listed(node, infos, listed_at)
                 await self._end_lost()
@@ -148,13 +140,13 @@ class IndexKeeper:
                 log.warning("sandbox index upkeep failed", extra={"error": f"{type(e).__name__}: {e}"})
 
     async def _end_lost(self) -> None:
-        """End the rows of nodes discovery has not known for lost_s() (not at once: an edge
+        """End the rows of nodes discovery has not known for DSEC_INDEX_LOST_S (not at once: an edge
         that restarts or a node that returns adopts its sandboxes)."""
         now = time.monotonic()
         absent = await asyncio.to_thread(self.index.live_nodes) - set(self.ctx.edges)
         self._missing_since = {n: self._missing_since.get(n, now) for n in absent}
         for node, since in list(self._missing_since.items()):
-            if now - since >= lost_s():
+            if now - since >= self.ctx.settings.cluster.index_lost_s:
                 n = await asyncio.to_thread(self.index.end_node, node, "lost")
                 log.warning("node gone: its sandboxes left the index", extra={"node": node, "sandboxes": n})
                 del self._missing_since[node]

@@ -34,7 +34,7 @@ async def _away(ctx: ApiContext, k: IndexKeeper, failed: dict[str, str],
 async def list_sandboxes(ctx: ApiContext, who: Principal, include_ended: bool = False) -> SandboxList:
     """The caller's sandboxes on every node (those of unreachable nodes as last indexed)."""
     k = keeper(ctx)
-    answers, failed, listed_at = await fan_out(ctx.edges, include_ended)
+    answers, failed, listed_at = await fan_out(ctx.edges, include_ended, ctx.settings.server.list_node_deadline_s)
     out: list[SandboxInfo] = []
     for node, infos in answers.items():
         k.listed(node, [i for i in infos if i.state not in ENDED], listed_at)   # keeps the index true
@@ -56,7 +56,7 @@ async def bulk(ctx: ApiContext, who: Principal, labels: dict[str, str], verb: st
         return ctx.iam.can_access(who, project) and all(have.get(k) == v for k, v in labels.items())
 
     k = keeper(ctx)
-    answers, failed, _ = await fan_out(ctx.edges)
+    answers, failed, _ = await fan_out(ctx.edges, False, ctx.settings.server.list_node_deadline_s)
 
     async def act(node: str, ids: list[str]) -> list[BulkItem]:
         try:

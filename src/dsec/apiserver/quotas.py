@@ -71,7 +71,7 @@ async def reconcile(ctx: ApiContext, since: float = 0.0) -> bool:
         held = await asyncio.to_thread(ctx.iam.quotas.held, t0)
         # every node at once, each within the listing deadline (fanout.py, D38); a node that
         # did not answer keeps its sandboxes' quota
-        answers, _failed, _ = await fan_out(dict(ctx.edges))
+        answers, _failed, _ = await fan_out(dict(ctx.edges), False, ctx.settings.server.list_node_deadline_s)
         live = {s.id for infos in answers.values() for s in infos}
         listed = set(answers)
         gone = [h for h in held if h.sandbox_id not in live and _node(h.sandbox_id) in listed]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
@@ -130,6 +129,6 @@ async def _stop(ctx: "ApiContext", sandbox_id: str) -> None:
         log.warning("run_jupyter: stopping the sandbox failed", extra={"sandbox": sandbox_id, "error": e.message})
 
 
-def sandbox_error(e: DsecError) -> RunJupyterResponse:
+def sandbox_error(e: DsecError, pod_name: str | None = None) -> RunJupyterResponse:
     return RunJupyterResponse(status="SandboxError", message=e.message + (f" (fix: {e.fix})" if e.fix else ""),
-                              executor_pod_name=os.environ.get("MY_POD_NAME"))
+                              executor_pod_name=pod_name)

@@ -8,6 +8,7 @@ commands that use them, and main() turns a missing [server] extra into one clear
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 from datetime import datetime, timezone
@@ -17,15 +18,18 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from dsec.config import DEFAULT_PORT, SERVER_INSTALL, Paths, missing_server_module
+from dsec.config import DEFAULT_PORT, SERVER_INSTALL, missing_server_module
 from dsec.types import ContainerArgs, DsecError, MicroVMArgs, VMArgs
+
+if TYPE_CHECKING:
+    from dsec.settings import Settings
 
 app = typer.Typer(no_args_is_help=True, help="dsec: elastic sandboxes for agent training and evaluation")
 image_app = typer.Typer(no_args_is_help=True, help="build, list and remove images")
@@ -51,6 +55,18 @@ def _fail(e: DsecError) -> None:
     raise typer.Exit(2)
 
 
+@functools.cache
+def _settings() -> "Settings":
+    """This command's settings: the environment, read once, for the server-side commands (client
+    commands leave DSEC_URL and DSEC_API_KEY to the SDK); a bad value fails with its fix."""
+    from dsec.settings import Settings
+    try:
+        return Settings.from_env()
+    except DsecError as e:
+        _fail(e)
+        raise
+
+
 def _run(coro):
     try:
         return asyncio.run(coro)
@@ -67,7 +83,7 @@ def up(host: str = "127.0.0.1", port: int = DEFAULT_PORT, node_id: str = "local"
     if background:
         from dsec.sdk.client import Client
         os.environ["DSEC_URL"] = f"http://{host}:{port}"    # where it serves, whatever DSEC_URL said
-        log_file = Paths.from_env().server_log   # private before the server writes to it
+        log_file = _settings().paths.server_log   # private before the server writes to it
         log_file.parent.mkdir(parents=True, exist_ok=True)
         os.close(os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
         os.chmod(log_file, 0o600)
@@ -79,22 +95,41 @@ def up(host: str = "127.0.0.1", port: int = DEFAULT_PORT, node_id: str = "local"
             finally:
                 await c.close()
         _run(wait())
-        console.print(f"dsec is serving at http://{host}:{port} (log: {Paths.from_env().server_log})")
+        console.print(f"dsec is serving at http://{host}:{port} (log: {_settings().paths.server_log})")
         return
     from dsec.embedded.server import ServerOptions, serve
     try:
-        serve(Paths.from_env(), ServerOptions(host=host, port=port, node_id=node_id, log_level=log_level))
+        serve(_settings(), ServerOptions(host=host, port=port, node_id=node_id, log_level=log_level))
     except DsecError as e:      # a bad setting (e.g. DSEC_NODE_CPU_CORES): its message and fix, no traceback
         _fail(e)
+
+
+@app.command("config")
+def config(as_json: Annotated[bool, typer.Option("--json", help="one JSON object per setting")] = False,
+           changed: Annotated[bool, typer.Option(help="only the settings the environment sets")] = False) -> None:
+    """The effective settings of a server started here: name, value, source (env or default);
+    secrets masked. Every setting: docs/settings.md."""
+    from dsec.settings import unknown_names
+    rows = [r for r in _settings().rows() if r[2] == "env" or not changed]
+    if as_json:
+        for name, value, source in rows:
+            console.print_json(json.dumps({"name": name, "value": value, "source": source}))
+    else:
+        t = Table("name", "value", "source")
+        for name, value, source in rows:
+            t.add_row(name, escape(value), source)
+        console.print(t)
+    for name in unknown_names():
+        err_console.print(f"[yellow]warning[/yellow]: {name} is set but is no dsec setting (a typo?)")
 
 
 @app.command()
 def down(timeout_s: float = 20.0) -> None:
     """Stop the background server. Sandboxes keep running and are picked up by the next `up`."""
     from dsec.embedded.serverlock import serving_pid
-    pid = serving_pid(Paths.from_env())     # the lock's holder: found even if server.pid is gone
+    pid = serving_pid(_settings().paths)     # the lock's holder: found even if server.pid is gone
     if pid is None:
-        Paths.from_env().server_pid.unlink(missing_ok=True)     # a crashed server's leftover
+        _settings().paths.server_pid.unlink(missing_ok=True)     # a crashed server's leftover
         console.print("dsec is not running")
         return
     try:
@@ -116,9 +151,9 @@ def down(timeout_s: float = 20.0) -> None:
 # -- images ----------------------------------------------------------------------------------
 def _images():
     from dsec.images.service import ImageService
-    paths = Paths.from_env()
+    paths = _settings().paths
     paths.ensure()
-    return ImageService(paths)
+    return ImageService(paths, settings=_settings().images)
 
 
 @image_app.command("build")
@@ -393,7 +428,7 @@ def key_rotate(key_id: Annotated[str, typer.Argument(help="the key's id (`dsec k
                                                         "DSEC_HOME/admin.key")] = False) -> None:
     """Replace a key without downtime: prints the new key; the old one works for --grace-s more."""
     from dsec.sdk.client import Client
-    paths = Paths.from_env()
+    paths = _settings().paths
 
     async def go() -> None:
         if admin:
@@ -738,7 +773,7 @@ def vm_fetch_kernel(
         initramfs: Annotated[bool, typer.Option(help="also build the guest initramfs")] = True) -> None:
     """Download and unpack the guest kernel (linux-image-cloud-amd64) into DSEC_HOME (cached)."""
     from dsec.backends.vm import guest
-    paths = Paths.from_env()
+    paths = _settings().paths
     try:
         k = guest.ensure_kernel(paths)
         console.print(f"guest kernel {k.version}: {k.vmlinuz}")
@@ -793,7 +828,7 @@ def vm_disk_build(
     from dsec.types import DsecError
     t0 = _time.monotonic()
     try:
-        d = disks.build(Paths.from_env(), name, image, size_mb=size_mb)
+        d = disks.build(_settings().paths, name, image, size_mb=size_mb)
     except DsecError as e:
         err_console.print(f"[red]error[/red]: {e.message}" + (f" (field {e.field})" if e.field else "")
                           + (f"\n  fix: {e.fix}" if e.fix else ""))
@@ -807,7 +842,7 @@ def vm_disk_ls() -> None:
     """List the VM disks on this node."""
     from dsec.backends.vm import disks
     t = Table("name", "image", "digest", "kernel", "size MiB", "built")
-    for d in disks.list_disks(Paths.from_env()):
+    for d in disks.list_disks(_settings().paths):
         t.add_row(d.name, d.image, d.image_digest[:19], d.kernel_version, str(d.size_mb),
                   datetime.fromtimestamp(d.created_at, timezone.utc).isoformat(timespec="seconds"))
     console.print(t)
@@ -819,7 +854,7 @@ def vm_disk_rm(name: Annotated[str, typer.Argument(help="disk name")]) -> None:
     from dsec.backends.vm import disks
     from dsec.types import DsecError
     try:
-        disks.remove(Paths.from_env(), name)
+        disks.remove(_settings().paths, name)
     except DsecError as e:
         err_console.print(f"[red]error[/red]: {e.message}")
         raise typer.Exit(2)

@@ -14,7 +14,10 @@ import logging
 import os
 from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dsec.settings import Settings
 
 log = logging.getLogger("dsec.cluster")
 
@@ -44,6 +47,8 @@ class EdgeNode:
         self._host = host
         self._builtin = list(builtin_images or [])
         self._netns = netns            # EdgeNetns.to_json(): run the edge in the node's own netns
+        from dsec.settings import Settings
+        self._settings = Settings.from_env().with_home(self.home)   # this actor's (Ray gives it edge_env)
         self._stack: AsyncExitStack | None = None
         self._url: str | None = None
         self._child: asyncio.subprocess.Process | None = None
@@ -54,7 +59,7 @@ class EdgeNode:
         if self._netns is not None:
             await self._start_in_netns()
             return
-        self._stack, self._url = await start_edge(self.node_id, str(self.home), self._secret, self._system_project,
+        self._stack, self._url = await start_edge(self._settings, self.node_id, self._secret, self._system_project,
                                                   self._host, self._builtin, self._seed_bin)
 
     async def _start_in_netns(self) -> None:
@@ -68,9 +73,8 @@ class EdgeNode:
         await asyncio.to_thread(netns.ensure, ns)
         # spawned from the actor's event loop thread, which lives as long as the actor
         proc = await asyncio.create_subprocess_exec(
-            "nsenter", f"--net={ns.path}", "--", sys.executable, "-m", "dsec.cluster.edge_proc",
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            env={**os.environ, "DSEC_EDGE_PARENT_PID": str(os.getpid())})
+            "nsenter", f"--net={ns.path}", "--", sys.executable, "-m", "dsec.cluster.edge_proc", str(os.getpid()),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)   # the child reads the same environment
         stack = AsyncExitStack()
         stack.push_async_callback(_end_child, proc)
         try:
@@ -109,7 +113,7 @@ class EdgeNode:
                 await self._start()
         import ray
         return {"node_id": self.node_id, "url": self._url, "home": str(self.home), "pid": os.getpid(),
-                "subnet": os.environ.get("DSEC_NET_SUBNET"), "ray_node": ray.get_runtime_context().get_node_id(),
+                "subnet": self._settings.network.subnet, "ray_node": ray.get_runtime_context().get_node_id(),
                 "edge_pid": self._child.pid if self._child else os.getpid(),
                 "netns": self._netns_name()}
 
@@ -158,28 +162,28 @@ async def _end_child(proc: asyncio.subprocess.Process, grace_s: float = 10.0) ->
         proc.stdin.close()
 
 
-async def start_edge(node_id: str, home: str, secret: str, system_project: str, host: str,
+async def start_edge(settings: Settings, node_id: str, secret: str, system_project: str, host: str,
                      builtin_images: list[str], seed_bin: Path | str | None) -> tuple[AsyncExitStack, str]:
     """One node's edge + FnCall served over HTTP on `host` (a free port): (what stops it, its URL).
-    Runs in the EdgeNode actor, or in its child inside the node's netns (edge_proc.py)."""
+    Runs in the EdgeNode actor, or in its child inside the node's netns (edge_proc.py), with the
+    settings that process read (its home: the edge's)."""
     from dsec import log as dlog
     from dsec.cluster.edge_service import bind, edge_app, serve, stop
-    from dsec.config import Paths
     from dsec.embedded.server import make_private, node_services
     from dsec.images.builtin import ensure_builtin
     from dsec.images.service import ImageService
 
-    dlog.configure(os.environ.get("DSEC_LOG_LEVEL", "INFO"))
-    paths = Paths(Path(home))
+    dlog.configure(settings.server.log_level)
+    paths = settings.paths
     make_private(paths)
     (paths.home / "cache").mkdir(exist_ok=True)
     if seed_bin is not None:
         seed_native_helpers(Path(seed_bin), paths.bin)
     for name in builtin_images:      # until the shared layer store: each node builds its own
-        await asyncio.to_thread(ensure_builtin, ImageService(paths), name)
+        await asyncio.to_thread(ensure_builtin, ImageService(paths, settings=settings.images), name)
     stack = AsyncExitStack()
     try:
-        edge, fncall = await stack.enter_async_context(node_services(paths, node_id, system_project))
+        edge, fncall = await stack.enter_async_context(node_services(settings, node_id, system_project))
         sock = bind(host)
         server = await serve(edge_app(edge, secret, fncall), sock)
         stack.push_async_callback(stop, server)
@@ -188,7 +192,7 @@ async def start_edge(node_id: str, home: str, secret: str, system_project: str, 
         raise
     bound, port = sock.getsockname()[:2]
     url = f"http://{bound}:{port}"
-    log.info("edge serving", extra={"node": node_id, "url": url, "home": home})
+    log.info("edge serving", extra={"node": node_id, "url": url, "home": str(paths.home)})
     return stack, url
 
 
@@ -217,12 +221,15 @@ class ApiReplica:
         from dsec.iam import IAM
         from dsec.images.service import ImageService
         from dsec.placement import Placer
+        from dsec.settings import Settings
         from dsec.watcher import Watcher
 
-        dlog.configure(os.environ.get("DSEC_LOG_LEVEL", "INFO"))
+        settings = Settings.from_env()      # this replica's (a composition root)
+        dlog.configure(settings.server.log_level)
         stack = AsyncExitStack()
         try:
-            iam = IAM(self._db_url, home=Path(self._admin_key_file).parent)   # the cluster's home (secrets)
+            iam = IAM(self._db_url, home=Path(self._admin_key_file).parent,   # the cluster's home (secrets)
+                      db=settings.cluster)
             stack.callback(iam.close)
             watcher = Watcher({}, interval_s=1.0)
             discovery = RayDiscovery(watcher, self._secret)
@@ -231,9 +238,10 @@ class ApiReplica:
             stack.push_async_callback(watcher.stop)
             await discovery.start()
             stack.push_async_callback(discovery.stop)
-            images = ImageService(Paths(Path(self._images_home)), keep_reader=True) if self._images_home else None
+            images = ImageService(Paths(Path(self._images_home)), keep_reader=True, settings=settings.images) \
+                if self._images_home else None
             ctx = ApiContext(iam=iam, edges=discovery.edges, watcher=watcher, placer=Placer(k=2), images=images,
-                             fncall=discovery.fncall)
+                             fncall=discovery.fncall, settings=settings)
             import ray
             sock = bind(self._host or ray.util.get_node_ip_address(), self._port, reuse_port=True)
             server = await serve(create_app(ctx), sock)

@@ -60,7 +60,8 @@ async def _embedded(n: int, concurrency: int, rounds: int) -> list[dict[str, Any
         Paths(home).ensure()
         await asyncio.to_thread(ensure_builtin, ImageService(Paths(home)), "busybox")
         from dsec.cluster.actors import seed_native_helpers
-        seed_native_helpers(Paths.from_env().bin, Paths(home).bin)     # as the cluster's edges get them
+        from dsec.settings import Settings
+        seed_native_helpers(Settings.from_env().paths.bin, Paths(home).bin)     # as the cluster's edges get them
         srv = ServerProcess(home, {**NO_PSI, "DSEC_VM": "0"})
         await asyncio.to_thread(srv.start, 180)
         out = []

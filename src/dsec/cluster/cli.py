@@ -48,8 +48,8 @@ def up(address: Address = "auto",
        home: Annotated[Path, typer.Option(help="cluster state: secret, admin key, SQLite IAM")] = Path(DEFAULT_HOME) / "cluster",
        node_homes: Annotated[Path, typer.Option(help="each edge's DSEC_HOME is <node-homes>/<node id> on its node")
                              ] = Path(DEFAULT_HOME) / "nodes",
-       db_url: Annotated[Optional[str], typer.Option(envvar="DSEC_DB_URL",
-                                                     help="IAM database for every replica (PostgreSQL DSN)")] = None,
+       db_url: Annotated[Optional[str], typer.Option(help="IAM database for every replica (PostgreSQL DSN); "
+                                                          "default: DSEC_DB_URL")] = None,
        subnet_pool: str = "10.90.0.0/16", subnet_prefix: int = 22,
        node_resource: Annotated[Optional[str], typer.Option(help="only Ray nodes with this resource get an edge")] = None,
        builtin: Annotated[Optional[list[str]], typer.Option(help="built-in images each edge builds at start")] = None,
@@ -58,19 +58,22 @@ def up(address: Address = "auto",
                                                                "(default: its share of the host)")] = None,
        node_memory_mb: Annotated[Optional[int], typer.Option(help="memory (MiB) each edge counts as its node's "
                                                              "(default: its share of the host)")] = None,
-       edge_netns: Annotated[bool, typer.Option(envvar="DSEC_EDGE_NETNS",
-                                                help="each edge in a network namespace of its own (Ray nodes "
-                                                     "sharing one host, the replicas on it too)")] = False,
+       edge_netns: Annotated[Optional[bool], typer.Option(help="each edge in a network namespace of its own (Ray "
+                                                          "nodes sharing one host, the replicas on it too); "
+                                                          "default: DSEC_EDGE_NETNS")] = None,
        netns_pool: Annotated[str, typer.Option(help="the edges' netns links: a /30 each")] = "10.89.0.0/16",
        ) -> None:
     """Start an edge on every eligible Ray node and the apiserver replicas (what is missing)."""
     from dsec.cluster import ray_cluster as rc
+    from dsec.settings import Settings
+    conf = Settings.from_env().cluster      # this command's environment, read once
     _connect(address)
-    settings = rc.ClusterSettings(home=home, node_homes=node_homes, db_url=db_url, replicas=replicas,
+    settings = rc.ClusterSettings(home=home, node_homes=node_homes, db_url=db_url or conf.db_url, replicas=replicas,
                                   api_host=host, api_port=port, subnet_pool=subnet_pool, subnet_prefix=subnet_prefix,
                                   node_resource=node_resource, builtin_images=list(builtin or []),
                                   share_hosts=share_hosts, node_cpu_cores=node_cpu_cores,
-                                  node_memory_mb=node_memory_mb, edge_netns=edge_netns, netns_pool=netns_pool)
+                                  node_memory_mb=node_memory_mb, netns_pool=netns_pool,
+                                  edge_netns=conf.edge_netns if edge_netns is None else edge_netns)
     _print(asyncio.run(rc.up(settings)))
     typer.echo(f"admin key: {settings.home / 'admin.key'}")
 

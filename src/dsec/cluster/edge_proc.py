@@ -26,15 +26,13 @@ import threading
 from typing import Any
 
 PR_SET_PDEATHSIG = 1
-PARENT_ENV = "DSEC_EDGE_PARENT_PID"
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent: str | None) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
-    parent = os.environ.get(PARENT_ENV)
-    if parent and os.getppid() != int(parent):      # the parent died before the prctl
+    if parent and os.getppid() != int(parent):      # the parent (argv[1]) died before the prctl
         os._exit(1)
 
 
@@ -47,7 +45,9 @@ def _watch_stdin() -> None:
 
 async def _run(cfg: dict[str, Any]) -> None:
     from dsec.cluster.actors import start_edge
-    stack, url = await start_edge(cfg["node_id"], cfg["home"], cfg["secret"], cfg["system_project"],
+    from dsec.settings import Settings
+    settings = Settings.from_env().with_home(cfg["home"])     # this process's (the actor's environment)
+    stack, url = await start_edge(settings, cfg["node_id"], cfg["secret"], cfg["system_project"],
                                   cfg["host"], cfg.get("builtin_images") or [], cfg.get("seed_bin"))
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -63,7 +63,7 @@ async def _run(cfg: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    _die_with_parent()
+    _die_with_parent(sys.argv[1] if len(sys.argv) > 1 else None)
     cfg = json.loads(sys.stdin.buffer.readline())
     threading.Thread(target=_watch_stdin, name="edge-parent-watch", daemon=True).start()
     asyncio.run(_run(cfg))

@@ -63,8 +63,8 @@ def _abandon(rcl: Any) -> None:
 def _seed_bin(base: Path) -> str:
     """The node's compiled helpers, built once here (not once per edge home, all on one host)."""
     from dsec.agent.build import agent_binary
-    from dsec.config import Paths
-    node_bin = Paths.from_env().bin
+    from dsec.settings import Settings
+    node_bin = Settings.from_env().paths.bin
     seed = node_bin if any(node_bin.glob("dsec-nsexec-*")) else base / "bin"
     agent_binary(seed)
     return str(seed)
@@ -82,7 +82,10 @@ async def local_cluster(nodes: int = 3, replicas: int = 2, edge_env: dict[str, s
     from dsec.cluster import netns
     from dsec.cluster import ray_cluster as rc
     from dsec.cluster.discovery import EDGE_PREFIX, actor_address, edge_node_id
+    from dsec.settings import Settings
     from dsec.testing.isolated import cleanup_home
+
+    conf = Settings.from_env()        # this process's, read once (a composition root)
 
     base = Path(tempfile.mkdtemp(prefix="dsec-cluster-", dir="/var/tmp"))
     saved = {k: os.environ.get(k) for k in FAST_HEALTH}
@@ -115,8 +118,8 @@ async def local_cluster(nodes: int = 3, replicas: int = 2, edge_env: dict[str, s
             home=base / "cluster", node_homes=base / "nodes", replicas=replicas, api_host="127.0.0.1", api_port=0,
             subnet_pool=f"10.{90 + os.getpid() % 8}.0.0/16", subnet_prefix=24, node_resource="dsec_edge",
             api_resource="dsec_api", builtin_images=list(builtin_images), seed_bin=_seed_bin(base),
-            db_url=db_url or os.environ.get("DSEC_DB_URL"),
-            **({} if edge_netns is None else {"edge_netns": edge_netns}),
+            db_url=db_url or conf.cluster.db_url,
+            edge_netns=conf.cluster.edge_netns if edge_netns is None else edge_netns,
             netns_pool=f"10.{80 + os.getpid() % 8}.0.0/16",
             edge_env={"DSEC_VM": "0", "DSEC_LOG_LEVEL": "WARNING", **(edge_env or {})})
         if settings.edge_netns:

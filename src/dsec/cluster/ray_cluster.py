@@ -45,7 +45,7 @@ class ClusterSettings:
     node_homes: Path = Path(DEFAULT_HOME) / "nodes"  # each edge's DSEC_HOME: <node_homes>/<node id> on its node
     # IAM for every replica: DSEC_DB_URL (PostgreSQL) in a real cluster; else one SQLite file,
     # which only replicas on the head's host can share
-    db_url: str | None = field(default_factory=lambda: os.environ.get("DSEC_DB_URL"))
+    db_url: str | None = None       # the CLI gives DSEC_DB_URL
     replicas: int = 2
     api_host: str = ""              # "" = the replica's Ray node address
     api_port: int = DEFAULT_PORT    # replicas on one host share it (SO_REUSEPORT)
@@ -64,7 +64,7 @@ class ClusterSettings:
     node_memory_mb: int | None = None     # every edge's memory (DSEC_NODE_MEMORY_MB); None: its share
     # each edge in a network namespace of its own, dsec-<node>, joined to its host by a veth on a
     # /30 of netns_pool (netns.py, D40); for Ray nodes sharing a host whose replicas run there too
-    edge_netns: bool = field(default_factory=lambda: os.environ.get("DSEC_EDGE_NETNS", "") == "1")
+    edge_netns: bool = False        # the CLI gives DSEC_EDGE_NETNS
     netns_pool: str = "10.89.0.0/16"
 
     @property

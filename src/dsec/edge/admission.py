@@ -40,12 +40,12 @@ and /proc is read at most once a second.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsec.edge.node_share import CgroupLimits, cgroup_limits, node_share
 from dsec.edge.pressure import HostProbe, Reading
+from dsec.settings import AdmissionSettings, Settings
 from dsec.types import CapacityExceeded, NodeCapacity, NodeStatus, Unavailable
 
 CPU_OVERCOMMIT = 2000.0
@@ -111,12 +111,12 @@ class PsiLimit:
         return 0.0 if value is None or self.limit >= 100 else value / max(self.limit, 1e-9)
 
 
-def psi_limits_from_env(env: Mapping[str, str]) -> tuple[PsiLimit, ...]:
-    def limit(resource: str, kind: str, default: float, fld: str | None) -> PsiLimit:
+def psi_limits(s: AdmissionSettings) -> tuple[PsiLimit, ...]:
+    def limit(resource: str, kind: str, fld: str | None) -> PsiLimit:
         setting = f"DSEC_ADMIT_PSI_{resource.upper()}_{kind.upper()}"
-        return PsiLimit(resource, kind, float(env.get(setting, default)), setting, fld)
-    return (limit("cpu", "some", 100, "cpu_cores"), limit("memory", "some", 20, "memory_mb"),
-            limit("memory", "full", 10, "memory_mb"), limit("io", "full", 20, None))
+        return PsiLimit(resource, kind, getattr(s, f"psi_{resource}_{kind}"), setting, fld)
+    return (limit("cpu", "some", "cpu_cores"), limit("memory", "some", "memory_mb"),
+            limit("memory", "full", "memory_mb"), limit("io", "full", None))
 
 
 @dataclass
@@ -133,28 +133,28 @@ class Admission:
 
     @classmethod
     def for_this_host(cls, home: Path | None = None, probe: HostProbe | None = None,
-                      cores: int | None = None) -> Admission:
-        env = os.environ
+                      cores: int | None = None, conf: Settings | None = None) -> Admission:
+        conf = conf or Settings()
+        s = conf.admission
         probe = probe or HostProbe()
         total_mb = probe.read().mem_total_mb or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
         # the cgroup this process runs in, read through the probe's /proc (a fake one has none)
         cgroup = cgroup_limits(probe.proc) if (probe.proc / "self").exists() else CgroupLimits()
-        share = node_share(env, cores or os.cpu_count() or 1, total_mb, cgroup)
-        cpu = share.cpu_cores * float(env.get("DSEC_CPU_OVERCOMMIT", CPU_OVERCOMMIT))
-        mem = int(share.memory_mb * float(env.get("DSEC_MEM_OVERCOMMIT", MEM_OVERCOMMIT)))
+        share = node_share(s, cores or os.cpu_count() or 1, total_mb, cgroup)
+        cpu = share.cpu_cores * s.cpu_overcommit
+        mem = int(share.memory_mb * s.mem_overcommit)
         disks: tuple[DiskReserve, ...] = ()
         if home is not None:
-            disks = (DiskReserve("the DSEC_HOME filesystem", home, int(env.get("DSEC_HOME_RESERVE_MB", "1024")),
+            disks = (DiskReserve("the DSEC_HOME filesystem", home, conf.storage.home_reserve_mb,
                                  "DSEC_HOME_RESERVE_MB"),
                      DiskReserve("the sandboxes' scratch filesystem", home / "sb",
-                                 int(env.get("DSEC_SCRATCH_RESERVE_MB", "256")), "DSEC_SCRATCH_RESERVE_MB",
+                                 conf.storage.scratch_reserve_mb, "DSEC_SCRATCH_RESERVE_MB",
                                  separate_mount=True))
         return cls(NodeCapacity(cpu_cores=cpu, memory_mb=mem,
-                                max_sandboxes=int(env.get("DSEC_MAX_SANDBOXES", MAX_SANDBOXES)),
+                                max_sandboxes=s.max_sandboxes,
                                 node_cpu_cores=share.cpu_cores if share.explicit else None,
                                 node_memory_mb=share.memory_mb if share.explicit else None),
-                   mem_reserve_mb=int(env.get("DSEC_MEM_RESERVE_MB", MEM_RESERVE_MB)), disks=disks,
-                   psi=psi_limits_from_env(env), sandbox_mb=int(env.get("DSEC_ADMIT_SANDBOX_MB", SANDBOX_MB)),
+                   mem_reserve_mb=s.mem_reserve_mb, disks=disks, psi=psi_limits(s), sandbox_mb=s.sandbox_mb,
                    probe=probe, cpu_basis=share.cpu_basis, memory_basis=share.memory_basis)
 
     # -- what the watcher sees ---------------------------------------------------------

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 import logging
-import os
 from collections import Counter
 from dataclasses import dataclass
 from typing import TypeVar
@@ -24,12 +23,12 @@ from dsec.edge.records import EdgeRecords, SandboxRecord
 from dsec.images.service import ImageService
 from dsec.images.stacks import Stacks
 from dsec.placement.locality import CacheSummary
+from dsec.settings import Settings
 from dsec.types import (Conflict, InvalidArgument, NotFound, SandboxInfo, SandboxState, Unavailable)
 
 log = logging.getLogger("dsec.edge")
 
 LIVE = (SandboxState.creating, SandboxState.running, SandboxState.suspended, SandboxState.stopping)
-DISK_POLL_S = float(os.environ.get("DSEC_DISK_POLL_S", "10"))   # fallback quota check interval
 BULK_PARALLEL = 16        # parks/resumes of one bulk call at a time (each reclaims memory: I/O- and CPU-bound)
 PURGE_EVERY_S = 60.0      # ended records and what they left are forgotten at most this often
 MAX_WATCHES_PER_PROJECT = 256   # open directory watches of one project on this node (16 a sandbox: the agent's)
@@ -39,9 +38,6 @@ WARM_PROJECT = "system"
 WARM_LABEL = "dsec.warm-pool"
 WARM_CPU_CORES = 1.0
 WARM_MEMORY_MB = 256
-# Push a waiting one's memory to zram (~1 MiB: the agent) at the cost of its first command
-# faulting it back in; off by default: the pool exists for that first command's latency.
-WARM_RECLAIM = os.environ.get("DSEC_WARM_POOL_RECLAIM", "0") == "1"
 
 
 def _park_after(rec: SandboxRecord) -> int | None:
@@ -70,6 +66,7 @@ class EdgeCore:
     _backends: dict[str, Backend]
     _unavailable: dict[str, tuple[str, str | None]]
     settings: EdgeSettings
+    conf: Settings               # the process's DSEC_* settings (dsec.settings)
     node_id: str
     admission: Admission
     records: EdgeRecords

@@ -18,7 +18,6 @@ error). Each live sandbox is one `LiveSandbox` (live.py), freed in one place (`_
 from __future__ import annotations
 
 import asyncio
-import os
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
@@ -29,12 +28,12 @@ from dsec.edge.deadlines import Deadlines
 from dsec.edge.live import LiveSandbox
 from dsec.edge.load import NodeLoad
 from dsec.edge.reclaim import Reclaimer
-from dsec.edge.warm_pool import ENV as WARM_ENV
-from dsec.edge.warm_pool import WarmPools, parallel_from_env, parse_targets
+from dsec.edge.warm_pool import WarmPools, parse_targets
 from dsec.edge.records import EdgeRecords
 from dsec.images.service import ImageService
 from dsec.images.stacks import Stacks
 from dsec.placement.locality import CacheSummary
+from dsec.settings import Settings
 from dsec.types import (NodeStatus, SandboxInfo)
 from dsec.edge.core import (MAX_WATCHES_PER_PROJECT, EdgeSettings, log)
 from dsec.edge.lifecycle import Lifecycle
@@ -55,15 +54,16 @@ PARTS = ("core", "lifecycle", "warm", "parking", "verbs", "channel", "execs", "f
 class Edge(Lifecycle, WarmHooks, ParkingVerbs, CapabilityVerbs, AgentChannel, Execs, Files, Ports, Reaping):
     def __init__(self, paths: Paths, images: ImageService, backends: Sequence[Backend],
                  settings: EdgeSettings = EdgeSettings(), admission: Admission | None = None,
-                 unavailable: Mapping[str, tuple[str, str | None]] | None = None):
+                 unavailable: Mapping[str, tuple[str, str | None]] | None = None, conf: Settings | None = None):
         self.paths = paths
+        self.conf = conf or Settings()     # the composition root's (defaults for an edge built by hand)
         self.images = images
         self.stacks = Stacks(images)
         self._backends: dict[str, Backend] = {kind: b for b in backends for kind in b.kinds}
         self._unavailable = dict(unavailable or {})   # backend kind -> (why this node lacks it, fix)
         self.settings = settings
         self.node_id = settings.node_id
-        self.admission = admission or Admission.for_this_host(paths.home)   # + its disks' reserves
+        self.admission = admission or Admission.for_this_host(paths.home, conf=self.conf)   # + its disks' reserves
         self.records = EdgeRecords(paths.edge_db)
         self._live: dict[str, LiveSandbox] = {}
         self._dirty: set[str] = set()          # activity and output counters to flush
@@ -78,10 +78,10 @@ class Edge(Lifecycle, WarmHooks, ParkingVerbs, CapabilityVerbs, AgentChannel, Ex
         self._deadlines = Deadlines()          # when the reaper looks at each sandbox next (O(due) ticks)
         self._purge_next = 0.0                 # monotonic: ended records are purged once a minute
         self._watches: Counter[str] = Counter()   # open directory watches per project
-        self._reclaimer = Reclaimer.from_env(self._live, self.admission.probe)   # idle memory out (reclaim.py)
+        self._reclaimer = Reclaimer.from_settings(self._live, self.admission.probe, self.conf.edge)   # idle memory out (reclaim.py)
         # warm pools of idle containers per environment, claimed by creates (warm_pool.py)
-        self._pools = WarmPools(parse_targets(os.environ.get(WARM_ENV, "")), self._warm_start, self._warm_key_of,
-                                self._warm_drop, parallel_from_env())
+        self._pools = WarmPools(parse_targets(self.conf.edge.warm_pool), self._warm_start, self._warm_key_of,
+                                self._warm_drop, self.conf.edge.warm_pool_parallel)
 
     async def start(self) -> None:
         await self._recover()

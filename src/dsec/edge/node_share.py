@@ -17,11 +17,11 @@ A bad value is InvalidArgument naming the variable and the fix: the edge does no
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
+from dsec.settings import AdmissionSettings
 from dsec.types import InvalidArgument
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -108,8 +108,8 @@ def cgroup_limits(proc: Path = Path("/proc"), root: Path = CGROUP_ROOT) -> Cgrou
     return CgroupLimits(min(cpus, default=None), min(mems, default=None), where)
 
 
-def _fraction(env: Mapping[str, str]) -> Fraction | None:
-    raw = env.get("DSEC_NODE_SHARE", "").strip()
+def _fraction(raw: str) -> Fraction | None:
+    raw = raw.strip()
     if not raw:
         return None
     try:
@@ -124,9 +124,9 @@ def _fraction(env: Mapping[str, str]) -> Fraction | None:
     return value
 
 
-def _amount(env: Mapping[str, str], name: str, limit: float, limit_basis: str, unit: str,
+def _amount(raw: str, name: str, limit: float, limit_basis: str, unit: str,
             as_int: bool) -> float | None:
-    raw = env.get(name, "").strip()
+    raw = raw.strip()
     if not raw:
         return None
     try:
@@ -145,7 +145,7 @@ def _amount(env: Mapping[str, str], name: str, limit: float, limit_basis: str, u
     return value
 
 
-def node_share(env: Mapping[str, str], host_cores: float, host_memory_mb: int,
+def node_share(s: AdmissionSettings, host_cores: float, host_memory_mb: int,
                cgroup: CgroupLimits = CgroupLimits()) -> NodeShare:
     """This edge's CPU cores and memory (see the module doc)."""
     cores, cores_basis = float(host_cores), "cores"
@@ -155,9 +155,9 @@ def node_share(env: Mapping[str, str], host_cores: float, host_memory_mb: int,
     if cgroup.memory_mb is not None and cgroup.memory_mb < mem:
         mem, mem_basis = cgroup.memory_mb, f"memory.max of cgroup {cgroup.where or '/'}"
     explicit = cores_basis != "cores" or mem_basis != "MemTotal"
-    share = _fraction(env)
-    explicit_cores = _amount(env, "DSEC_NODE_CPU_CORES", cores, cores_basis, "CPU cores", as_int=False)
-    explicit_mem = _amount(env, "DSEC_NODE_MEMORY_MB", mem, mem_basis, "MiB", as_int=True)
+    share = _fraction(s.node_share)
+    explicit_cores = _amount(s.node_cpu_cores, "DSEC_NODE_CPU_CORES", cores, cores_basis, "CPU cores", as_int=False)
+    explicit_mem = _amount(s.node_memory_mb, "DSEC_NODE_MEMORY_MB", mem, mem_basis, "MiB", as_int=True)
     if share is not None and share != 1:
         cores, cores_basis = cores * float(share), f"{share} of {cores_basis} (DSEC_NODE_SHARE)"
         mem, mem_basis = int(mem * share), f"{share} of {mem_basis} (DSEC_NODE_SHARE)"

@@ -13,7 +13,7 @@ from dsec.backends.base import LivenessWatched
 from dsec.edge.live import LiveSandbox
 from dsec.edge.records import SandboxRecord
 from dsec.types import (DsecError, SandboxState)
-from dsec.edge.core import (DISK_POLL_S, PURGE_EVERY_S, _park_after, EdgeCore, log)
+from dsec.edge.core import (PURGE_EVERY_S, _park_after, EdgeCore, log)
 
 
 class Reaping(EdgeCore):
@@ -33,11 +33,11 @@ class Reaping(EdgeCore):
 
     async def _poll_disk(self) -> None:
         """Fallback disk quota (backends whose kernel side cannot enforce disk_mb here): every
-        DISK_POLL_S, measure each running sandbox's writable layer and fail the ones beyond
+        DSEC_DISK_POLL_S, measure each running sandbox's writable layer and fail the ones beyond
         disk_mb, saying so in their error."""
         if time.monotonic() < self._disk_next:
             return
-        self._disk_next = time.monotonic() + DISK_POLL_S
+        self._disk_next = time.monotonic() + self.conf.storage.disk_poll_s
         for live in self._running_of(lambda b: not b.disk_enforced):
             limit = live.rec.args.disk_mb << 20
             used = await asyncio.to_thread(live.backend.disk_usage, live.id)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
@@ -40,6 +39,7 @@ if TYPE_CHECKING:
     from dsec.edge.live import LiveSandbox
     from dsec.edge.pressure import HostProbe
     from dsec.edge.records import SandboxRecord
+    from dsec.settings import EdgeEnvSettings
 
 log = logging.getLogger("dsec.edge")
 
@@ -67,13 +67,9 @@ class Reclaimer:
         self.reclaims = 0
 
     @classmethod
-    def from_env(cls, live: Mapping[str, LiveSandbox], probe: HostProbe,
-                 env: Mapping[str, str] = os.environ) -> Reclaimer:
-        return cls(live, lambda: probe.read().stall("memory", "some"),
-                   idle_s=float(env.get("DSEC_RECLAIM_IDLE_S", IDLE_S)),
-                   pressed_idle_s=float(env.get("DSEC_RECLAIM_PRESSED_IDLE_S", PRESSED_IDLE_S)),
-                   psi_limit=float(env.get("DSEC_RECLAIM_PSI", PSI_LIMIT)),
-                   per_tick=int(env.get("DSEC_RECLAIM_PER_TICK", PER_TICK)))
+    def from_settings(cls, live: Mapping[str, LiveSandbox], probe: HostProbe, s: EdgeEnvSettings) -> Reclaimer:
+        return cls(live, lambda: probe.read().stall("memory", "some"), idle_s=s.reclaim_idle_s,
+                   pressed_idle_s=s.reclaim_pressed_idle_s, psi_limit=s.reclaim_psi, per_tick=s.reclaim_per_tick)
 
     @property
     def enabled(self) -> bool:

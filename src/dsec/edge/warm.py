@@ -15,7 +15,7 @@ from dsec.edge.warm_pool import ENV as WARM_ENV
 from dsec.edge.warm_pool import PoolTarget, WarmSandbox, parse_targets
 from dsec.edge.records import SandboxRecord
 from dsec.types import (MAX_TTL_S, ContainerArgs, DsecError, InvalidArgument, SandboxState, make_sandbox_id)
-from dsec.edge.core import (WARM_PROJECT, WARM_LABEL, WARM_CPU_CORES, WARM_MEMORY_MB, WARM_RECLAIM, EdgeCore, log)
+from dsec.edge.core import (WARM_PROJECT, WARM_LABEL, WARM_CPU_CORES, WARM_MEMORY_MB, EdgeCore, log)
 
 
 class WarmHooks(EdgeCore):
@@ -74,7 +74,9 @@ class WarmHooks(EdgeCore):
             self._load.update(rec, live=False)
             await asyncio.shield(backend.destroy(rec.id))
             raise
-        if WARM_RECLAIM and isinstance(backend, Reclaim):   # cheap while it waits: what the agent touched goes to zram
+        # DSEC_WARM_POOL_RECLAIM: push a waiting one's memory to zram (~1 MiB: the agent) at the cost of
+        # its first command faulting it back in; off by default: the pool is for that command's latency
+        if self.conf.edge.warm_pool_reclaim and isinstance(backend, Reclaim):
             try:
                 await backend.reclaim(rec.id)
             except DsecError as e:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import re
 import time
 from collections import deque
@@ -34,7 +33,6 @@ from dsec.types import DsecError, InvalidArgument, NAME_RE
 log = logging.getLogger("dsec.edge.warm_pool")
 
 ENV = "DSEC_WARM_POOL"
-PARALLEL_ENV = "DSEC_WARM_POOL_PARALLEL"
 MAX_SIZE = 1024                # per pool: a typo must not start thousands of containers
 RETRY_S = 5.0                  # after a failed start (refused by admission, broken image)
 RECHECK_S = 30.0               # the pools' keys are re-resolved this often (an image re-published)
@@ -70,18 +68,6 @@ def parse_targets(raw: str, field: str = ENV) -> list[PoolTarget]:
             raise InvalidArgument(f"{field}: size {size} of {image!r} is outside 0..{MAX_SIZE}", field=field, fix=FIX)
         out[image] = PoolTarget(image, size)
     return list(out.values())
-
-
-def parallel_from_env() -> int:
-    raw = os.environ.get(PARALLEL_ENV, "2")
-    try:
-        n = int(raw)
-    except ValueError:
-        n = 0
-    if not 1 <= n <= 64:
-        raise InvalidArgument(f"{PARALLEL_ENV} must be 1..64, got {raw!r}", field=PARALLEL_ENV,
-                              fix=f"e.g. {PARALLEL_ENV}=2 (warm containers started at a time)")
-    return n
 
 
 @dataclass(eq=False)

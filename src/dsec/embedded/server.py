@@ -30,11 +30,13 @@ from dsec.backends.container.driver import ContainerDriver
 from dsec.config import DEFAULT_PORT, Paths
 from dsec.edge.edge import Edge, EdgeSettings
 from dsec.embedded.serverlock import hold_server_lock
+from dsec.fncall.pool import FnCallSettings
 from dsec.fncall.service import FnCallService
 from dsec.iam import IAM
 from dsec.images.service import ImageService
 from dsec.placement import Placer
 from dsec.security.netpolicy import RULESETS_FILE, Rulesets
+from dsec.settings import Settings, VMSettings
 from dsec.types import Conflict, DsecError
 from dsec.watcher import Watcher
 
@@ -53,41 +55,45 @@ class ServerOptions:
 
 
 @asynccontextmanager
-async def embedded(paths: Paths, node_id: str = "local"):
-    """Everything one machine needs, started and torn down in order."""
+async def embedded(settings: Settings, node_id: str = "local"):
+    """Everything one machine needs, started and torn down in order. `settings`: this process's,
+    read once by the caller (Settings.from_env) and passed down from here."""
+    paths = settings.paths
     paths.ensure()
-    iam = IAM(os.environ.get("DSEC_DB_URL") or paths.iam_db, home=paths.home)   # DSEC_DB_URL: PostgreSQL (D31)
+    db = settings.cluster     # DSEC_DB_URL: PostgreSQL (D31)
+    iam = IAM(db.db_url or paths.iam_db, home=paths.home, db=db)
     iam.bootstrap(paths.admin_key_file)
-    async with node_services(paths, node_id, system_project(iam)) as (edge, fncall):
+    async with node_services(settings, node_id, system_project(iam)) as (edge, fncall):
         watcher = Watcher({node_id: edge}, interval_s=1.0)
         await watcher.poll_once()
         await watcher.start()
         try:
             yield ApiContext(iam=iam, edges={node_id: edge}, watcher=watcher, placer=Placer(k=2),
-                             images=edge.images, fncall={node_id: fncall})
+                             images=edge.images, fncall={node_id: fncall}, settings=settings)
         finally:
             await watcher.stop()
 
 
 @asynccontextmanager
-async def node_services(paths: Paths, node_id: str, system_project_id: str
+async def node_services(settings: Settings, node_id: str, system_project_id: str
                         ) -> AsyncIterator[tuple[Edge, FnCallService]]:
     """One node's edge (its backends named here) and the FnCall service beside it: what the
     embedded server runs in-process and a cluster node serves over HTTP (dsec.cluster)."""
+    paths = settings.paths
     paths.ensure()
-    images = ImageService(paths, keep_reader=True)
+    images = ImageService(paths, keep_reader=True, settings=settings.images)
     rulesets = Rulesets(paths.home / RULESETS_FILE)   # operator's named network rule sets
-    backends: list[Backend] = [ContainerDriver(paths, agent_binary(paths.bin), rulesets)]
-    vm, vm_problem = await asyncio.to_thread(vm_driver, paths)
+    backends: list[Backend] = [ContainerDriver(paths, agent_binary(paths.bin), rulesets, conf=settings)]
+    vm, vm_problem = await asyncio.to_thread(vm_driver, paths, settings.vm)
     if vm is not None:
         backends.append(vm)
     unavailable = {} if vm is not None else {kind: vm_problem for kind in VM_KINDS}
     edge = Edge(paths, images, backends, EdgeSettings(node_id=node_id, services=("fncall",)),
-                unavailable=unavailable)
+                unavailable=unavailable, conf=settings)
     await edge.start()
     try:
         # FnCall beside the edge: its warm pool containers are the system project's sandboxes
-        fncall = FnCallService(edge, system_project_id)
+        fncall = FnCallService(edge, system_project_id, FnCallSettings.from_settings(settings.fncall))
         await fncall.start()
         try:
             yield edge, fncall
@@ -101,14 +107,14 @@ VM_KINDS = ("microvm", "vm")
 KEEP_ALIVE_S = 75
 
 
-def vm_driver(paths: Paths) -> "tuple[VMDriver | None, tuple[str, str | None]]":
+def vm_driver(paths: Paths, settings: VMSettings) -> "tuple[VMDriver | None, tuple[str, str | None]]":
     """The QEMU backends when this node has QEMU and a fetched guest kernel; else why not and
     the fix (the node then offers containers and fncall only, and says so to placement)."""
-    if os.environ.get("DSEC_VM", "1") == "0":
+    if not settings.enabled:
         return None, ("disabled by DSEC_VM=0", "start dsec without DSEC_VM=0")
     try:
         from dsec.backends.vm.driver import VMDriver
-        return VMDriver(paths), ("", None)
+        return VMDriver(paths, settings), ("", None)
     except DsecError as e:
         log.warning("VM backends unavailable", extra={"reason": e.message})
         return None, (e.message, e.fix or "run `dsec vm fetch-kernel` and install qemu-system-x86 "
@@ -154,12 +160,14 @@ def make_private(paths: Paths) -> None:
                 log.warning("could not make a state file private", extra={"path": str(f), "error": str(e)})
 
 
-def serve(paths: Paths, opts: ServerOptions) -> None:
+def serve(settings: Settings, opts: ServerOptions) -> None:
+    """`dsec up`: `settings` are the server process's own (its environment, read once)."""
     dlog.configure(opts.log_level)
+    paths = settings.paths
     make_private(paths)
 
     async def main() -> None:
-        async with embedded(paths, opts.node_id) as ctx:
+        async with embedded(settings, opts.node_id) as ctx:
             # keep-alive 75 s, far above httpx's 5 s pool expiry: a client never reuses a
             # connection the server is just closing (a lost stop under load, issue 22)
             config = uvicorn.Config(create_app(ctx), host=opts.host, port=opts.port, log_config=None,

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from dsec.agent.client import Exit, Output
 from dsec.insandbox import source
+from dsec.settings import FnCallEnvSettings
 from dsec.types import (FNCALL_DEFAULT_IMAGE, ContainerArgs, DsecError, InvalidArgument, SandboxFailed,
                         Unavailable)
 
@@ -67,13 +68,6 @@ _STD = _BASE + ["json", "random", "decimal", "fractions", "statistics", "datetim
 PYTHON_ZYGOTES = {"base": _BASE, "std": _STD, "numpy": _STD + ["numpy"]}
 
 
-def _env_num(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, default))
-    except ValueError:
-        return default
-
-
 @dataclass(frozen=True)
 class FnCallSettings:
     min_warm: int = 1                 # floor per pool while it is in use
@@ -97,14 +91,11 @@ class FnCallSettings:
     pin_cpu: bool = True
 
     @classmethod
-    def from_env(cls) -> "FnCallSettings":
-        cores = os.cpu_count() or 1
-        return cls(min_warm=int(_env_num("DSEC_FNCALL_MIN_WARM", 1)),
-                   max_warm=int(_env_num("DSEC_FNCALL_MAX_WARM", max(2, 2 * cores))),
-                   max_calls=int(_env_num("DSEC_FNCALL_MAX_CALLS", 1000)),
-                   idle_s=_env_num("DSEC_FNCALL_IDLE_S", 30.0),
-                   keep_pool_s=_env_num("DSEC_FNCALL_KEEP_POOL_S", 600.0),
-                   pin_cpu=os.environ.get("DSEC_FNCALL_PIN_CPU", "1") != "0")
+    def from_settings(cls, s: FnCallEnvSettings) -> "FnCallSettings":
+        """The DSEC_FNCALL_* settings; max_warm unset: twice the cores, at least 2."""
+        max_warm = s.max_warm if s.max_warm is not None else max(2, 2 * (os.cpu_count() or 1))
+        return cls(min_warm=s.min_warm, max_warm=max_warm, max_calls=s.max_calls, idle_s=s.idle_s,
+                   keep_pool_s=s.keep_pool_s, pin_cpu=s.pin_cpu)
 
 
 class Worker:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from dsec.agent.client import AgentDisconnected, AgentError
 from dsec.fncall import languages as langs
 from dsec.fncall.pool import LABEL, FnCallSettings, Pool, Worker
+from dsec.settings import FnCallEnvSettings
 from dsec.types import (DsecError, FnCallRequest, FnCallResult, FnCallStatus, FnCallStep,
                         InvalidArgument, SandboxFailed, SandboxState)
 
@@ -43,7 +44,7 @@ class FnCallService:
     def __init__(self, host: "SandboxHost", project: str, settings: FnCallSettings | None = None):
         self.host = host
         self.project = project
-        self.settings = settings or FnCallSettings.from_env()
+        self.settings = settings or FnCallSettings.from_settings(FnCallEnvSettings())
         self.probes = langs.probes()
         self.pools: dict[tuple[str, str], Pool] = {}
         self.closing = False

@@ -21,9 +21,10 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from dsec.config import Paths
+from dsec.config import DEFAULT_HOME
 from dsec.iam.policy import SandboxPolicy, check_narrows, narrow
 from dsec.iam.quota import QuotaLedger
+from dsec.settings import ClusterEnvSettings
 from dsec.store import Database, Tx, is_postgres_dsn, open_db
 from dsec.store.db import Row
 from dsec.types import Conflict, Forbidden, InvalidArgument, NotFound, Unauthorized
@@ -117,10 +118,11 @@ class IAM:
     open, store/schema.py). `home`: the server's state directory (defaults to the SQLite
     file's), where secrets beside the database live."""
 
-    def __init__(self, dsn: Path | str, *, home: Path | str | None = None):
-        self.db: Database = open_db(dsn)
+    def __init__(self, dsn: Path | str, *, home: Path | str | None = None, db: ClusterEnvSettings | None = None):
+        db = db or ClusterEnvSettings()      # DSEC_DB_RETRY_S, DSEC_DB_POOL
+        self.db: Database = open_db(dsn, retry_s=db.db_retry_s, pool_max=db.db_pool)
         self.home = Path(home) if home is not None else (
-            Paths.from_env().home if is_postgres_dsn(dsn) else Path(dsn).parent)
+            Path(DEFAULT_HOME) if is_postgres_dsn(dsn) else Path(dsn).parent)
         self.quotas = QuotaLedger(self.db)
 
     @property

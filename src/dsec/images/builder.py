@@ -46,10 +46,6 @@ _COMPRESSORS = [  # magic, name, tar flag, program tar runs
 ]
 
 
-def default_mirror() -> str:
-    return os.environ.get("DSEC_DEBIAN_MIRROR") or DEFAULT_MIRROR
-
-
 # ---------------------------------------------------------------------------------------
 # Scratch directories
 # ---------------------------------------------------------------------------------------
@@ -208,7 +204,7 @@ def debootstrap(dest: Path, suite: str, include: Sequence[str] = (), *, mirror: 
     """`debootstrap --variant=minbase [--include=...] SUITE DEST MIRROR`, then drop apt's
     package cache and lists and the host-specific files debootstrap copies in."""
     pkgs = check_debootstrap_args(suite, include)
-    mirror = mirror or default_mirror()
+    mirror = mirror or DEFAULT_MIRROR
     exe = shutil.which("debootstrap") or (
         "/usr/sbin/debootstrap" if os.path.exists("/usr/sbin/debootstrap") else None)
     if exe is None:

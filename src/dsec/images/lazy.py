@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from dsec.config import Paths
+from dsec.settings import ImageSettings
 from dsec.types import InvalidArgument, Unavailable
 
 from .erofsmeta import metadata_blocks
@@ -123,29 +124,25 @@ class LazyView:
                  cache_bytes: int | None = None, latency_ms: float | None = None,
                  timeout_s: float | None = None, root: Path | None = None,
                  bandwidth_mbps: float | None = None, prefetch: bool | None = None,
-                 meta: bool = True, remote: str | None = None):
+                 meta: bool = True, remote: str | None = None, settings: ImageSettings | None = None):
+        s = settings or ImageSettings()     # what the arguments left out (DSEC_LAZY_*)
         self.paths = paths
         self.store = Path(store or paths.store)
         self.root = Path(root or paths.home / "lazy")
         self.mnt = self.root / "mnt"
         self.cache = self.root / "cache"
         self.chunk = chunk
-        env = os.environ
-        self.cache_bytes = cache_bytes if cache_bytes is not None else int(
-            env.get("DSEC_LAZY_CACHE_BYTES", str(8 << 30)))
-        self.latency_ms = latency_ms if latency_ms is not None else float(
-            env.get("DSEC_LAZY_LATENCY_MS", "0"))
-        self.timeout_s = timeout_s if timeout_s is not None else float(
-            env.get("DSEC_LAZY_TIMEOUT_S", "30"))
+        self.cache_bytes = cache_bytes if cache_bytes is not None else s.lazy_cache_bytes
+        self.latency_ms = latency_ms if latency_ms is not None else s.lazy_latency_ms
+        self.timeout_s = timeout_s if timeout_s is not None else s.lazy_timeout_s
         # injected store bandwidth (MB/s, 0 = unlimited) for benchmarks; prefetch = bulk
         # fetch of a layer's recorded access profile when the layer is first opened
-        self.bandwidth_mbps = bandwidth_mbps if bandwidth_mbps is not None else float(
-            env.get("DSEC_LAZY_BANDWIDTH_MBPS", "0"))
-        self.prefetch = prefetch if prefetch is not None else env.get(
-            "DSEC_LAZY_PREFETCH", "1") not in ("0", "false", "no")
+        self.bandwidth_mbps = bandwidth_mbps if bandwidth_mbps is not None else s.lazy_bandwidth_mbps
+        self.prefetch = prefetch if prefetch is not None else s.lazy_prefetch
+        self.trace = s.lazyfs_trace
         self.meta = meta
         # the shared layer store to range-read layers this node has no file of
-        self.remote = remote if remote is not None else (env.get("DSEC_LAYER_STORE") or None)
+        self.remote = remote if remote is not None else (s.layer_store or None)
         self._lock = FileLock(self.root / ".lock")
 
     def is_mounted(self) -> bool:
@@ -183,6 +180,7 @@ class LazyView:
                  "--bandwidth-mbps", str(self.bandwidth_mbps),
                  *([] if self.prefetch else ["--no-prefetch"]),
                  *([] if self.meta else ["--no-meta"]),
+                 *(["--trace"] if self.trace else []),
                  *(["--remote", self.remote] if self.remote else [])],
                 stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True,
                 close_fds=True)
@@ -304,13 +302,10 @@ def _wait_gone(pid: int, wait_s: float) -> bool:
     return False
 
 
-def lazy_enabled() -> bool:
+def lazy_enabled(s: ImageSettings) -> bool:
     """DSEC_LAZY=1; or unset with a shared layer store (DSEC_LAYER_STORE): a node then pulls
     only the chunks its sandboxes read. DSEC_LAZY=0 there pulls whole layers instead."""
-    v = os.environ.get("DSEC_LAZY", "")
-    if v == "":
-        return bool(os.environ.get("DSEC_LAYER_STORE"))
-    return v not in ("0", "false", "no")
+    return s.lazy if s.lazy is not None else bool(s.layer_store)
 
 
 __all__ = ["LazyView", "write_manifest", "manifest_file", "meta_file", "lazy_enabled"]

@@ -52,7 +52,7 @@ log = logging.getLogger("dsec.lazyfs")
 STATS_INODE_NAME = "stats.json"
 PREFETCH_RUN = 16 << 20          # largest single prefetch request
 PREFETCH_PARALLEL = 4
-TRACE = bool(os.environ.get("DSEC_LAZYFS_TRACE"))
+TRACE = False                    # --trace (DSEC_LAZYFS_TRACE): log every read
 
 
 class LazyFS(pyfuse3.Operations):
@@ -476,7 +476,10 @@ def main() -> None:
     ap.add_argument("--no-prefetch", action="store_true")
     ap.add_argument("--no-meta", action="store_true")
     ap.add_argument("--remote", default=None)
+    ap.add_argument("--trace", action="store_true")
     a = ap.parse_args()
+    global TRACE
+    TRACE = a.trace
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(message)s")
     fs = LazyFS(a.store, a.cache, a.cache_bytes, a.latency_ms / 1000, a.timeout_s,

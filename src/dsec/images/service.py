@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
 
 from dsec.config import Paths
+from dsec.settings import ImageSettings
 from dsec.types import NAME_RE, Conflict, DsecError, ImageInfo, InvalidArgument, LayerInfo, NotFound
 
-from .builder import (check_debootstrap_args, debootstrap_cached, default_mirror,
+from .builder import (check_debootstrap_args, debootstrap_cached,
                       extract_tarball, safe_rmtree, scratch_dir, tree_size)
 from .erofs import check_compression, mkfs, sha256_file
 from .oci import (DEFAULT_MERGE_BYTES, apply_layer, docker_archive_layers, group_layers,
@@ -66,8 +67,8 @@ class HeavyWork:
     beyond the limit waits for a `slot()` before it starts (a waiting pack_diff leaves its
     sandbox running: it freezes the sandbox only once it has the slot)."""
 
-    def __init__(self, workers: int | None = None):
-        self.workers = workers or int(os.environ.get("DSEC_HEAVY_PARALLEL", "0")) or max(2, (os.cpu_count() or 2) // 2)
+    def __init__(self, workers: int = 0):
+        self.workers = workers or max(2, (os.cpu_count() or 2) // 2)
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="dsec-heavy", initializer=_lower_priority)
         self._slots: asyncio.Semaphore | None = None
         # one project never holds every slot: another's pack_diff or build always gets one
@@ -94,23 +95,25 @@ class HeavyWork:
 
 
 class ImageService:
-    def __init__(self, paths: Paths | None = None, keep_reader: bool = False):
-        self.paths = paths or Paths.from_env()
+    def __init__(self, paths: Paths, keep_reader: bool = False, settings: ImageSettings | None = None):
+        self.paths = paths
+        self.settings = settings or ImageSettings()   # the composition root's (dsec.settings)
         for d in (self.paths.home, self.paths.store, self.paths.layer_mounts):
             d.mkdir(parents=True, exist_ok=True)
         # keep_reader: the server's own instance keeps a read connection per thread (D42)
         self.registry = Registry(self.paths.images_db, keep_reader=keep_reader)
         # DSEC_LAYER_STORE: the layer store shared by all nodes (publish to it, fetch from it)
-        self.shared = SharedStore.from_env(self.paths)
+        self.shared = SharedStore(self.settings.layer_store, self.paths, timeout_s=self.settings.layer_store_timeout_s) \
+            if self.settings.layer_store else None
         self._fetch_lock = threading.Lock()
         # DSEC_LAZY=1 (the default with a shared store): mount layers through the node's lazy
         # FUSE view; without it a layer built elsewhere is pulled whole before its mount
-        self.lazy = LazyView(self.paths, remote=self.shared.url if self.shared else "") \
-            if lazy_enabled() else None
+        self.lazy = LazyView(self.paths, remote=self.shared.url if self.shared else "", settings=self.settings) \
+            if lazy_enabled(self.settings) else None
         self.mounts = LayerMounts(self.paths, source=self._shared_source if self.shared else
                                   self.lazy.source if self.lazy else None)
         self._store_lock = FileLock(self.paths.store / ".lock")
-        self.heavy = HeavyWork()
+        self.heavy = HeavyWork(self.settings.heavy_parallel)
         self.uploads = UploadLedger(self.paths.home)     # what uploads in flight hold, per project
         self._sweep_stale_temps()
 
@@ -163,7 +166,7 @@ class ImageService:
         check_name(name)
         check_compression(compression)
         pkgs = check_debootstrap_args(suite, include)
-        mirror = mirror or default_mirror()
+        mirror = mirror or self.settings.debian_mirror
         with scratch_dir(self.paths, "debootstrap") as work:
             root = work / "rootfs"
             debootstrap_cached(self.paths, root, suite, pkgs, mirror=mirror, cache=cache,

@@ -47,10 +47,9 @@ def sha256_bytes(data: bytes) -> str:
 
 
 class SharedStore:
-    def __init__(self, url: str, paths: Paths, *, timeout_s: float | None = None):
+    def __init__(self, url: str, paths: Paths, *, timeout_s: float = 10.0):
         try:
-            self.store: RemoteLayerStore = open_store(url, timeout_s=timeout_s or float(
-                os.environ.get("DSEC_LAYER_STORE_TIMEOUT_S", "10")))
+            self.store: RemoteLayerStore = open_store(url, timeout_s=timeout_s)
         except ValueError as e:
             raise InvalidArgument(f"bad layer store {e}", field=ENV,
                                   fix="set DSEC_LAYER_STORE=s3://BUCKET/PREFIX (endpoint and keys from "
@@ -58,11 +57,6 @@ class SharedStore:
                                       "file:///PATH/ON/A/SHARED/MOUNT, or unset it") from None
         self.url = self.store.url
         self.paths = paths
-
-    @classmethod
-    def from_env(cls, paths: Paths) -> "SharedStore | None":
-        url = os.environ.get(ENV, "").strip()
-        return cls(url, paths) if url else None
 
     def _error(self, e: StoreError, doing: str) -> DsecError:
         if isinstance(e, StoreMissing):

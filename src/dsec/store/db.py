@@ -11,7 +11,6 @@ function must therefore only touch the database (no side effects outside it).
 from __future__ import annotations
 
 import logging
-import os
 import sqlite3
 import threading
 import time
@@ -27,8 +26,8 @@ log = logging.getLogger("dsec.store")
 
 T = TypeVar("T")
 Row = dict[str, Any]
-RETRY_S = float(os.environ.get("DSEC_DB_RETRY_S", "30"))   # how long to ride out a PostgreSQL restart
-POOL_MAX = int(os.environ.get("DSEC_DB_POOL", "8"))
+RETRY_S = 30.0   # how long to ride out a PostgreSQL restart: the default of DSEC_DB_RETRY_S
+POOL_MAX = 8     # connections per process: the default of DSEC_DB_POOL
 
 
 def is_postgres_dsn(dsn: str | Path) -> bool:
@@ -143,7 +142,7 @@ class PostgresDatabase(Database):
 
     dialect = POSTGRES
 
-    def __init__(self, dsn: str, *, retry_s: float = RETRY_S):
+    def __init__(self, dsn: str, *, retry_s: float = RETRY_S, pool_max: int = POOL_MAX):
         super().__init__()
         import psycopg
         from psycopg.rows import dict_row
@@ -152,7 +151,7 @@ class PostgresDatabase(Database):
         self._transient: tuple[type[BaseException], ...] = (psycopg.OperationalError, PoolTimeout)
         self.url = redact(dsn)
         self.retry_s = retry_s
-        self._pool = ConnectionPool(dsn, min_size=1, max_size=POOL_MAX, open=False, name="dsec",
+        self._pool = ConnectionPool(dsn, min_size=1, max_size=pool_max, open=False, name="dsec",
                                     kwargs={"row_factory": dict_row, "autocommit": True})
         self._pool.open()
         try:
@@ -206,10 +205,10 @@ def _set_wal(conn: sqlite3.Connection, deadline_s: float = 30.0) -> None:
             time.sleep(0.05)
 
 
-def connect(dsn: str | Path) -> Database:
+def connect(dsn: str | Path, *, retry_s: float = RETRY_S, pool_max: int = POOL_MAX) -> Database:
     """A SQLite path (or sqlite:///path) or a postgresql:// DSN, without migrating it."""
     if is_postgres_dsn(dsn):
-        return PostgresDatabase(str(dsn))
+        return PostgresDatabase(str(dsn), retry_s=retry_s, pool_max=pool_max)
     s = str(dsn)
     if s.startswith("sqlite:///"):
         s = s[len("sqlite://"):]

@@ -8,7 +8,7 @@ import logging
 import time
 from pathlib import Path
 
-from dsec.store.db import Database, Tx, connect
+from dsec.store.db import POOL_MAX, RETRY_S, Database, Tx, connect
 from dsec.store.schema import LATEST, MIGRATIONS
 from dsec.types import Conflict
 
@@ -47,9 +47,9 @@ def migrate(db: Database, migrations: list[tuple[int, str, list[str]]] = MIGRATI
     return db.run(step)
 
 
-def open_db(dsn: str | Path) -> Database:
+def open_db(dsn: str | Path, *, retry_s: float = RETRY_S, pool_max: int = POOL_MAX) -> Database:
     """Connect and bring the schema up to date."""
-    db = connect(dsn)
+    db = connect(dsn, retry_s=retry_s, pool_max=pool_max)
     try:
         migrate(db)
     except BaseException:

@@ -9,7 +9,6 @@ connectrpc's server and the protobuf messages the e2b package ships: they come w
 from __future__ import annotations
 
 import logging
-import os
 
 from fastapi import FastAPI
 from starlette.applications import Starlette
@@ -35,8 +34,8 @@ def add_e2b_routes(app: FastAPI, ctx: ApiContext) -> None:
                     extra={"missing": e.name, "fix": INSTALL})
         app.mount(E2B_PREFIX, _missing_extra(str(e.name)))
         return
-    from dsec.apiserver.e2b.hosts import DOMAIN_ENV, E2BHostRouting
-    domain = os.environ.get(DOMAIN_ENV) or None
+    from dsec.apiserver.e2b.hosts import E2BHostRouting
+    domain = ctx.settings.server.e2b_domain
     app.mount(E2B_PREFIX, build(ctx, domain))
     if domain:     # get_host(port) names: {port}-{sandboxID}.{domain} (hosts.py)
         app.add_middleware(E2BHostRouting, domain=domain)

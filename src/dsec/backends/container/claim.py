@@ -45,12 +45,12 @@ def _write(f: Path, value: int | str) -> None:
     f.write_text(str(value))
 
 
-def apply_limits(rel: str, args: ContainerArgs, *, v2: bool) -> None:
+def apply_limits(rel: str, args: ContainerArgs, *, v2: bool, quota_floor: float = qos.DEFAULT_QUOTA_FLOOR_CORES) -> None:
     """Write the claimer's CPU, memory and pids limits into the container's cgroups (blocking:
     run in a thread). Raises OSError if a limit cannot be set (e.g. memory below what the
     container holds: EBUSY), and the edge then destroys the container."""
     mem = args.memory_mb << 20
-    quota = cpu_quota_us(args.cpu_cores)
+    quota = cpu_quota_us(args.cpu_cores, quota_floor)
     shares = qos.cpu_shares(args.cpu_class, args.cpu_cores)
     if v2:
         d = cgroups.v2_dir(rel)

@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 from dsec.config import Paths
+from dsec.settings import StorageSettings
 
 log = logging.getLogger("dsec.backends.container.disk")
 
@@ -51,7 +52,6 @@ MIB, GIB = 1 << 20, 1 << 30
 MIN_IMAGE = GIB
 GROW_STEP = GIB          # at least this much per growth step (or a quarter of the size)
 GROW_BELOW = 512 * MIB   # grow when the scratch has less free (or an eighth of its size)
-CHECK_S = float(os.environ.get("DSEC_SCRATCH_CHECK_S", "1"))
 # commit=5: a scratch that filled up, then had files deleted, hands the emptied data block
 # groups back within seconds (metadata needs them: until then even creating a file is ENOSPC;
 # with the default 30 s commit that lasted ~20 s here)
@@ -197,21 +197,6 @@ def _enable_quota(mnt: Path) -> str:
     raise last
 
 
-def _env_bytes(name: str, default: float, unit: int) -> int:
-    raw = os.environ.get(name)
-    try:
-        return int(float(raw) * unit) if raw else int(default * unit)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
-
-
-def home_reserve() -> int:
-    """Bytes DSEC_HOME's filesystem keeps free for what is not the scratch (layer store,
-    records, builds, VM disks): admission refuses new sandboxes below it (edge/admission.py
-    reads the same DSEC_HOME_RESERVE_MB), and the scratch grows only while twice that stays."""
-    return _env_bytes("DSEC_HOME_RESERVE_MB", 1024, MIB)
-
-
 def _avail(p: Path) -> int:
     st = os.statvfs(p)
     return st.f_bavail * st.f_frsize
@@ -225,11 +210,15 @@ class ScratchImage:
     `grow_if_needed`, which a watcher thread calls every DSEC_SCRATCH_CHECK_S seconds and
     every sandbox creation calls first."""
 
-    def __init__(self, paths: Paths):
+    def __init__(self, paths: Paths, s: StorageSettings):
         self.home, self.img, self.mnt = paths.home, paths.home / IMAGE_NAME, paths.sandboxes
-        gb = os.environ.get("DSEC_SCRATCH_GB")
-        self.cap = _env_bytes("DSEC_SCRATCH_GB", 0, GIB) if gb else None
-        self.initial = _env_bytes("DSEC_SCRATCH_INITIAL_GB", 4, GIB)
+        self.cap = int(s.scratch_gb * GIB) if s.scratch_gb is not None else None
+        self.initial = int(s.scratch_initial_gb * GIB)
+        # DSEC_HOME's filesystem keeps this free for what is not the scratch (layer store, records,
+        # builds, VM disks): admission refuses new sandboxes below it (edge/admission.py reads the
+        # same DSEC_HOME_RESERVE_MB), and the scratch grows only while twice that stays
+        self.home_reserve = s.home_reserve_mb * MIB
+        self.check_s = s.scratch_check_s
         self._lock = threading.Lock()
         self._said: str | None = None      # the last "cannot grow" reason logged
 
@@ -237,7 +226,7 @@ class ScratchImage:
         """Bytes the image may still take: what keeps 2 x DSEC_HOME_RESERVE_MB free on the
         host filesystem, and no more than DSEC_SCRATCH_GB in all."""
         size = self.img.stat().st_size if self.img.exists() else 0
-        room = _avail(self.home) - 2 * home_reserve()
+        room = _avail(self.home) - 2 * self.home_reserve
         if self.cap is not None:
             room = min(room, self.cap - size)
         return max(room, 0) // MIB * MIB
@@ -246,7 +235,7 @@ class ScratchImage:
         size = min(self.initial, self.room())
         if size < MIN_IMAGE:
             raise OSError(f"only {size >> 20} MiB of {self.home}'s filesystem can hold the scratch filesystem "
-                          f"(need >= 1 GiB above 2 x DSEC_HOME_RESERVE_MB={home_reserve() >> 20} MiB free; "
+                          f"(need >= 1 GiB above 2 x DSEC_HOME_RESERVE_MB={self.home_reserve >> 20} MiB free; "
                           "free space there, or set DSEC_SCRATCH_GB / DSEC_HOME_RESERVE_MB)")
         tmp = self.img.with_suffix(".tmp")
         try:
@@ -331,7 +320,7 @@ class ScratchImage:
                 why = ("the scratch filesystem is nearly full and cannot grow: DSEC_SCRATCH_GB reached"
                        if self.cap is not None and size + GROW_STEP > self.cap else
                        f"the scratch filesystem is nearly full and cannot grow: {self.home}'s filesystem keeps "
-                       f"2 x DSEC_HOME_RESERVE_MB={home_reserve() >> 20} MiB free")
+                       f"2 x DSEC_HOME_RESERVE_MB={self.home_reserve >> 20} MiB free")
                 if why != self._said:
                     self._said = why
                     log.warning(why, extra={"image": str(self.img), "mib": size >> 20})
@@ -353,17 +342,17 @@ class ScratchImage:
                     if msg != self._said:
                         self._said = msg
                         log.warning(msg, extra={"image": str(self.img)})
-                time.sleep(CHECK_S)
+                time.sleep(self.check_s)
         threading.Thread(target=loop, name="dsec-scratch", daemon=True).start()
 
 
-def open_quotas(paths: Paths) -> PolledQuotas:
-    """The node's quota mechanism, setting up the scratch filesystem on first use."""
-    want = os.environ.get("DSEC_DISK_QUOTA", "auto")
+def open_quotas(paths: Paths, s: StorageSettings) -> PolledQuotas:
+    """The node's quota mechanism (DSEC_DISK_QUOTA), setting up the scratch filesystem on first use."""
+    want = s.disk_quota
     if want == "poll":
         return PolledQuotas(paths, "DSEC_DISK_QUOTA=poll")
     mnt = paths.sandboxes
-    scratch = ScratchImage(paths)
+    scratch = ScratchImage(paths, s)
     try:
         mnt.mkdir(parents=True, exist_ok=True)
         if not _is_mountpoint(mnt):

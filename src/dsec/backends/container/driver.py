@@ -34,7 +34,7 @@ from dsec.backends.container import cgroups, hibernate, qos
 from dsec.backends.container import claim as warm_claim
 from dsec.backends.container.disk import open_quotas
 from dsec.backends.container.idmap import IdRanges, host_to_sandbox
-from dsec.backends.container.network import SandboxNetworks
+from dsec.backends.container.network import NetSettings, SandboxNetworks
 from dsec.backends.container.parking import PARKED_MARKER, CgroupParking, cgroup_gone
 from dsec.backends.container.ports import CONNECT_TIMEOUT_S, connect_in_netns
 from dsec.backends.warm import WarmClaim
@@ -43,6 +43,7 @@ from dsec.config import Paths
 from dsec.native import compile_static
 from dsec.security.users import resolve_user
 from dsec.security.netpolicy import Rulesets, resolve
+from dsec.settings import Settings
 from dsec.types import ContainerArgs, NetworkPolicy, SandboxArgs, SandboxFailed, Unavailable
 
 log = logging.getLogger("dsec.backends.container")
@@ -78,8 +79,11 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
     instead = {"snapshot": "use pack_diff to save a container's changes as a layer",
                "console": "read a container's output from its commands"}
 
-    def __init__(self, paths: Paths, agent_binary: Path, rulesets: Rulesets, crun: str = "crun"):
+    def __init__(self, paths: Paths, agent_binary: Path, rulesets: Rulesets, crun: str = "crun",
+                 conf: Settings | None = None):
         self.paths = paths
+        conf = conf or Settings()         # the composition root's (dsec.settings)
+        self.quota_floor = conf.containers.cpu_quota_floor_cores   # DSEC_CPU_QUOTA_FLOOR_CORES
         self.rulesets = rulesets      # the operator's named network rule sets
         self.agent_binary = agent_binary
         _make_mask_dir(mask_dir(agent_binary))
@@ -89,18 +93,19 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
         problem = cgroups.check_host()
         if problem:
             raise Unavailable(problem, fix=problem)
-        qos.quota_floor_cores()  # a bad DSEC_CPU_QUOTA_FLOOR_CORES stops the server, not a create
         ensure_node_file_max()   # node-wide: sandboxes' files are bounded by their memory instead
         # per-sandbox egress policy (cgroup-BPF) and, when a policy allows anything, a veth
-        self.net = SandboxNetworks(paths, lambda sid: cgroups.v2_dir(cgroup_path(sid)))
+        self.net = SandboxNetworks(paths, lambda sid: cgroups.v2_dir(cgroup_path(sid)),
+                                   NetSettings(conf.network.bridge, conf.network.subnet))
         # writable-layer quota: sandbox dirs are btrfs subvolumes with a limit (or polled)
-        self.disk = open_quotas(paths)
+        self.disk = open_quotas(paths, conf.storage)
         # a user namespace per sandbox with its own host id range (idmap.py)
-        self.ids = IdRanges() if os.environ.get("DSEC_USERNS", "1") != "0" else None
+        c = conf.containers
+        self.ids = IdRanges(c.idmap_registry, c.idmap_first, c.idmap_slots) if c.userns else None
         self._watches: dict[str, _ExitWatch] = {}     # exit detection (watch_exit)
         self.parking = CgroupParking(self.cgroup_v2)  # suspend: freeze + memory to (zram) swap
         # suspend of a quiescent container: torn down to its files, started again on resume
-        self.park_to_disk = os.environ.get("DSEC_PARK_TO_DISK", "1") != "0"
+        self.park_to_disk = c.park_to_disk
 
     # -- paths ---------------------------------------------------------------------------
     def sandbox_dir(self, sandbox_id: str) -> Path:
@@ -180,7 +185,7 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
             (d / "lower").mkdir(mode=0o700)
             for i in range(len(spec.lower_dirs)):
                 (d / "lower" / str(i)).mkdir(mode=0o700)
-        cfg = build_config(spec, self.agent_binary, cgroup_v2=self.cgroup_v2)
+        cfg = build_config(spec, self.agent_binary, cgroup_v2=self.cgroup_v2, quota_floor=self.quota_floor)
         (d / "config.json").write_text(json.dumps(cfg))
         return spec
 
@@ -331,7 +336,7 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
         args = prepared.args
         assert isinstance(args, ContainerArgs)
         # a few cgroup file writes (microseconds): inline, a thread hop would cost more
-        warm_claim.apply_limits(cgroup_path(sandbox_id), args, v2=self.cgroup_v2)
+        warm_claim.apply_limits(cgroup_path(sandbox_id), args, v2=self.cgroup_v2, quota_floor=self.quota_floor)
         run = self.sandbox_dir(sandbox_id) / "run"     # a start after a park to disk: as claimed
         if (run / hibernate.SPEC_FILE).exists():
             hibernate.save_spec(run, replace(hibernate.load_spec(run), cpu_cores=args.cpu_cores,
@@ -458,7 +463,7 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
         if (run / "pid").exists():          # a park the edge did not see through
             await self._remove_runtime(sandbox_id)
         try:
-            cfg = build_config(spec, self.agent_binary, cgroup_v2=self.cgroup_v2)
+            cfg = build_config(spec, self.agent_binary, cgroup_v2=self.cgroup_v2, quota_floor=self.quota_floor)
             await asyncio.to_thread((d / "config.json").write_text, json.dumps(cfg))
             listener = self._listen(self.agent_socket(sandbox_id))
             try:

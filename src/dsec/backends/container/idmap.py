@@ -27,9 +27,10 @@ from pathlib import Path
 from dsec.types import CapacityExceeded
 
 RANGE = 65536                                   # ids per sandbox: 0..65535 inside (nobody = 65534)
-FIRST = int(os.environ.get("DSEC_IDMAP_FIRST", str(1 << 28)))   # far above real host users
-SLOTS = int(os.environ.get("DSEC_IDMAP_SLOTS", "4096"))          # 2^28 .. 2^29-1 by default
-REGISTRY = Path(os.environ.get("DSEC_IDMAP_REGISTRY", "/run/dsec/idranges"))
+# the defaults of DSEC_IDMAP_FIRST, DSEC_IDMAP_SLOTS, DSEC_IDMAP_REGISTRY (dsec.settings)
+FIRST = 1 << 28                                 # far above real host users
+SLOTS = 4096                                    # 2^28 .. 2^29-1 by default
+REGISTRY = Path("/run/dsec/idranges")
 
 
 class IdRanges:

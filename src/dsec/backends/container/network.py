@@ -61,14 +61,11 @@ class NetSettings:
     bridge: str = "dsec0"
     subnet: str = "10.88.0.0/16"
 
-    @classmethod
-    def from_env(cls) -> "NetSettings":
-        s = cls(os.environ.get("DSEC_NET_BRIDGE", cls.bridge), os.environ.get("DSEC_NET_SUBNET", cls.subnet))
-        net = ipaddress.IPv4Network(s.subnet)       # raises on a bad value at startup
-        if net.prefixlen > 28 or len(s.bridge) > 15:
+    def __post_init__(self) -> None:
+        net = ipaddress.IPv4Network(self.subnet)       # raises on a bad value at startup
+        if net.prefixlen > 28 or len(self.bridge) > 15:
             raise ValueError(f"DSEC_NET_SUBNET must be an IPv4 network of /28 or larger and "
-                             f"DSEC_NET_BRIDGE at most 15 characters, got {s.subnet!r}, {s.bridge!r}")
-        return s
+                             f"DSEC_NET_BRIDGE at most 15 characters, got {self.subnet!r}, {self.bridge!r}")
 
     @property
     def network(self) -> ipaddress.IPv4Network:
@@ -128,7 +125,7 @@ def _write_sysctl(path: str, value: str) -> str | None:
 class SandboxNetworks:
     def __init__(self, paths: Paths, cgroup_dir, settings: NetSettings | None = None):
         self.paths = paths
-        self.settings = settings or NetSettings.from_env()
+        self.settings = settings or NetSettings()
         self._cgroup_dir = cgroup_dir            # sandbox id -> its cgroup v2 directory
         self._db = sqlite3.connect(str(paths.edge_db), check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")

@@ -113,7 +113,8 @@ def masked_dirs() -> tuple[str, ...]:
     return tuple(p for p in MASKED_PATHS if os.path.isdir(p) and not os.path.islink(p))
 
 
-def build_config(spec: ContainerSpec, agent_binary: Path, *, cgroup_v2: bool) -> dict:
+def build_config(spec: ContainerSpec, agent_binary: Path, *, cgroup_v2: bool,
+                 quota_floor: float = qos.DEFAULT_QUOTA_FLOOR_CORES) -> dict:
     mem = spec.memory_mb * 1024 * 1024
     nofile = min(resource.getrlimit(resource.RLIMIT_NOFILE)[1], 65536)
     namespaces = [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")]
@@ -175,7 +176,7 @@ def build_config(spec: ContainerSpec, agent_binary: Path, *, cgroup_v2: bool) ->
                 # swap == limit: no swap while running; v1: socket buffers bounded (above)
                 "memory": {"limit": mem, "swap": mem,
                            **({} if cgroup_v2 else {"kernelTCP": tcp_mem_bytes(spec.memory_mb)})},
-                "cpu": {"quota": qos.cpu_quota_us(spec.cpu_cores), "period": qos.CPU_PERIOD_US,
+                "cpu": {"quota": qos.cpu_quota_us(spec.cpu_cores, quota_floor), "period": qos.CPU_PERIOD_US,
                         "shares": qos.cpu_shares(spec.cpu_class, spec.cpu_cores)},
                 "pids": {"limit": spec.pids_limit},
             },

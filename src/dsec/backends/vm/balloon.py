@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -35,23 +34,22 @@ from dsec.types import SandboxFailed
 
 log = logging.getLogger("dsec.backends.vm")
 
-SQUEEZE_S = float(os.environ.get("DSEC_VM_RECLAIM_SQUEEZE_S", "15"))   # longest squeeze
-# idle squeezes: "auto" under KVM only (TCG emulates the guest zeroing every page it gives:
-# ~25 ms of a core per MiB measured here), "1" always, "0" never
-SQUEEZE = os.environ.get("DSEC_VM_RECLAIM", "auto")
+SQUEEZE_S = 15.0         # longest squeeze: the default of DSEC_VM_RECLAIM_SQUEEZE_S
 STALL_S = 2.0            # the balloon stopped moving this long: the guest has no more to give
 FLOOR_MB = 64
 
 
-def squeeze_enabled(accel: str) -> bool:
-    return SQUEEZE == "1" or (SQUEEZE == "auto" and accel == "kvm")
+def squeeze_enabled(accel: str, mode: str = "auto") -> bool:
+    """DSEC_VM_RECLAIM: idle squeezes "auto" under KVM only (TCG emulates the guest zeroing every
+    page it gives: ~25 ms of a core per MiB measured here), "1" always, "0" never."""
+    return mode == "1" or (mode == "auto" and accel == "kvm")
 
 
 def floor_bytes(memory_mb: int) -> int:
     return max(FLOOR_MB, memory_mb // 4) << 20
 
 
-async def squeeze(d: Path, name: str, memory_mb: int, pid: int | None) -> int:
+async def squeeze(d: Path, name: str, memory_mb: int, pid: int | None, max_s: float | None = None) -> int:
     """Squeeze the VM in dir `d` and let go again. Returns the bytes of QEMU's private memory
     that left RAM."""
     full, floor = memory_mb << 20, floor_bytes(memory_mb)
@@ -61,7 +59,7 @@ async def squeeze(d: Path, name: str, memory_mb: int, pid: int | None) -> int:
         async with Qmp(d / "qmp.sock", name) as q:
             try:
                 await q.run("balloon", value=floor)
-                await settle(q, floor)
+                await settle(q, floor, SQUEEZE_S if max_s is None else max_s)
             finally:
                 await q.run("balloon", value=full)
     except SandboxFailed:
@@ -75,9 +73,9 @@ async def squeeze(d: Path, name: str, memory_mb: int, pid: int | None) -> int:
     return freed
 
 
-async def settle(q: Qmp, target: int) -> None:
-    """Wait until the balloon reached `target` or stopped moving, at most SQUEEZE_S."""
-    deadline = time.monotonic() + SQUEEZE_S
+async def settle(q: Qmp, target: int, max_s: float = SQUEEZE_S) -> None:
+    """Wait until the balloon reached `target` or stopped moving, at most `max_s`."""
+    deadline = time.monotonic() + max_s
     last, moved = -1, time.monotonic()
     while time.monotonic() < deadline:
         actual = int((await q.run("query-balloon"))["actual"])

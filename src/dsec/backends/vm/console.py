@@ -41,7 +41,7 @@ from pathlib import Path
 
 log = logging.getLogger("dsec.backends.vm")
 
-CONSOLE_MAX_BYTES = max(64 << 10, int(os.environ.get("DSEC_VM_CONSOLE_MAX_BYTES", str(1 << 20))))
+CONSOLE_MAX_BYTES = 1 << 20      # the default of DSEC_VM_CONSOLE_MAX_BYTES (at least 64 KiB)
 CONSOLE_RATE = 64 << 10        # bytes/s read from a guest's console, sustained
 CONSOLE_BURST = 256 << 10      # bytes read before the rate applies
 CONSOLE_PACE_S = 0.05          # at least this long between two reads of one console

@@ -40,13 +40,12 @@ from dsec.backends.vm.templates import Templates
 from dsec.config import Paths
 from dsec.images.store import Registry
 from dsec.security.users import resolve_user
+from dsec.settings import VMSettings
 from dsec.types import ImageInfo, InvalidArgument, MicroVMArgs, NotFound, SandboxArgs, SandboxFailed, Unavailable, VMArgs
 
 log = logging.getLogger("dsec.backends.vm")
 
 CONSOLE_KEEP_BYTES = 256 << 10
-AGENT_BOOT_TIMEOUT_S = float(os.environ.get("DSEC_VM_BOOT_TIMEOUT_S", "90"))
-VM_PING_S = float(os.environ.get("DSEC_VM_PING_S", "15"))         # liveness check of idle VMs' guests
 
 
 @dataclass(frozen=True)
@@ -114,10 +113,10 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, LivenessWatche
     instead = {"pack_diff": "use snapshot() to save a VM",
                "set_network": "VM sandboxes have no network device; use a container sandbox for tasks "
                               "that need network"}
-    ping_interval_s = VM_PING_S
-
-    def __init__(self, paths: Paths):
+    def __init__(self, paths: Paths, settings: VMSettings | None = None):
         self.paths = paths
+        self.settings = settings or VMSettings()      # the composition root's (dsec.settings)
+        self.ping_interval_s = self.settings.ping_s   # liveness check of idle VMs' guests
         self.qemu = qemu_binary()               # Unavailable (names the fix) if QEMU is missing
         self.root = paths.vm_sandboxes
         self.snapshots = paths.vm_snapshots
@@ -140,7 +139,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, LivenessWatche
         self.initrd = guest.build_initramfs(paths, kernel)
         self.ram_shim = ramshim.build(paths.bin)   # clones' QEMU: the template's RAM stays read-only
         self.accel = AccelChooser(paths.vm / "accel.json", self.qemu, self.kernel.vmlinuz)
-        self.templates: Templates[VMSpec] = Templates(paths, self)
+        self.templates: Templates[VMSpec] = Templates(paths, self, self.settings.templates_max)
         self.started: dict[str, str] = {}   # how each VM came up here: cold|clone|snapshot|resumed
         self._pmem_lock = asyncio.Lock()
 
@@ -308,7 +307,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, LivenessWatche
         """Start QEMU with its serial console read into console.log, size-capped (console.py):
         the reader opens the FIFO first, so not a byte of the boot is missed."""
         vmconsole.make_fifos(d)
-        vmconsole.attach(d)
+        vmconsole.attach(d, self.settings.console_max_bytes)
         return await launch(m, d)
 
     async def _restore(self, spec: VMSpec, d: Path, state: Path, base_disk: Path, base_name: str,
@@ -352,11 +351,12 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, LivenessWatche
                                 fix="the snapshot may not match this node's QEMU or guest kernel; take a new one") from e
 
     async def wait_agent(self, name: str, d: Path | None = None,
-                         timeout_s: float = AGENT_BOOT_TIMEOUT_S) -> AgentClient:
+                         timeout_s: float | None = None) -> AgentClient:
         """Connect to the guest agent of VM `name`, waiting for the guest to boot. One
         connection: its PING waits in QEMU until the agent runs (reconnecting could leave a
         stale PING behind). Fails early, with the console tail, if QEMU exits."""
         d = d or self.sandbox_dir(name)
+        timeout_s = self.settings.boot_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
 
         def qemu_gone() -> bool:
@@ -437,7 +437,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, LivenessWatche
         for sandbox_id in live_ids:
             d = self.sandbox_dir(sandbox_id)
             if vmconsole.tap_of(d) is None and await self.is_running(sandbox_id):
-                vmconsole.attach(d)
+                vmconsole.attach(d, self.settings.console_max_bytes)
                 # an edge that died during a reclaim left the balloon target low
                 memory_mb = int(json.loads((d / "spec.json").read_text())["memory_mb"])
                 await balloon.release(d, sandbox_id, memory_mb)
@@ -448,9 +448,10 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, LivenessWatche
         it cost ~25 ms of a core per MiB, and what the guest frees is back already)."""
         d = self.sandbox_dir(sandbox_id)
         spec = json.loads((d / "spec.json").read_text())
-        if not balloon.squeeze_enabled(spec["accel"]):
+        if not balloon.squeeze_enabled(spec["accel"], self.settings.reclaim):
             return 0
-        return await balloon.squeeze(d, sandbox_id, int(spec["memory_mb"]), self._pid(sandbox_id))
+        return await balloon.squeeze(d, sandbox_id, int(spec["memory_mb"]), self._pid(sandbox_id),
+                                     self.settings.reclaim_squeeze_s)
 
     async def pause(self, sandbox_id: str) -> None:
         async with Qmp(self.sandbox_dir(sandbox_id) / "qmp.sock", sandbox_id) as q:

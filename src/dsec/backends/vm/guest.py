@@ -466,7 +466,8 @@ def qemu_argv(b: GuestBoot, qemu: str = "qemu-system-x86_64") -> list[str]:
 def main(argv: Sequence[str] = ()) -> int:
     """`python -m dsec.backends.vm.guest [fetch-kernel|initramfs]`: the install step."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    paths = Paths.from_env()
+    from dsec.settings import Settings
+    paths = Settings.from_env().paths     # an entry point: its environment, read once
     k = ensure_kernel(paths)
     print(f"kernel {k.version}: {k.vmlinuz}")
     if "initramfs" in argv:

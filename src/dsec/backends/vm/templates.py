@@ -85,14 +85,14 @@ def ram_dir(paths: Paths) -> Path:
 
 
 class Templates(Generic[Spec]):
-    def __init__(self, paths: Paths, booter: Booter[Spec]):
+    def __init__(self, paths: Paths, booter: Booter[Spec], max_templates: int = 16):
         self.paths = paths
         self.booter = booter
         self.root = paths.vm_templates
         self.rams = ram_dir(paths)
         self._locks: dict[str, asyncio.Lock] = {}
         self._users: dict[str, int] = {}      # template key -> creations restoring from it now
-        self.max_templates = max(1, int(os.environ.get("DSEC_VM_TEMPLATES_MAX", "16")))
+        self.max_templates = max(1, max_templates)     # DSEC_VM_TEMPLATES_MAX
 
     def key(self, spec: Spec) -> str:
         ident = {**spec.boot_identity(), **self.booter.guest_identity()}

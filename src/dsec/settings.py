@@ -1,0 +1,359 @@
+"""Every DSEC_* setting of the server side, typed, in one object (docs/settings.md is generated
+from it: `python -m dsec.settings_doc`).
+
+`Settings.from_env(environ)` reads the environment once, at a composition root (the embedded
+server, a cluster actor or edge process, the CLI), and what it builds is passed down: no other
+module reads DSEC_* names (tests/unit/test_settings.py checks the source). A group's defaults
+(`AdmissionSettings()`, ...) are what a component built by hand gets. An empty value counts as
+unset. A bad value is an InvalidArgument naming the variable, its value and the fix, raised at
+start rather than at first use.
+
+Built on pydantic's BaseModel, not pydantic-settings (docs/decisions.md, D47): the environment
+is a parameter (tests and the cluster pass mappings), errors are dsec's own, and no dependency
+is added for the ~40 lines below.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, Self
+from urllib.parse import urlsplit, urlunsplit
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dsec.config import DEFAULT_HOME, Paths
+from dsec.types import InvalidArgument
+
+GiB = 1 << 30
+
+
+def env(default: Any, name: str, doc: str, *, secret: bool = False, **kw: Any) -> Any:
+    """A field read from the variable `name`; `doc` is its line in docs/settings.md."""
+    return Field(default, alias=name, description=doc, json_schema_extra={"secret": True} if secret else None, **kw)
+
+
+class Group(BaseModel):
+    """One concern's settings; each field's alias is its DSEC_* name."""
+
+    model_config = ConfigDict(frozen=True, populate_by_name=True, extra="forbid")
+    title: typing.ClassVar[str] = ""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Self:
+        environ = os.environ if environ is None else environ
+        given = {f.alias: environ[f.alias].strip() for f in cls.model_fields.values()
+                 if f.alias and environ.get(f.alias, "").strip()}
+        try:
+            return cls.model_validate(given)
+        except ValidationError as e:
+            err = e.errors()[0]
+            name = str(err["loc"][0])
+            f = next(f for f in cls.model_fields.values() if f.alias == name)
+            raise InvalidArgument(f"{name}={given.get(name)!r}: {err['msg']}", field=name,
+                                  fix=f"set {name} to {type_name(f.annotation)}, or unset it "
+                                      f"(default {show_default(f.default)})") from None
+
+
+class HomeSettings(Group):
+    title = "Paths"
+    home: Path = env(Path(DEFAULT_HOME), "DSEC_HOME", "where this node keeps its state (images, sandboxes, "
+                     "databases, logs); everything else is under it")
+
+
+class ClientSettings(Group):
+    title = "Client (read by the SDK and the CLI's client commands themselves)"
+    url: str | None = env(None, "DSEC_URL", "the server the SDK talks to; unset: http://127.0.0.1:7620, "
+                          "started on first use")
+    api_key: str | None = env(None, "DSEC_API_KEY", "the SDK's API key; unset: DSEC_HOME/admin.key of a "
+                              "local server", secret=True)
+
+
+class ServerSettings(Group):
+    title = "Server (apiserver)"
+    log_level: str = env("INFO", "DSEC_LOG_LEVEL", "log level of cluster actors and edge processes "
+                         "(`dsec up --log-level` for the embedded server)")
+    idempotent_wait_s: float = env(120.0, "DSEC_IDEMPOTENT_WAIT_S", "how long a create with an idempotency "
+                                   "key waits for the same key's create in flight")
+    list_node_deadline_s: float = env(3.0, "DSEC_LIST_NODE_DEADLINE_S", "a listing waits this long for each "
+                                      "node; later ones are reported as not answering")
+    image_upload_max_bytes: int = env(16 * 1024 * (1 << 20), "DSEC_IMAGE_UPLOAD_MAX_BYTES",
+                                      "largest request body of an image build or import")
+    e2b_domain: str | None = env(None, "DSEC_E2B_DOMAIN", "the DNS name under which E2B clients reach "
+                                 "sandboxes (<port>-<id>.<domain>); unset: no host routing")
+    pod_name: str | None = env(None, "MY_POD_NAME", "SandboxFusion compatibility: reported as "
+                               "executor_pod_name")
+
+
+class AdmissionSettings(Group):
+    title = "Edge admission (edge/admission.py, edge/node_share.py)"
+    max_sandboxes: int = env(4000, "DSEC_MAX_SANDBOXES", "live sandboxes a node holds at most")
+    cpu_overcommit: float = env(2000.0, "DSEC_CPU_OVERCOMMIT", "ceiling on committed CPU requests, as a "
+                                "multiple of the node's cores")
+    mem_overcommit: float = env(256.0, "DSEC_MEM_OVERCOMMIT", "ceiling on committed memory limits, as a "
+                                "multiple of the node's memory")
+    mem_reserve_mb: int = env(512, "DSEC_MEM_RESERVE_MB", "MemAvailable below this refuses new sandboxes "
+                              "(and reports the node unhealthy)")
+    sandbox_mb: int = env(8, "DSEC_ADMIT_SANDBOX_MB", "resident memory a new sandbox needs at first, on top "
+                          "of the reserve")
+    psi_cpu_some: float = env(100.0, "DSEC_ADMIT_PSI_CPU_SOME", "refuse while PSI cpu some avg10 (%) "
+                              "reaches this (100: off)")
+    psi_memory_some: float = env(20.0, "DSEC_ADMIT_PSI_MEMORY_SOME", "refuse while PSI memory some avg10 "
+                                 "(%) reaches this")
+    psi_memory_full: float = env(10.0, "DSEC_ADMIT_PSI_MEMORY_FULL", "refuse while PSI memory full avg10 "
+                                 "(%) reaches this")
+    psi_io_full: float = env(20.0, "DSEC_ADMIT_PSI_IO_FULL", "refuse while PSI io full avg10 (%) reaches this")
+    # checked against the host's figures by node_share.py, which names them in its errors
+    node_share: str = env("", "DSEC_NODE_SHARE", "the fraction of this host the edge may use (1/3 or "
+                          "0.333); unset: all of it (`dsec cluster up` sets it per edge)")
+    node_cpu_cores: str = env("", "DSEC_NODE_CPU_CORES", "CPU cores this edge may use (replaces the "
+                              "share for CPU); unset: its share of the host")
+    node_memory_mb: str = env("", "DSEC_NODE_MEMORY_MB", "memory (MiB) this edge may use (replaces the "
+                              "share for memory); unset: its share of the host")
+
+
+class EdgeEnvSettings(Group):
+    title = "Edge: warm pools and idle reclaim (edge/warm_pool.py, edge/reclaim.py)"
+    warm_pool: str = env("", "DSEC_WARM_POOL", "warm pools to keep, image:size,... e.g. "
+                         "debian-python:8,busybox:4")
+    warm_pool_parallel: int = env(2, "DSEC_WARM_POOL_PARALLEL", "warm containers started at a time (1..64)",
+                                  ge=1, le=64)
+    warm_pool_reclaim: bool = env(False, "DSEC_WARM_POOL_RECLAIM", "reclaim a waiting warm container's "
+                                  "touched memory to zram")
+    reclaim_idle_s: float = env(120.0, "DSEC_RECLAIM_IDLE_S", "a sandbox idle this long has its memory "
+                                "reclaimed (0: never)")
+    reclaim_pressed_idle_s: float = env(15.0, "DSEC_RECLAIM_PRESSED_IDLE_S", "the same under memory pressure")
+    reclaim_psi: float = env(5.0, "DSEC_RECLAIM_PSI", "memory some avg10 (%) above which the node counts "
+                             "as pressed")
+    reclaim_per_tick: int = env(4, "DSEC_RECLAIM_PER_TICK", "sandboxes reclaimed at a time")
+
+
+class StorageSettings(Group):
+    title = "Storage and disk quotas (backends/container/disk.py)"
+    disk_quota: Literal["auto", "btrfs", "poll"] = env("auto", "DSEC_DISK_QUOTA", "writable-layer quotas: "
+                                                       "btrfs subvolumes (auto falls back to polling)")
+    disk_poll_s: float = env(10.0, "DSEC_DISK_POLL_S", "how often upper dirs are measured where quotas are "
+                             "polled")
+    home_reserve_mb: int = env(1024, "DSEC_HOME_RESERVE_MB", "free space DSEC_HOME's filesystem keeps: "
+                               "admission refuses below it, the scratch grows only above twice it")
+    scratch_reserve_mb: int = env(256, "DSEC_SCRATCH_RESERVE_MB", "free space the sandboxes' scratch "
+                                  "filesystem keeps before admission refuses")
+    scratch_gb: float | None = env(None, "DSEC_SCRATCH_GB", "largest size of the scratch filesystem "
+                                   "(GiB); unset: as the host filesystem allows")
+    scratch_initial_gb: float = env(4.0, "DSEC_SCRATCH_INITIAL_GB", "size the scratch filesystem is "
+                                    "created with (GiB)")
+    scratch_check_s: float = env(1.0, "DSEC_SCRATCH_CHECK_S", "how often the scratch filesystem is "
+                                 "checked for growth")
+
+
+class ContainerSettings(Group):
+    title = "Containers (backends/container)"
+    userns: bool = env(True, "DSEC_USERNS", "a user namespace per sandbox, with its own host id range")
+    park_to_disk: bool = env(True, "DSEC_PARK_TO_DISK", "suspend a quiescent container to its files "
+                             "(else freeze it and swap its memory)")
+    cpu_quota_floor_cores: float = env(0.1, "DSEC_CPU_QUOTA_FLOOR_CORES", "the CFS quota never goes below "
+                                       "this many cores (0..64)", ge=0, le=64)
+    idmap_first: int = env(1 << 28, "DSEC_IDMAP_FIRST", "first host id of the sandboxes' id ranges")
+    idmap_slots: int = env(4096, "DSEC_IDMAP_SLOTS", "id ranges of 65536 ids each (sandboxes with a user "
+                           "namespace at once)")
+    idmap_registry: Path = env(Path("/run/dsec/idranges"), "DSEC_IDMAP_REGISTRY", "where the id ranges in "
+                               "use are recorded (shared by the dsecs of a host)")
+
+
+class NetworkSettings(Group):
+    title = "Network (backends/container/network.py)"
+    bridge: str = env("dsec0", "DSEC_NET_BRIDGE", "the sandboxes' bridge (at most 15 characters)",
+                      max_length=15)
+    subnet: str = env("10.88.0.0/16", "DSEC_NET_SUBNET", "the sandboxes' IPv4 subnet (/28 or larger)")
+
+
+class ImageSettings(Group):
+    title = "Images and the layer store (images/)"
+    layer_store: str = env("", "DSEC_LAYER_STORE", "the layer store shared by all nodes: s3://BUCKET/PREFIX "
+                           "or file:///PATH; unset: none")
+    layer_store_timeout_s: float = env(10.0, "DSEC_LAYER_STORE_TIMEOUT_S", "timeout of one layer store request")
+    lazy: bool | None = env(None, "DSEC_LAZY", "mount layers through the lazy FUSE view; unset: on with a "
+                            "layer store")
+    lazy_cache_bytes: int = env(8 * GiB, "DSEC_LAZY_CACHE_BYTES", "the lazy view's chunk cache")
+    lazy_latency_ms: float = env(0.0, "DSEC_LAZY_LATENCY_MS", "latency added to each store read (benchmarks)")
+    lazy_timeout_s: float = env(30.0, "DSEC_LAZY_TIMEOUT_S", "the lazy view gives up on a store read after this")
+    lazy_bandwidth_mbps: float = env(0.0, "DSEC_LAZY_BANDWIDTH_MBPS", "store bandwidth cap in MB/s "
+                                     "(benchmarks; 0: none)")
+    lazy_prefetch: bool = env(True, "DSEC_LAZY_PREFETCH", "fetch a layer's recorded access profile in bulk "
+                              "on first open")
+    lazyfs_trace: bool = env(False, "DSEC_LAZYFS_TRACE", "log every read of the lazy view's daemon")
+    heavy_parallel: int = env(0, "DSEC_HEAVY_PARALLEL", "threads for heavy image work (pack_diff, builds); "
+                              "0: half the cores, at least 2")
+    debian_mirror: str = env("http://deb.debian.org/debian", "DSEC_DEBIAN_MIRROR", "Debian mirror of the "
+                             "built-in images' debootstrap")
+
+
+class BuildSettings(Group):
+    """Read by images/dockerfile.py itself for now (at import): listed so that they are documented
+    and shown by `dsec config`."""
+
+    title = "Dockerfile builds (images/dockerfile.py; read there at import, not yet from this object)"
+    build_idmap_first: int = env(1 << 27, "DSEC_BUILD_IDMAP_FIRST", "first host id of the builds' id ranges")
+    build_idmap_registry: Path = env(Path("/run/dsec/build-idranges"), "DSEC_BUILD_IDMAP_REGISTRY",
+                                     "where the builds' id ranges in use are recorded")
+    build_storage_driver: str = env("overlay", "DSEC_BUILD_STORAGE_DRIVER", "buildah's storage driver")
+
+
+class VMSettings(Group):
+    title = "VMs (backends/vm)"
+    enabled: bool = env(True, "DSEC_VM", "offer the QEMU backends (microvm, vm) where QEMU and a guest "
+                        "kernel are present")
+    boot_timeout_s: float = env(90.0, "DSEC_VM_BOOT_TIMEOUT_S", "a guest's agent must answer within this")
+    ping_s: float = env(15.0, "DSEC_VM_PING_S", "liveness check interval of idle VMs' guests")
+    console_max_bytes: int = env(1 << 20, "DSEC_VM_CONSOLE_MAX_BYTES", "a VM's console.log never exceeds "
+                                 "this (at least 64 KiB)", ge=64 << 10)
+    reclaim: Literal["auto", "1", "0"] = env("auto", "DSEC_VM_RECLAIM", "balloon squeezes of idle guests: "
+                                             "auto under KVM only, 1 always, 0 never")
+    reclaim_squeeze_s: float = env(15.0, "DSEC_VM_RECLAIM_SQUEEZE_S", "longest balloon squeeze")
+    templates_max: int = env(16, "DSEC_VM_TEMPLATES_MAX", "template snapshots kept (least recently used "
+                             "go)", ge=1)
+
+
+class FnCallEnvSettings(Group):
+    title = "FnCall (fncall/)"
+    min_warm: int = env(1, "DSEC_FNCALL_MIN_WARM", "warm workers per pool while it is in use")
+    max_warm: int | None = env(None, "DSEC_FNCALL_MAX_WARM", "most workers per pool; unset: twice the "
+                               "cores, at least 2")
+    max_calls: int = env(1000, "DSEC_FNCALL_MAX_CALLS", "calls before a worker's container is replaced")
+    idle_s: float = env(30.0, "DSEC_FNCALL_IDLE_S", "a worker idle this long above the floor is retired")
+    keep_pool_s: float = env(600.0, "DSEC_FNCALL_KEEP_POOL_S", "without calls this long, a pool's floor "
+                             "drops to 0")
+    pin_cpu: bool = env(True, "DSEC_FNCALL_PIN_CPU", "pin each container's processes to one CPU")
+
+
+class ClusterEnvSettings(Group):
+    title = "Cluster and control database (cluster/, store/, apiserver/index.py)"
+    db_url: str | None = env(None, "DSEC_DB_URL", "the control database: postgresql://...; unset: SQLite "
+                             "files in DSEC_HOME", secret=True)
+    db_retry_s: float = env(30.0, "DSEC_DB_RETRY_S", "how long to ride out a PostgreSQL restart")
+    db_pool: int = env(8, "DSEC_DB_POOL", "PostgreSQL connections per process at most", ge=1)
+    index_sync_s: float = env(15.0, "DSEC_INDEX_SYNC_S", "how often the sandbox index is synced with the edges")
+    index_lost_s: float = env(300.0, "DSEC_INDEX_LOST_S", "a node gone from discovery this long has its "
+                              "index rows ended")
+    edge_netns: bool = env(False, "DSEC_EDGE_NETNS", "`dsec cluster up`: each edge in a network namespace "
+                           "of its own")
+
+
+class Settings(BaseModel):
+    """All of them, by concern."""
+
+    model_config = ConfigDict(frozen=True)
+    home: HomeSettings = Field(default_factory=HomeSettings)
+    client: ClientSettings = Field(default_factory=ClientSettings)
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
+    edge: EdgeEnvSettings = Field(default_factory=EdgeEnvSettings)
+    storage: StorageSettings = Field(default_factory=StorageSettings)
+    containers: ContainerSettings = Field(default_factory=ContainerSettings)
+    network: NetworkSettings = Field(default_factory=NetworkSettings)
+    images: ImageSettings = Field(default_factory=ImageSettings)
+    builds: BuildSettings = Field(default_factory=BuildSettings)
+    vm: VMSettings = Field(default_factory=VMSettings)
+    fncall: FnCallEnvSettings = Field(default_factory=FnCallEnvSettings)
+    cluster: ClusterEnvSettings = Field(default_factory=ClusterEnvSettings)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """The settings of this process: read once, at a composition root."""
+        environ = os.environ if environ is None else environ
+        return cls(**{name: group_of(f.annotation).from_env(environ) for name, f in cls.model_fields.items()})
+
+    @property
+    def paths(self) -> Paths:
+        return Paths(self.home.home)
+
+    def with_home(self, home: Path | str) -> Settings:
+        """The same settings for another DSEC_HOME (a cluster edge's own home)."""
+        return self.model_copy(update={"home": HomeSettings(home=Path(home))})
+
+    def groups(self) -> list[Group]:
+        return [getattr(self, name) for name in type(self).model_fields]
+
+    def rows(self) -> list[tuple[str, str, str]]:
+        """(name, effective value, source: env | default) of every setting, secrets masked."""
+        out = []
+        for g in self.groups():
+            for attr, f in type(g).model_fields.items():
+                value = getattr(g, attr)
+                shown = show_default(value) if value is not None else "(unset)"
+                if is_secret(f) and value:
+                    shown = mask(str(value))
+                out.append((str(f.alias), shown, "env" if attr in g.model_fields_set else "default"))
+        return out
+
+
+def group_of(annotation: Any) -> type[Group]:
+    assert isinstance(annotation, type) and issubclass(annotation, Group), annotation
+    return annotation
+
+
+def group_classes() -> list[type[Group]]:
+    return [group_of(f.annotation) for f in Settings.model_fields.values()]
+
+
+def names() -> set[str]:
+    """Every variable the settings read."""
+    return {str(f.alias) for g in group_classes() for f in g.model_fields.values()}
+
+
+# DSEC_* names of the test suite and its helpers, not of dsec itself
+TEST_NAMES = frozenset({"DSEC_TEST_CACHE", "DSEC_SCHEMA_RANDOM", "DSEC_HARBOR_PYTHON", "DSEC_VERL_PYTHON"})
+
+
+def unknown_names(environ: Mapping[str, str] | None = None) -> list[str]:
+    """DSEC_* variables set that no setting reads (typos, or settings that were removed)."""
+    environ = os.environ if environ is None else environ
+    known = names() | TEST_NAMES
+    return sorted(k for k in environ if k.startswith("DSEC_") and k not in known)
+
+
+def is_secret(f: Any) -> bool:
+    return bool(isinstance(f.json_schema_extra, dict) and f.json_schema_extra.get("secret"))
+
+
+def mask(value: str) -> str:
+    """A URL keeps all but its password; anything else is hidden whole."""
+    parts = urlsplit(value)
+    if parts.scheme and parts.netloc:
+        if parts.password is None:
+            return value
+        return urlunsplit(parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@")))
+    return "***"
+
+
+def type_name(annotation: Any) -> str:
+    """int, float, bool, str, path, `a | b` for literals; `x or unset` for optional ones."""
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        return " | ".join(str(a) for a in typing.get_args(annotation))
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return " | ".join(type_name(a) for a in args) + " (or unset)"
+    if annotation is Path:
+        return "path"
+    if annotation is bool:
+        return "bool (1/0, true/false)"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def show_default(value: Any) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if value == "":
+        return '""'
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+__all__ = ["Settings", "Group", *[c.__name__ for c in group_classes()], "names"]

@@ -19,7 +19,7 @@ CHILD_ENV = re.compile(r"dict\(os\.environ|\{\*\*os\.environ|os\.environ\.copy\(
 ALLOWED = {
     ("sdk/client.py", "DSEC_URL"), ("sdk/client.py", "DSEC_API_KEY"),   # the SDK is a client: its own env
     ("config.py", "DSEC_HOME"),               # Paths.from_env: the SDK's DSEC_HOME (it may import only config)
-    ("cli/main.py", 'setdefault("DSEC_URL"'),  # `dsec up --background` tells the SDK's autostart its URL
+    ("cli/main.py", 'os.environ["DSEC_URL"] = '),  # `dsec up --background` tells the SDK's autostart its URL
     ("images/layerstore.py", "env = os.environ"),   # AWS_*: botocore's names, not dsec's
     ("images/dockerfile.py", "DSEC_BUILD_"), ("images/dockerfile.py", '"PATH"'),   # not yet moved (rewritten)
     ("cluster/local.py", "FAST_HEALTH"), ("cluster/local.py", "os.environ[k]"),   # RAY_* for Ray's processes

@@ -1,26 +1,35 @@
-"""The namespaces buildah runs in: a view of the host that holds only what a build needs.
+"""The namespaces buildah runs in: root of a user namespace of unprivileged host ids, with a
+view of the host that holds only what a build needs.
 
-buildah 1.28 (Debian 12) runs as host root and resolves some paths of a Dockerfile in its own
-mount namespace (`RUN --mount=type=bind,from=STAGE,source=/link-to-root` saw the host's `/`
-before 1.35.1), and `ADD <url>` fetches from its own network namespace. So every buildah
-command runs under `unshare` in new mount, network, pid, IPC and UTS namespaces, pivoted into
-a tmpfs root that holds:
+buildah 1.28 (Debian 12) resolves some paths of a Dockerfile in its own mount namespace (`RUN
+--mount=type=bind,from=STAGE,source=/link-to-root` saw the host's `/` before 1.35.1), and `ADD
+<url>` fetches from its own network namespace. So every buildah command runs:
 
-  /usr (and the /bin, /sbin, /lib, /lib64 links or dirs) read-only, a few /etc files
+  as root of a new user namespace whose maps hold only unprivileged host ids (dockerfile.py's
+  BUILDAH_IDS: its root is one fixed host id, its storage is owned by it, and RUN steps' slots
+  are mapped to themselves so their own nested maps mean the same host ids), made by
+  dsec-build-userns (userns_exec.c: util-linux 2.38's --map-users only maps /etc/subuid
+  ranges);
+  in new mount, network, pid, IPC and UTS namespaces owned by it, pivoted into a tmpfs root that
+  holds /usr (and the /bin, /sbin, /lib, /lib64 links or dirs) read-only, a few /etc files
   read-only (users, libc and alternatives; buildah's config is passed explicitly), synthetic
-  /etc/hosts and /etc/resolv.conf, a minimal /dev, a fresh /proc of the new pid namespace,
-  a read-only sysfs of its own with the host's cgroup mounts (crun sets the RUN steps' limits
-  there), empty /tmp
-  and /run, and the paths the command names: buildah's own storage read-write, the build's
-  scratch dir read-write, the build context read-only.
+  /etc/hosts and /etc/resolv.conf, a minimal /dev, a fresh /proc of the new pid namespace, a
+  read-only sysfs of its own with the host's cgroup mounts, empty /tmp and /run, and the paths
+  the command names: buildah's own storage read-write, the build's scratch dir read-write, the
+  build context read-only;
+  in cgroups the host made for the build (build_cgroups: memory and pids limits for buildah and
+  its RUN steps together; crun, root of the user namespace only, may make none).
+
+Two stages: host root builds the root tree in a private mount namespace (so binds of paths
+under host directories the namespace's root may not search, like a 0700 home, work), then
+execs the helper, which enters the user namespace, and `unshare` the other namespaces; there,
+from the tmpfs's top (relative paths: nothing of the host is walked), the root is bound onto
+itself (pivot_root refuses the copied, locked mount), /proc and sysfs mounted, and pivoted.
 
 Nothing else of the host is there to reach: not DSEC_HOME's keys, databases or sandboxes, not
 other checkouts, not /var/tmp, not a PostgreSQL socket, and no network but a loopback of its
-own. Mounts made inside (buildah's overlays) live and die with the namespace.
-
-Not (yet) a user namespace: buildah's storage holds files of every owner, which needs it to
-run as root of a full id range; its RUN steps do run in one (dockerfile.py: an unprivileged
-host id slot per build).
+own. Mounts made inside (buildah's overlays) live and die with the namespace, and a process
+that gets out of buildah is an unprivileged host uid.
 """
 
 from __future__ import annotations

@@ -6,12 +6,15 @@ How (docs: /work/notes/D37-dockerfile-harbor.md):
 1. Parse the Dockerfile's FROM lines (and `COPY --from=IMAGE`): every base must be a dsec image
    (there is no registry to pull from). Each is exported once per image digest from its mounted
    EROFS layers to an OCI layout and pulled into dsec's own containers-storage
-   ($DSEC_HOME/buildah, vfs driver) as `localhost/dsec-base-<digest>`; FROM lines are
+   ($DSEC_HOME/buildah, overlay driver) as `localhost/dsec-base-<digest>`; FROM lines are
    rewritten to that name in a copy of the Dockerfile. A base dsec does not have is an
    InvalidArgument naming the line, the image and the fix, before buildah runs.
 2. `buildah bud` with `--pull=never`, RUN steps in an OCI container (crun) inside a user
    namespace whose root is an unprivileged host uid range (never host root), no network
    (`--network none`) unless the caller allows it, a memory and pids limit, and a deadline.
+   buildah itself (every command: pull, bud, push, rmi...) runs as root of a user namespace of
+   unprivileged host ids (BUILDAH_IDS) in namespaces of its own (build_jail.py); its storage,
+   and the context and scratch dir it reads, are owned by that namespace's root.
 3. `buildah push` the result to an OCI layout, then ImageService.import_oci (the existing,
    all-or-nothing import), then `buildah rmi`. The image's config (ENV, WORKDIR, USER, CMD,
    ENTRYPOINT) is kept beside the store (image_config / save_config): dsec images carry no

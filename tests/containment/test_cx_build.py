@@ -163,3 +163,30 @@ async def test_buildah_is_root_of_a_user_namespace_not_of_the_host(tenant, tmp_p
     assert sleeps, "the RUN step's sleep was not seen"
     for pid, uids in sleeps.items():                                 # RUN steps: their slot's root
         assert all(BUILD_ID_FIRST <= u < BUILDAH_ROOT_ID for u in uids), (pid, uids)
+
+
+def test_a_link_in_the_layout_buildah_wrote_is_refused_before_host_root_reads_it(tmp_path):
+    """buildah writes the built image's layout as its unprivileged root; host root then reads
+    and rewrites it (unmap_layout). A subverted buildah could leave a link to a host file there
+    (index.json -> /var/lib/dsec/admin.key, a blob -> /etc/shadow): refused, never followed."""
+    from dsec.images.dockerfile import take_back
+    from dsec.types import DsecError
+    layout = tmp_path / "out"
+    (layout / "blobs" / "sha256").mkdir(parents=True)
+    (layout / "index.json").write_text("{}")
+    os.chown(layout / "index.json", BUILDAH_ROOT_ID, BUILDAH_ROOT_ID)
+    take_back(layout)
+    assert (layout / "index.json").stat().st_uid == 0
+    (layout / "blobs" / "sha256" / "ab").symlink_to("/etc/hostname")
+    with pytest.raises(DsecError, match="neither a file nor a directory"):
+        take_back(layout)
+    (layout / "blobs" / "sha256" / "ab").unlink()
+    os.mkfifo(layout / "fifo")
+    with pytest.raises(DsecError):
+        take_back(layout)
+    moved = tmp_path / "real"
+    (layout / "fifo").unlink()
+    layout.rename(moved)
+    layout.symlink_to(moved)
+    with pytest.raises(DsecError):
+        take_back(layout)

@@ -33,6 +33,7 @@ import secrets
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import tarfile
 import threading
@@ -205,6 +206,22 @@ def give_to_buildah(path: Path) -> None:
     for top, dirs, files in os.walk(path):
         for n in dirs + files:
             os.lchown(os.path.join(top, n), uid, uid)
+
+
+def take_back(layout: Path) -> None:
+    """Make the layout buildah wrote (as an unprivileged uid, in a dir it owned) host root's
+    before host root reads and rewrites it: a symlink or special file there would be followed
+    by host root on the host (a buildah that a build subverted could plant one). Nothing of
+    the build runs any more (its pid namespace is gone), so nothing changes it after the check."""
+    for top, dirs, files in os.walk(layout):
+        for p in [top, *(os.path.join(top, n) for n in dirs + files)]:
+            st = os.lstat(p)
+            if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+                raise DsecError(f"the build's output {p} is neither a file nor a directory; refused",
+                                fix="report this build: buildah does not write links into an OCI layout")
+            os.lchown(p, 0, 0)
+    if not os.path.isdir(layout) or os.path.islink(layout):
+        raise DsecError(f"the build's output {layout} is not a directory; refused")
 
 
 def _owned_by_buildah(path: Path) -> None:
@@ -748,6 +765,7 @@ def build_dockerfile(svc: ImageService, name: str, context: str | os.PathLike, *
                     binds=[Bind(work, writable=True)])
         finally:
             subprocess.run(bah.argv("rmi", "-f", target), capture_output=True, env=bah.env())
+        take_back(layout)
         config = config_from_layout(layout)
         unmap_layout(layout, id_base, BUILD_ID_RANGE)
         image = svc.import_oci(name, oci=layout, ref="latest", replace=replace, progress=progress,

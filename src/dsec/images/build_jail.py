@@ -75,28 +75,29 @@ def build_cgroups(name: str, memory_mb: int, pids: int) -> Iterator[list[Path]]:
     command tree there. Made by the host: crun, root of buildah's user namespace only, may not
     make or limit cgroups (it runs RUN steps without any of its own). Removed afterwards."""
     cg = Path("/sys/fs/cgroup")
-    limits: dict[Path, dict[str, str]] = {}
     mem, pid = str(memory_mb << 20), str(pids)
     if (cg / "cgroup.controllers").exists():
-        parent = cg / "dsec-build"
-        parent.mkdir(exist_ok=True)
-        (parent / "cgroup.subtree_control").write_text("+memory +pids")
-        limits[parent / name] = {"memory.max": mem, "memory.swap.max": "0", "pids.max": pid}
+        parents = {cg / "dsec-build": {"cgroup.subtree_control": "+memory +pids"}}
+        leaves = {cg / "dsec-build" / name: {"memory.max": mem, "memory.swap.max": "0", "pids.max": pid}}
     else:
-        limits[cg / "memory" / "dsec-build" / name] = {"memory.limit_in_bytes": mem}
-        limits[cg / "pids" / "dsec-build" / name] = {"pids.max": pid}
-    dirs = list(limits)
+        parents = {cg / c / "dsec-build": {} for c in ("memory", "pids")}
+        leaves = {cg / "memory" / "dsec-build" / name: {"memory.limit_in_bytes": mem},
+                  cg / "pids" / "dsec-build" / name: {"pids.max": pid}}
     try:
-        for d, values in limits.items():
-            d.mkdir(parents=True, exist_ok=True)
-            for x in (d.parent, d):
-                x.chmod(0o755)        # not the server's umask: RUN steps read their limits here
-            for k, v in values.items():
-                if (d / k).exists():
-                    (d / k).write_text(v)
-        yield dirs
+        try:
+            for d, values in [*parents.items(), *leaves.items()]:
+                d.mkdir(exist_ok=True)
+                d.chmod(0o755)        # not the server's umask: RUN steps read their limits here
+                for k, v in values.items():
+                    if (d / k).exists():
+                        (d / k).write_text(v)
+        except OSError as e:
+            raise Unavailable(f"cannot make the build's cgroup {e.filename}: {e.strerror}",
+                              fix="builds need the memory and pids cgroup controllers (cgroup v2: "
+                                  "enabled in the root's cgroup.subtree_control)") from None
+        yield list(leaves)
     finally:
-        for d in dirs:
+        for d in leaves:
             try:
                 d.rmdir()
             except FileNotFoundError:

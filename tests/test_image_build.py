@@ -43,14 +43,16 @@ def _context(tmp_path: Path, dockerfile: str, files: dict[str, str] | None = Non
 
 
 def _buildah_state(home: Path) -> tuple[list[str], list[str]]:
-    """Working containers and built (non-base) images left in the home's buildah storage."""
-    base = ["buildah", "--root", str(home / "buildah" / "storage"), "--runroot", str(home / "buildah" / "run"),
-            "--storage-driver", "overlay"]
-    env = {"PATH": os.environ["PATH"], "CONTAINERS_REGISTRIES_CONF": str(home / "buildah" / "registries.conf")}
-    containers = subprocess.run([*base, "containers", "--noheading", "--format", "{{.ContainerName}}"],
-                                capture_output=True, text=True, env=env).stdout.split()
-    images = subprocess.run([*base, "images", "--noheading", "--format", "{{.Name}}"],
-                            capture_output=True, text=True, env=env).stdout.split()
+    """Working containers and built (non-base) images left in the home's buildah storage (read
+    through buildah in its own namespaces: as host root it would leave root-owned files in
+    storage that buildah's unprivileged root could not use)."""
+    from dsec.config import Paths
+    from dsec.images.dockerfile import Buildah
+    bah = Buildah.for_home(Paths(home))
+    containers = subprocess.run(bah.argv("containers", "--noheading", "--format", "{{.ContainerName}}"),
+                                capture_output=True, text=True, env=bah.env()).stdout.split()
+    images = subprocess.run(bah.argv("images", "--noheading", "--format", "{{.Name}}"),
+                            capture_output=True, text=True, env=bah.env()).stdout.split()
     return containers, [i for i in images if "dsec-base-" not in i]
 
 

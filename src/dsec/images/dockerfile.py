@@ -6,12 +6,15 @@ How (docs/decisions.md, D37):
 1. Parse the Dockerfile's FROM lines (and `COPY --from=IMAGE`): every base must be a dsec image
    (there is no registry to pull from). Each is exported once per image digest from its mounted
    EROFS layers to an OCI layout and pulled into dsec's own containers-storage
-   ($DSEC_HOME/buildah, vfs driver) as `localhost/dsec-base-<digest>`; FROM lines are
+   ($DSEC_HOME/buildah, overlay driver) as `localhost/dsec-base-<digest>`; FROM lines are
    rewritten to that name in a copy of the Dockerfile. A base dsec does not have is an
    InvalidArgument naming the line, the image and the fix, before buildah runs.
 2. `buildah bud` with `--pull=never`, RUN steps in an OCI container (crun) inside a user
    namespace whose root is an unprivileged host uid range (never host root), no network
    (`--network none`) unless the caller allows it, a memory and pids limit, and a deadline.
+   buildah itself (every command: pull, bud, push, rmi...) runs as root of a user namespace of
+   unprivileged host ids (BUILDAH_IDS) in namespaces of its own (build_jail.py); its storage,
+   and the context and scratch dir it reads, are owned by that namespace's root.
 3. `buildah push` the result to an OCI layout, then ImageService.import_oci (the existing,
    all-or-nothing import), then `buildah rmi`. The image's config (ENV, WORKDIR, USER, CMD,
    ENTRYPOINT) is kept beside the store (image_config / save_config): dsec images carry no
@@ -30,6 +33,7 @@ import secrets
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import tarfile
 import threading
@@ -44,7 +48,7 @@ from dsec.config import Paths
 from dsec.types import (Conflict, DsecError, ImageBuildResult, ImageConfig, ImageInfo, InvalidArgument, NotFound,
                         Unavailable)
 
-from .build_jail import Bind, jailed
+from .build_jail import Bind, IdRange, build_cgroups, jailed, userns_helper
 from .builder import safe_rmtree, scratch_dir
 from .mounts import sys_mount, sys_umount
 from .progress import Progress, report
@@ -59,7 +63,14 @@ BUILD_ID_FIRST = int(os.environ.get("DSEC_BUILD_IDMAP_FIRST", str(1 << 27)))
 BUILD_ID_RANGE = 65536
 BUILD_SLOTS = 64
 BUILD_SLOT_DIR = Path(os.environ.get("DSEC_BUILD_IDMAP_REGISTRY", "/run/dsec/build-idranges"))
+# buildah's own user namespace (build_jail.py): its root and 0..65535 are the host ids just
+# above the slots, and the slots' host ids are mapped to themselves, so RUN steps' maps
+# (0:SLOT:65536) mean the same host ids inside it as outside. Its storage is owned by that root.
+BUILDAH_ROOT_ID = BUILD_ID_FIRST + BUILD_SLOTS * BUILD_ID_RANGE
+BUILDAH_IDS = (IdRange(0, BUILDAH_ROOT_ID, BUILD_ID_RANGE),
+               IdRange(BUILD_ID_FIRST, BUILD_ID_FIRST, BUILD_SLOTS * BUILD_ID_RANGE))
 DEFAULT_TIMEOUT_S = 1800
+BUILD_PIDS = 8192          # a build's processes, buildah's and its RUN steps' together
 STORAGE_DRIVER = os.environ.get("DSEC_BUILD_STORAGE_DRIVER", "overlay")
 LOG_TAIL_LINES = 40
 SIGNATURE_POLICY = {"default": [{"type": "insecureAcceptAnything"}]}   # local layouts only
@@ -80,50 +91,61 @@ def buildah_binary() -> str:
 
 @dataclass
 class Buildah:
-    """buildah on dsec's own storage (never the host's /var/lib/containers)."""
+    """buildah on dsec's own storage (never the host's /var/lib/containers), run as root of a
+    user namespace of unprivileged host ids (BUILDAH_IDS) that owns its storage."""
 
     root: Path
     policy: Path
+    helper: Path
     log_tail: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_TAIL_LINES))
 
     @classmethod
     def for_home(cls, paths: Paths) -> "Buildah":
         base = paths.home / "buildah"
         base.mkdir(parents=True, exist_ok=True)
-        base.chmod(0o711)    # RUN steps' root (a mapped uid) must traverse to its rootfs; no listing
+        base.chmod(0o711)    # buildah's root and RUN steps' root (mapped uids) traverse it; no listing
+        with FileLock(base / ".owner.lock"):
+            for sub in ("storage", "run", "tmp"):
+                _owned_by_buildah(base / sub)
         policy = base / "policy.json"
         if not policy.is_file():
             tmp = base / f".policy.{os.getpid()}"
             tmp.write_text(json.dumps(SIGNATURE_POLICY))
+            tmp.chmod(0o644)     # read by buildah's root, an unprivileged host uid
             tmp.replace(policy)
-        return cls(root=base, policy=policy)
+        policy.chmod(0o644)      # one written before buildah ran unprivileged was 0600
+        return cls(root=base, policy=policy, helper=userns_helper(paths.bin))
 
-    def argv(self, *args: str, binds: Sequence[Bind] = (), cwd: Path | None = None) -> list[str]:
+    def argv(self, *args: str, binds: Sequence[Bind] = (), cwd: Path | None = None,
+             cgroups: Sequence[Path] = ()) -> list[str]:
         """buildah ARGS in the build's own namespaces (build_jail.py), seeing its storage and
         `binds` only."""
         cmd = [buildah_binary(), "--root", str(self.root / "storage"), "--runroot",
                str(self.root / "run"), "--storage-driver", STORAGE_DRIVER, *args]
-        return jailed(cmd, root=self.root / "jail", binds=[Bind(self.root, writable=True), *binds], cwd=cwd)
+        return jailed(cmd, root=self.root / "jail", binds=[Bind(self.root, writable=True), *binds], cwd=cwd,
+                      ids=BUILDAH_IDS, helper=self.helper, cgroups=cgroups)
 
     def env(self) -> dict[str, str]:
         # no host registries config: nothing resolves a short name to a remote registry
-        return {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "HOME": str(self.root),
+        return {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "HOME": str(self.root / "tmp"),
                 "LANG": "C.UTF-8", "BUILDAH_ISOLATION": "oci", "TMPDIR": str(self.root / "tmp"),
                 "CONTAINERS_REGISTRIES_CONF": str(self._registries())}
 
     def _registries(self) -> Path:
         conf = self.root / "registries.conf"
         if not conf.is_file():
-            conf.write_text('unqualified-search-registries = []\nshort-name-mode = "disabled"\n')
+            tmp = self.root / f".registries.{os.getpid()}"
+            tmp.write_text('unqualified-search-registries = []\nshort-name-mode = "disabled"\n')
+            tmp.chmod(0o644)
+            tmp.replace(conf)
+        conf.chmod(0o644)
         return conf
 
     def run(self, *args: str, timeout_s: float = 600, progress: Progress | None = None,
-            what: str = "buildah", cwd: Path | None = None, binds: Sequence[Bind] = ()) -> str:
+            what: str = "buildah", cwd: Path | None = None, binds: Sequence[Bind] = (),
+            cgroups: Sequence[Path] = ()) -> str:
         """Run buildah; its output lines go to progress and the log tail. Raises on failure."""
-        tmp = self.root / "tmp"
-        tmp.mkdir(exist_ok=True)
-        tmp.chmod(0o711)    # explicit: the server's umask is 077 (mkdir's mode would lose x)
-        argv = self.argv(*args, binds=binds, cwd=cwd)
+        argv = self.argv(*args, binds=binds, cwd=cwd, cgroups=cgroups)
         log.debug("running buildah %s (in its own namespaces)", shlex.join(args))
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=self.env(), start_new_session=True,
@@ -174,6 +196,52 @@ class Buildah:
         r = subprocess.run(self.argv("inspect", "--type", "image", "--format", "{{.FromImageID}}", ref),
                            capture_output=True, env=self.env(), timeout=120)
         return r.returncode == 0
+
+
+def give_to_buildah(path: Path) -> None:
+    """Make a tree dsec wrote (a scratch dir, an uploaded context) buildah's: its root is an
+    unprivileged host id that could not read host root's 0600 files. Links are not followed."""
+    uid = BUILDAH_ROOT_ID
+    os.lchown(path, uid, uid)
+    for top, dirs, files in os.walk(path):
+        for n in dirs + files:
+            os.lchown(os.path.join(top, n), uid, uid)
+
+
+def take_back(layout: Path) -> None:
+    """Make the layout buildah wrote (as an unprivileged uid, in a dir it owned) host root's
+    before host root reads and rewrites it: a symlink or special file there would be followed
+    by host root on the host (a buildah that a build subverted could plant one). Nothing of
+    the build runs any more (its pid namespace is gone), so nothing changes it after the check."""
+    for top, dirs, files in os.walk(layout):
+        for p in [top, *(os.path.join(top, n) for n in dirs + files)]:
+            st = os.lstat(p)
+            if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+                raise DsecError(f"the build's output {p} is neither a file nor a directory; refused",
+                                fix="report this build: buildah does not write links into an OCI layout")
+            os.lchown(p, 0, 0)
+    if not os.path.isdir(layout) or os.path.islink(layout):
+        raise DsecError(f"the build's output {layout} is not a directory; refused")
+
+
+def _owned_by_buildah(path: Path) -> None:
+    """`path` (storage, run or tmp) as a directory owned by buildah's root. Storage from before
+    buildah ran in a user namespace (owned by host root, unusable from inside) is a cache of
+    base images: it is dropped, and bases are exported again as builds need them."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        st = None
+    if st is not None and st.st_uid != BUILDAH_ROOT_ID:
+        old = path.with_name(f".{path.name}.old-{secrets.token_hex(4)}")
+        path.rename(old)
+        log.info("dropping %s: made by buildah as host root (a base-image cache)", path)
+        safe_rmtree(old)
+        st = None
+    if st is None:
+        path.mkdir(mode=0o700)
+        os.chown(path, BUILDAH_ROOT_ID, BUILDAH_ROOT_ID)
+        path.chmod(0o711)     # RUN steps' root (another mapped uid) walks to its rootfs
 
 
 class _BuildahFailed(DsecError):
@@ -471,6 +539,7 @@ def ensure_base(svc: ImageService, bah: Buildah, info: ImageInfo, progress: Prog
             # mkdtemp name may have both). So the layout is pulled by a relative, lower-hex name.
             layout = f"l{secrets.token_hex(8)}"
             export_oci(svc, info, work / layout, work)
+            give_to_buildah(work)
             # pulled from an OCI layout the image has no name: --quiet prints its id, tag that
             out = bah.run("pull", "--signature-policy", str(bah.policy), "--quiet",
                           f"oci:{layout}:latest", progress=progress, what="buildah pull", cwd=work,
@@ -621,6 +690,19 @@ def _check_context(context: Path, dockerfile: str) -> Path:
     return df
 
 
+def _buildah_context(paths: Paths, ctx: Path, work: Path) -> Path:
+    """The context as buildah's root may read it: an upload dsec unpacked (under
+    DSEC_HOME/build) is given to it in place; any other directory (`dsec image build
+    --dockerfile DIR` on the node) is copied into the scratch dir, never chowned."""
+    if ctx.resolve().is_relative_to((paths.home / "build").resolve()):
+        give_to_buildah(ctx)
+        return ctx
+    r = subprocess.run(["cp", "-a", "--", str(ctx), str(work / "context")], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise DsecError(f"copying the build context {ctx} failed: {r.stderr[-2000:]}")
+    return work / "context"
+
+
 def build_dockerfile(svc: ImageService, name: str, context: str | os.PathLike, *,
                      dockerfile: str = "Dockerfile", build_args: dict[str, str] | None = None,
                      network: bool = False, replace: bool = False, memory_mb: int = 2048,
@@ -650,15 +732,18 @@ def build_dockerfile(svc: ImageService, name: str, context: str | os.PathLike, *
     prune_bases(svc, bah)
     tags = {n: ensure_base(svc, bah, info, progress) for n, info in infos.items()}
     target = f"localhost/dsec-build-{os.urandom(6).hex()}:latest"
-    with scratch_dir(svc.paths, "dockerfile") as work, build_id_range() as id_base:
+    with scratch_dir(svc.paths, "dockerfile") as work, build_id_range() as id_base, \
+            build_cgroups(f"slot-{(id_base - BUILD_ID_FIRST) // BUILD_ID_RANGE}", memory_mb, BUILD_PIDS) as cgroups:
         rewritten = work / "Dockerfile"
         rewritten.write_text(rewrite_bases(text, tags, stages))
+        ctx = _buildah_context(svc.paths, ctx, work)
+        give_to_buildah(work)
         idmap = f"0:{id_base}:{BUILD_ID_RANGE}"
         args = ["bud", "--pull=never", "--signature-policy", str(bah.policy),
                 "--isolation", "oci", "--runtime", shutil.which("crun") or "crun",
                 "--userns-uid-map", idmap, "--userns-gid-map", idmap,
                 "--network", "host" if network else "none",
-                "--cgroup-manager", "cgroupfs", "--memory", f"{memory_mb}m",
+                "--cgroup-manager", "cgroupfs",   # limits: build_cgroups (crun may not set any)
                 "--ulimit", "nproc=4096:4096", "--layers=false", "--rm", "--force-rm",
                 "--format", "oci", "-f", str(rewritten), "-t", target]
         for k, v in (build_args or {}).items():
@@ -669,7 +754,7 @@ def build_dockerfile(svc: ImageService, name: str, context: str | os.PathLike, *
         try:
             try:
                 bah.run(*args, timeout_s=timeout_s, progress=progress, what="the build",
-                        binds=[Bind(ctx), Bind(work, writable=True)])
+                        binds=[Bind(ctx), Bind(work, writable=True)], cgroups=cgroups)
             except _BuildahFailed as e:
                 raise InvalidArgument(f"building {name} failed (buildah exited {e.rc}); last lines of "
                                       f"the build log:\n{e.tail}", field="dockerfile",
@@ -680,6 +765,7 @@ def build_dockerfile(svc: ImageService, name: str, context: str | os.PathLike, *
                     binds=[Bind(work, writable=True)])
         finally:
             subprocess.run(bah.argv("rmi", "-f", target), capture_output=True, env=bah.env())
+        take_back(layout)
         config = config_from_layout(layout)
         unmap_layout(layout, id_base, BUILD_ID_RANGE)
         image = svc.import_oci(name, oci=layout, ref="latest", replace=replace, progress=progress,

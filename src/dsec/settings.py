@@ -191,17 +191,6 @@ class ImageSettings(Group):
                              "built-in images' debootstrap")
 
 
-class BuildSettings(Group):
-    """Read by images/dockerfile.py itself for now (at import): listed so that they are documented
-    and shown by `dsec config`."""
-
-    title = "Dockerfile builds (images/dockerfile.py; read there at import, not yet from this object)"
-    build_idmap_first: int = env(1 << 27, "DSEC_BUILD_IDMAP_FIRST", "first host id of the builds' id ranges")
-    build_idmap_registry: Path = env(Path("/run/dsec/build-idranges"), "DSEC_BUILD_IDMAP_REGISTRY",
-                                     "where the builds' id ranges in use are recorded")
-    build_storage_driver: str = env("overlay", "DSEC_BUILD_STORAGE_DRIVER", "buildah's storage driver")
-
-
 class VMSettings(Group):
     title = "VMs (backends/vm)"
     enabled: bool = env(True, "DSEC_VM", "offer the QEMU backends (microvm, vm) where QEMU and a guest "
@@ -255,7 +244,6 @@ class Settings(BaseModel):
     containers: ContainerSettings = Field(default_factory=ContainerSettings)
     network: NetworkSettings = Field(default_factory=NetworkSettings)
     images: ImageSettings = Field(default_factory=ImageSettings)
-    builds: BuildSettings = Field(default_factory=BuildSettings)
     vm: VMSettings = Field(default_factory=VMSettings)
     fncall: FnCallEnvSettings = Field(default_factory=FnCallEnvSettings)
     cluster: ClusterEnvSettings = Field(default_factory=ClusterEnvSettings)

@@ -21,7 +21,7 @@ ALLOWED = {
     ("config.py", "DSEC_HOME"),               # Paths.from_env: the SDK's DSEC_HOME (it may import only config)
     ("cli/main.py", 'os.environ["DSEC_URL"] = '),  # `dsec up --background` tells the SDK's autostart its URL
     ("images/layerstore.py", "env = os.environ"),   # AWS_*: botocore's names, not dsec's
-    ("images/dockerfile.py", "DSEC_BUILD_"), ("images/dockerfile.py", '"PATH"'),   # not yet moved (rewritten)
+    ("images/dockerfile.py", '"PATH"'),   # buildah's own PATH, handed to its process
     ("cluster/local.py", "FAST_HEALTH"), ("cluster/local.py", "os.environ[k]"),   # RAY_* for Ray's processes
     ("cluster/local.py", "os.environ.pop(k"),
     ("testing/isolated.py", "self.env ="),    # the environment of a test server process

@@ -58,11 +58,12 @@ from .store import FileLock, check_may_replace, check_name
 log = logging.getLogger("dsec.images.dockerfile")
 
 # RUN steps' host id range: one 65536-id slot per concurrent build, below the sandboxes' ranges
-# (backends/container/idmap.py starts at 2^28) and far above real host users.
-BUILD_ID_FIRST = int(os.environ.get("DSEC_BUILD_IDMAP_FIRST", str(1 << 27)))
+# (backends/container/idmap.py starts at 2^28) and far above real host users. Fixed, not a
+# setting: buildah's storage is owned by the id above the slots, so moving them would orphan it.
+BUILD_ID_FIRST = 1 << 27
 BUILD_ID_RANGE = 65536
 BUILD_SLOTS = 64
-BUILD_SLOT_DIR = Path(os.environ.get("DSEC_BUILD_IDMAP_REGISTRY", "/run/dsec/build-idranges"))
+BUILD_SLOT_DIR = Path("/run/dsec/build-idranges")     # one flock-ed file per slot in use
 # buildah's own user namespace (build_jail.py): its root and 0..65535 are the host ids just
 # above the slots, and the slots' host ids are mapped to themselves, so RUN steps' maps
 # (0:SLOT:65536) mean the same host ids inside it as outside. Its storage is owned by that root.
@@ -71,7 +72,7 @@ BUILDAH_IDS = (IdRange(0, BUILDAH_ROOT_ID, BUILD_ID_RANGE),
                IdRange(BUILD_ID_FIRST, BUILD_ID_FIRST, BUILD_SLOTS * BUILD_ID_RANGE))
 DEFAULT_TIMEOUT_S = 1800
 BUILD_PIDS = 8192          # a build's processes, buildah's and its RUN steps' together
-STORAGE_DRIVER = os.environ.get("DSEC_BUILD_STORAGE_DRIVER", "overlay")
+STORAGE_DRIVER = "overlay"   # buildah's storage (unprivileged overlay mounts inside its user namespace)
 LOG_TAIL_LINES = 40
 SIGNATURE_POLICY = {"default": [{"type": "insecureAcceptAnything"}]}   # local layouts only
 

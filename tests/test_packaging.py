@@ -129,8 +129,12 @@ def test_core_dependencies_have_no_server_packages():
         assert top and top <= SERVER_MODULES | {"__pycache__"}, (dist, top)
 
 
-def test_install_script_installs_the_server_and_test_extras():
-    assert ".[server,test]" in (ROOT / "scripts" / "install.sh").read_text()
+def test_install_scripts_install_the_server_and_for_tests_the_test_extras():
+    """The main job's install is the server alone; the tests' part (run by scripts/test.sh) adds
+    the test extra."""
+    assert ".[server]" in (ROOT / "scripts" / "install.sh").read_text()
+    assert ".[server,test]" in (ROOT / "scripts" / "install-extras.sh").read_text()
+    assert "install-extras.sh tests" in (ROOT / "scripts" / "test.sh").read_text()
 
 
 def test_the_distribution_name_is_ours():

@@ -108,3 +108,20 @@ async def test_closing_from_a_tracked_exec_does_not_cancel_that_exec() -> None:
     await asyncio.gather(t.task, other.task, return_exceptions=True)
     assert done == ["teardown"] and t.error is not None
     assert other.task.cancelled() or other.ended_at is not None
+
+
+async def test_execs_cut_short_by_a_failed_sandbox_answer_its_failure() -> None:
+    """The sandbox failed (its agent killed by the OOM killer) and another task tore it down: a
+    keyed exec waiting on the tracker answers why, as an unkeyed one's own request did, not 'the
+    exec ended without a result'."""
+    table = ExecTable()
+    t = table.start_tracking(ExecInfo(exec_id=""), "sdk-x", fake_exec("1", ["a", "b"], asyncio.Event()))
+    await t.started.wait()
+    table.close(InvalidArgument("sandbox sb-x failed: out of memory (memory_mb=32)", field="sandbox_id"))
+    await asyncio.gather(t.task, return_exceptions=True)
+    try:
+        await t.wait_result()
+    except InvalidArgument as e:
+        assert "out of memory" in e.message
+    else:
+        raise AssertionError("no error")

@@ -158,14 +158,17 @@ class ExecTable:
             if t.idempotency_key is not None and self.by_key.get(t.idempotency_key) is t:
                 del self.by_key[t.idempotency_key]
 
-    def close(self) -> None:
+    def close(self, reason: DsecError | None = None) -> None:
         """The sandbox is going away (or the edge stops): stop following. The agent keeps
-        whatever it has not released. Never the calling task: a tracked exec that found its
-        sandbox dead fails it itself, and cancelling it there would cut the teardown short
-        (the sandbox's files were left behind)."""
+        whatever it has not released. `reason` (the sandbox failed: why) is what the execs cut
+        short answer, as an untracked exec's own request would have. Never the calling task: a
+        tracked exec that found its sandbox dead fails it itself, and cancelling it there would
+        cut the teardown short (the sandbox's files were left behind)."""
         me = asyncio.current_task()
         for t in [*self.tracked.values(), *self.by_key.values()]:
             if t.task is not None and t.task is not me and not t.task.done():
+                if reason is not None and t.error is None:
+                    t.error = reason
                 t.task.cancel()
 
 

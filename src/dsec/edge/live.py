@@ -16,7 +16,7 @@ from dsec.agent.client import AgentClient
 from dsec.backends.base import Backend
 from dsec.edge.exec_tracker import ExecTable
 from dsec.edge.records import SandboxRecord
-from dsec.types import CapacityExceeded
+from dsec.types import CapacityExceeded, SandboxFailed, SandboxState
 
 # Back-pressure per sandbox: at most EXECS_MAX commands at once, and at most exec_bytes_limit()
 # of output they may bring back together (each reserves 2 x its per-stream cap when it starts:
@@ -113,6 +113,9 @@ class LiveSandbox:
             await agent.close()
 
     async def close(self) -> None:
-        """Free what the edge holds for this sandbox (the backend frees the sandbox itself)."""
-        self.commands.close()
+        """Free what the edge holds for this sandbox (the backend frees the sandbox itself). The
+        commands it still follows end with the sandbox's failure, when that is why."""
+        failed = self.rec.state == SandboxState.failed
+        self.commands.close(SandboxFailed(f"sandbox {self.id} failed: {self.rec.error}", field="sandbox_id",
+                                          fix="create a new sandbox") if failed else None)
         await self.drop_agent()

@@ -30,7 +30,7 @@ def generate() -> str:
         "",
         f"#define PROTO_VERSION {P.PROTOCOL_VERSION}u",
         f"#define HDR {P.HEADER_SIZE}u                   /* u32 len, u8 type, u8 flags, u16 reserved, u32 chan */",
-        f"#define MAX_PAYLOAD ((64u << 20) + 4096u) /* largest frame payload accepted */",
+        "#define MAX_PAYLOAD ((64u << 20) + 4096u) /* largest frame payload accepted */",
         f"#define FILE_CHUNK ({P.MAX_DATA_CHUNK >> 20}u << 20)     /* max DATA frame payload */",
         f"#define CREDIT_LET_GO {P.CREDIT_LET_GO:#x}u  /* CREDIT: the edge follows the chan no more */",
         "",

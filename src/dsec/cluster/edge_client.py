@@ -22,7 +22,7 @@ import httpx
 from dsec.apiserver.context import EdgeHandle, FnCallHandle
 from dsec.cluster.wire import (EDGE_PREFIX, FNCALL_PREFIX, TUNNEL_EOF, TUNNEL_OK, TUNNEL_PATH, EdgeUnreachable,
                                MethodSpec, error_from, specs)
-from dsec.types import (DsecError, FnCallRequest, FnCallResult)
+from dsec.types import DsecError, FnCallRequest, FnCallResult
 
 CONNECT_TIMEOUT_S = 5.0
 TUNNEL_CHUNK = 64 * 1024

@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager, contextmanager
 from dsec.agent.client import AgentClient, AgentDisconnected
 from dsec.edge.live import LiveSandbox
 from dsec.edge.records import SandboxRecord
-from dsec.types import (SandboxFailed, SandboxState)
+from dsec.types import SandboxFailed, SandboxState
 from dsec.edge.core import EdgeCore
 
 

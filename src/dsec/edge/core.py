@@ -24,7 +24,7 @@ from dsec.images.service import ImageService
 from dsec.images.stacks import Stacks
 from dsec.placement.locality import CacheSummary
 from dsec.settings import Settings
-from dsec.types import (Conflict, InvalidArgument, NotFound, SandboxInfo, SandboxState, Unavailable)
+from dsec.types import Conflict, InvalidArgument, NotFound, SandboxInfo, SandboxState, Unavailable
 
 log = logging.getLogger("dsec.edge")
 
@@ -43,6 +43,8 @@ WARM_MEMORY_MB = 256
 def _park_after(rec: SandboxRecord) -> int | None:
     """Idle seconds after which the sandbox is parked (None: never)."""
     return rec.args.suspend_idle_s
+
+
 Cap = TypeVar("Cap")
 
 

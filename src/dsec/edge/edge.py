@@ -34,8 +34,8 @@ from dsec.images.service import ImageService
 from dsec.images.stacks import Stacks
 from dsec.placement.locality import CacheSummary
 from dsec.settings import Settings
-from dsec.types import (NodeStatus, SandboxInfo)
-from dsec.edge.core import (MAX_WATCHES_PER_PROJECT, EdgeSettings, log)
+from dsec.types import NodeStatus, SandboxInfo
+from dsec.edge.core import MAX_WATCHES_PER_PROJECT, EdgeSettings, log
 from dsec.edge.lifecycle import Lifecycle
 from dsec.edge.warm import WarmHooks
 from dsec.edge.parking import ParkingVerbs

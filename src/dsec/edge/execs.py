@@ -15,7 +15,8 @@ from dsec.edge.exec_events import exec_events
 from dsec.edge.exec_tracker import TrackedExec, now_utc
 from dsec.edge.live import LiveSandbox
 from dsec.security.users import resolve_user
-from dsec.types import (Conflict, DsecError, ExecEvent, ExecInfo, ExecRequest, ExecResult, InvalidArgument, NotFound, SandboxFailed, SandboxInfo, SandboxState)
+from dsec.types import (Conflict, DsecError, ExecEvent, ExecInfo, ExecRequest, ExecResult, InvalidArgument, NotFound,
+                        SandboxFailed, SandboxInfo, SandboxState)
 from dsec.edge.core import EdgeCore
 
 

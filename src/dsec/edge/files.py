@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 from dsec.agent.client import AgentError, DirEntry
 from dsec.edge.agent_errors import check_path, map_agent_error, watch_error
 from dsec.security.users import resolve_user
-from dsec.types import (CapacityExceeded, FileEntry, FsEvent)
-from dsec.edge.core import (MAX_WATCHES_PER_PROJECT, EdgeCore)
+from dsec.types import CapacityExceeded, FileEntry, FsEvent
+from dsec.edge.core import MAX_WATCHES_PER_PROJECT, EdgeCore
 
 
 class Files(EdgeCore):

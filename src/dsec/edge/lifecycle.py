@@ -9,14 +9,14 @@ import builtins
 import errno
 import time
 
-from dsec.backends.base import (PARKED, RUNNING, MemoryUsage)
+from dsec.backends.base import PARKED, RUNNING, MemoryUsage
 from dsec.backends.warm import WarmClaim
 from dsec.edge.live import LiveSandbox
 from dsec.edge.records import SandboxRecord
 from dsec.types import (DsecError, ImageInfo,
                         SandboxArgs,
                         SandboxFailed, SandboxInfo, SandboxState, Unavailable, make_sandbox_id)
-from dsec.edge.core import (LIVE, EdgeCore, log)
+from dsec.edge.core import LIVE, EdgeCore, log
 
 
 class Lifecycle(EdgeCore):

@@ -10,10 +10,11 @@ from datetime import datetime, timezone
 from typing import Any
 
 from dsec.agent.client import AgentError
-from dsec.backends.base import (Hibernation, Parking, Snapshots)
+from dsec.backends.base import Hibernation, Parking, Snapshots
 from dsec.edge.live import LiveSandbox
-from dsec.types import (BulkItem, DsecError, NotFound, SandboxInfo, SandboxState, SnapshotInfo, Unavailable, make_snapshot_id)
-from dsec.edge.core import (BULK_PARALLEL, EdgeCore, log)
+from dsec.types import (BulkItem, DsecError, NotFound, SandboxInfo, SandboxState, SnapshotInfo, Unavailable,
+                        make_snapshot_id)
+from dsec.edge.core import BULK_PARALLEL, EdgeCore, log
 
 
 class ParkingVerbs(EdgeCore):

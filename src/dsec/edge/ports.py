@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from dsec.backends.base import PortIngress
-from dsec.types import (InvalidArgument, Unavailable)
+from dsec.types import InvalidArgument, Unavailable
 from dsec.edge.core import EdgeCore
 
 

@@ -12,8 +12,8 @@ from dsec.agent.client import AgentError
 from dsec.backends.base import LivenessWatched
 from dsec.edge.live import LiveSandbox
 from dsec.edge.records import SandboxRecord
-from dsec.types import (DsecError, SandboxState)
-from dsec.edge.core import (PURGE_EVERY_S, _park_after, EdgeCore, log)
+from dsec.types import DsecError, SandboxState
+from dsec.edge.core import PURGE_EVERY_S, _park_after, EdgeCore, log
 
 
 class Reaping(EdgeCore):

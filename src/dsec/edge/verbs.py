@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 import builtins
 
-from dsec.backends.base import (Console, Egress, LayerDiff)
+from dsec.backends.base import Console, Egress, LayerDiff
 from dsec.types import (DEFAULT_SCRUB, Conflict, ImageInfo,
                         NetworkPolicy, PackDiffRequest, SandboxInfo)
-from dsec.edge.core import (EdgeCore, log)
+from dsec.edge.core import EdgeCore, log
 
 
 class CapabilityVerbs(EdgeCore):

@@ -9,13 +9,13 @@ import time
 from collections.abc import Hashable
 from typing import Any
 
-from dsec.backends.base import (Backend, Prepared, Reclaim)
+from dsec.backends.base import Backend, Prepared, Reclaim
 from dsec.backends.warm import WarmClaim
 from dsec.edge.warm_pool import ENV as WARM_ENV
 from dsec.edge.warm_pool import PoolTarget, WarmSandbox, parse_targets
 from dsec.edge.records import SandboxRecord
-from dsec.types import (MAX_TTL_S, ContainerArgs, DsecError, InvalidArgument, SandboxState, make_sandbox_id)
-from dsec.edge.core import (WARM_PROJECT, WARM_LABEL, WARM_CPU_CORES, WARM_MEMORY_MB, EdgeCore, log)
+from dsec.types import MAX_TTL_S, ContainerArgs, DsecError, InvalidArgument, SandboxState, make_sandbox_id
+from dsec.edge.core import WARM_PROJECT, WARM_LABEL, WARM_CPU_CORES, WARM_MEMORY_MB, EdgeCore, log
 
 
 class WarmHooks(EdgeCore):

@@ -26,7 +26,6 @@ import asyncio
 import ipaddress
 import json
 import logging
-import os
 import shutil
 import socket
 import sqlite3

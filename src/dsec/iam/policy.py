@@ -11,7 +11,7 @@ A field left out (None) adds no restriction of its own. There is no option to di
 seccomp or the user namespace at all (not even for the root project), so the policy has no
 field for them.
 
-Enforced by the apiserver on create and on set_network (apiserver/app.py); errors are 403
+Enforced by the apiserver on create and on set_network (apiserver/control.py); errors are 403
 `forbidden` naming the offending field and the most the project allows.
 """
 

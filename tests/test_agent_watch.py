@@ -59,6 +59,27 @@ async def test_watch_reports_create_write_chmod_rename_remove(agent):
     await stream.aclose()
 
 
+async def test_file_write_shows_as_a_plain_write_of_the_file(agent):
+    """FILE_WRITE writes a temporary sibling and renames it over the target (atomic); a watcher
+    sees what a plain write would make: CREATE + WRITE of a new file, WRITE of an existing one,
+    never the temporary's name. Recursive too (names below the root)."""
+    c = await agent.client()
+    d = agent.workdir / "fw"
+    await run(c, 1, f"mkdir -p {d}/sub && chown -R {USER}:{USER} {d}")
+    for recursive, sub in ((False, ""), (True, "sub/")):
+        stream = await c.watch(str(d), uid=USER, gid=USER, recursive=recursive)
+        await c.write_file(f"{d}/{sub}x.txt", b"one", uid=USER, gid=USER)
+        await c.write_file(f"{d}/{sub}x.txt", b"two", uid=USER, gid=USER, mode=0o600)
+        await c.write_file(f"{d}/{sub}empty", b"", uid=USER, gid=USER)
+        await run(c, 2, f"touch {sub}marker", uid=USER, gid=USER, cwd=str(d))
+        seen = await changes_until(stream, {("create", f"{sub}marker")})
+        got = [(ch.kind, ch.name) for ch in seen if not ch.name.endswith("marker")]
+        assert got == [("create", f"{sub}x.txt"), ("write", f"{sub}x.txt"), ("write", f"{sub}x.txt"),
+                       ("create", f"{sub}empty"), ("write", f"{sub}empty")], seen
+        await stream.aclose()
+        assert (d / f"{sub}x.txt").read_bytes() == b"two" and (d / f"{sub}x.txt").stat().st_mode & 0o777 == 0o600
+
+
 async def test_recursive_watch_follows_new_and_moved_directories(agent):
     c = await agent.client()
     d = agent.workdir / "tree"

@@ -49,6 +49,21 @@ def test_sync_watch_reports_changes_until_stopped(sbx):
         h.get_new_events()
 
 
+def test_file_api_writes_show_only_the_real_file_name(sbx):
+    """files.write is atomic (a temporary sibling renamed into place) yet a watcher sees what a
+    plain write makes, as on E2B: CREATE + WRITE of a new file, WRITE of an existing one."""
+    sbx.files.make_dir("/tmp/w6")
+    h = sbx.files.watch_dir("/tmp/w6")
+    sbx.files.write("/tmp/w6/x.txt", "one")
+    sbx.files.write("/tmp/w6/x.txt", "two")
+    sbx.commands.run("touch /tmp/w6/marker")
+    seen = poll_until(h, {(T.CREATE, "marker")})
+    h.stop()
+    assert [(e.type, e.name) for e in seen if e.name != "marker"] == \
+        [(T.CREATE, "x.txt"), (T.WRITE, "x.txt"), (T.WRITE, "x.txt")], seen
+    assert sbx.files.read("/tmp/w6/x.txt") == "two"
+
+
 def test_sync_recursive_watch_follows_new_directories(sbx):
     sbx.files.make_dir("/tmp/w2/existing")
     h = sbx.files.watch_dir("/tmp/w2", recursive=True)

@@ -26,6 +26,8 @@
 #define MAX_WATCHES 16            /* WATCH streams at once (one inotify instance each) */
 #define WATCH_DIRS_MAX 8192       /* directories one recursive WATCH follows */
 #define WATCH_OUT_MAX (1u << 20)  /* queued output beyond which events wait in the kernel */
+#define WATCH_TMP_MOVES 8         /* FILE_WRITE renames a watch pairs at once (see watch_read) */
+#define DSEC_TMP_TAG ".dsec-"     /* FILE_WRITE's temporaries: .NAME.dsec-{c|w}<16 hex> */
 #define WATCH_FOUND_MAX (256u << 10) /* reports of what a new directory already held, per read */
 
 /* supervisor -> agent messages (SEQPACKET, one struct each) */
@@ -436,6 +438,9 @@ struct watch {                /* WATCH: inotify events of a directory (tree) str
 	gid_t gid;
 	struct wdir *dirs;        /* sorted by wd */
 	size_t ndirs, cap;
+	uint32_t tmp_cookie[WATCH_TMP_MOVES]; /* renames of FILE_WRITE temporaries whose IN_MOVED_TO */
+	char tmp_kind[WATCH_TMP_MOVES];       /* ... is still to come: 'c' creates, 'w' replaces */
+	unsigned tmp_next;
 };
 
 enum { SL_SIG, SL_LISTEN, SL_CONN, SL_CTL, SL_OUT0, SL_OUT1, SL_IN, SL_DEV, SL_WATCH };

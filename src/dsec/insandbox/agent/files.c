@@ -381,9 +381,14 @@ static void h_file_write(uint32_t chan, const struct fields *f)
 	if ((err = fs_check(dfd, 0, why, sizeof why)))
 		goto done;
 	what = "open";
+	/* The temporary's name says whether the write creates the file ('c') or replaces it ('w'):
+	 * directory watches (watch_read) show the pair as the events a plain write would make,
+	 * without a table of writes in flight. */
+	struct stat st;
+	char kind = fstatat(dfd, base, &st, AT_SYMLINK_NOFOLLOW) == 0 ? 'w' : 'c';
 	for (int tries = 0; tries < 5; tries++) {
 		random_hex(suffix, 8);
-		if (snprintf(tmp, sizeof tmp, ".%s.dsec-%s", base, suffix) > NAME_MAX) {
+		if (snprintf(tmp, sizeof tmp, ".%s" DSEC_TMP_TAG "%c%s", base, kind, suffix) > NAME_MAX) {
 			err = ENAMETOOLONG;
 			goto done;
 		}

@@ -280,6 +280,21 @@ static int ev_append(struct bq *b, uint32_t mask, const char *name, size_t nl)
 	return bq_append(b, h, sizeof h) < 0 || bq_append(b, name, nl) < 0 ? -1 : 0;
 }
 
+/* 'c' or 'w' if `nm` is a FILE_WRITE temporary (.NAME.dsec-{c|w}<16 lowercase hex>), else 0. */
+static char dsec_tmp(const char *nm)
+{
+	size_t nl = strlen(nm), tl = sizeof DSEC_TMP_TAG - 1;
+	if (nl < 2 + tl + 1 + 16 || nm[0] != '.')
+		return 0;
+	const char *t = nm + nl - 16 - 1 - tl;
+	if (memcmp(t, DSEC_TMP_TAG, tl) || (t[tl] != 'c' && t[tl] != 'w'))
+		return 0;
+	for (const char *h = t + tl + 1; *h; h++)
+		if (!((*h >= '0' && *h <= '9') || (*h >= 'a' && *h <= 'f')))
+			return 0;
+	return t[tl];
+}
+
 /* inotify events of `w` -> one EVENT frame: repeated u32 mask, u16 name_len, name (relative
  * to the watched directory). Watches of directories that appear or leave are kept in step. */
 static void watch_read(struct watch *w)
@@ -308,11 +323,39 @@ static void watch_read(struct watch *w)
 		}
 		if (!ev->len)
 			continue;           /* about the directory itself: its parent reported it */
+		/* FILE_WRITE writes a temporary sibling and renames it over the file (atomic): show
+		 * that as a plain write of the file would (CREATE of a new one, then MODIFY), not the
+		 * temporary's CREATE/MODIFY/ATTRIB/MOVED_FROM. Its rename's two halves pair by cookie
+		 * (usually adjacent; a few are kept in case a read splits them). */
+		uint32_t mask = ev->mask & (WATCH_MASK | IN_ISDIR);
+		char tk = ev->mask & IN_ISDIR ? 0 : dsec_tmp(ev->name);
+		if (tk) {
+			if ((ev->mask & IN_MOVED_FROM) && ev->cookie) {
+				w->tmp_cookie[w->tmp_next] = ev->cookie;
+				w->tmp_kind[w->tmp_next] = tk;
+				w->tmp_next = (w->tmp_next + 1) % WATCH_TMP_MOVES;
+			}
+			continue;
+		}
+		char wk = 0;        /* 'c'/'w': this IN_MOVED_TO puts a written file in place */
+		for (int k = 0; (mask & IN_MOVED_TO) && ev->cookie && k < WATCH_TMP_MOVES; k++) {
+			if (w->tmp_cookie[k] == ev->cookie) {
+				wk = w->tmp_kind[k];
+				w->tmp_cookie[k] = 0;
+				break;
+			}
+		}
 		const char *rel = w->dirs[i].rel;
 		int nn = snprintf(name, sizeof name, "%s%s%s", rel, *rel ? "/" : "", ev->name);
 		if (nn < 0 || (size_t)nn >= sizeof name || nn > 0xffff)
 			continue;
-		if (ev_append(&b, ev->mask & (WATCH_MASK | IN_ISDIR), name, (size_t)nn) < 0)
+		if (wk) {
+			if ((wk == 'c' && ev_append(&b, IN_CREATE, name, (size_t)nn) < 0) ||
+			    ev_append(&b, IN_MODIFY, name, (size_t)nn) < 0)
+				break;
+			continue;
+		}
+		if (ev_append(&b, mask, name, (size_t)nn) < 0)
 			break;
 		if (w->recursive && (ev->mask & IN_ISDIR)) {
 			if (ev->mask & (IN_MOVED_FROM | IN_DELETE))

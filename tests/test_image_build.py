@@ -313,3 +313,52 @@ async def test_uploads_in_flight_are_counted_against_the_project(server, client)
     assert set((server.home / "build").glob("*")) <= before
     async with Client(server.url, api_key=key) as c:           # another project is not held up by it
         assert await c.images() is not None
+
+
+SLOW_DOCKERFILE = """\
+FROM debian-python
+COPY v.txt /v.txt
+RUN sleep 2 && date +%s%N > /built-at
+"""
+
+
+async def test_identical_concurrent_builds_share_one_build(server, client, tmp_path):
+    """Issue 24: Harbor trials of a task each build its name with replace=True. Identical
+    builds run once: all get one digest (two real builds never match: RUN writes a new
+    timestamp), and an identical build later answers at once."""
+    ctx = _context(tmp_path, SLOW_DOCKERFILE, {"v.txt": "one\n"})
+    results = await asyncio.gather(*(client.build_image("df-same", ctx, replace=True) for _ in range(3)))
+    assert len({r.image.digest for r in results}) == 1, [r.image.digest for r in results]
+    assert [i.digest for i in await client.images() if i.name == "df-same"] == [results[0].image.digest]
+    again = await client.build_image("df-same", ctx, replace=True)
+    assert again.image.digest == results[0].image.digest
+    (ctx / "v.txt").write_text("two\n")                   # another context: a real rebuild
+    other = await client.build_image("df-same", ctx, replace=True)
+    assert other.image.digest != results[0].image.digest
+
+
+async def test_creates_racing_a_replace_of_the_name_all_succeed(server, client, tmp_path):
+    """Issue 24: a replace never pulls the image out from under a create that resolved it."""
+    ctx = _context(tmp_path, SLOW_DOCKERFILE, {"v.txt": "v0\n"})
+    await client.build_image("df-race", ctx)
+    failures: list[BaseException] = []
+
+    async def creates(stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            got = await asyncio.gather(*(client.create_container(ContainerArgs(image="df-race")) for _ in range(3)),
+                                       return_exceptions=True)
+            for sb in got:
+                if isinstance(sb, BaseException):
+                    failures.append(sb)
+                else:
+                    await sb.stop()
+
+    for v in range(1, 3):
+        (ctx / "v.txt").write_text(f"v{v}\n")
+        stop = asyncio.Event()
+        loop = asyncio.create_task(creates(stop))
+        await client.build_image("df-race", ctx, replace=True)
+        await asyncio.sleep(1.0)
+        stop.set()
+        await loop
+    assert failures == [], failures[:3]

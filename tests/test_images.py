@@ -304,7 +304,8 @@ def test_corrupt_erofs_gives_clear_error_and_no_leftover_mount(svc: ImageService
         svc.mounts.ensure_mounted("sha256:" + "0" * 64)
 
 
-def test_name_clash_conflict_and_replace(svc: ImageService, tmp_path):
+def test_name_clash_conflict_and_replace(svc: ImageService, tmp_path, monkeypatch):
+    from dsec.images import store
     a = svc.build_from_dir("img", make_tree(tmp_path / "a", variant="a"))
     files_a = store_files(svc.paths)
     with pytest.raises(Conflict) as e:
@@ -316,7 +317,11 @@ def test_name_clash_conflict_and_replace(svc: ImageService, tmp_path):
     svc.mount_image("img")
     b = svc.build_from_dir("img", make_tree(tmp_path / "b2", variant="b"), replace=True)
     assert b.digest != a.digest and svc.get("img").digest == b.digest
-    # the replaced layer was unmounted and deleted
+    # the replaced layers stay a grace period (a create that resolved the old digest still
+    # mounts it: issue 24), then the next gc unmounts and deletes them
+    assert svc.mount_image(a) and svc.mounts.is_mounted(a.layers[0].digest)
+    monkeypatch.setattr(store, "REPLACED_GRACE_S", 0.0)
+    svc.gc()
     assert store_files(svc.paths) == [f"{b.layers[0].digest[7:]}.erofs"]
     assert not svc.mounts.is_mounted(a.layers[0].digest)
 

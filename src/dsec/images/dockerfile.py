@@ -704,6 +704,53 @@ def _buildah_context(paths: Paths, ctx: Path, work: Path) -> Path:
     return work / "context"
 
 
+def _context_hash(ctx: Path) -> str:
+    """sha256 of the context's tree: relative paths, kinds, exec bits, file bytes and link
+    targets (not mtimes nor owners: an upload of the same files is the same context)."""
+    h = hashlib.sha256()
+    for root, dirs, files in os.walk(ctx):
+        dirs.sort()
+        for n in sorted(dirs + files):
+            p = Path(root) / n
+            st = p.lstat()
+            h.update(f"{p.relative_to(ctx)}\0{stat.S_IFMT(st.st_mode)}\0{st.st_mode & 0o7777}\0".encode())
+            if stat.S_ISLNK(st.st_mode):
+                h.update(os.readlink(p).encode())
+            elif stat.S_ISREG(st.st_mode):
+                with open(p, "rb") as f:
+                    while chunk := f.read(1 << 20):
+                        h.update(chunk)
+            h.update(b"\0")
+    return h.hexdigest()
+
+
+def build_key(name: str, owner: str | None, ctx: Path, dockerfile: str, text: str,
+              build_args: dict[str, str] | None, network: bool, bases: dict[str, ImageInfo]) -> str:
+    """What makes two builds the same build: name and owner, Dockerfile, context bytes, build
+    args, network and the digests the FROM names resolved to."""
+    doc = json.dumps([name, owner, dockerfile, text, sorted((build_args or {}).items()), network,
+                      sorted((n, i.digest) for n, i in bases.items()), _context_hash(ctx)])
+    return hashlib.sha256(doc.encode()).hexdigest()
+
+
+def _built_file(paths: Paths, key: str) -> Path:
+    return paths.home / "build-results" / f"{key}.json"
+
+
+def _already_built(svc: ImageService, name: str, key: str) -> ImageBuildResult | None:
+    """The result of build `key` if NAME still holds exactly it (the same build is not redone)."""
+    f = _built_file(svc.paths, key)
+    if not f.is_file():
+        return None
+    digest = json.loads(f.read_text()).get("digest")
+    image = svc.registry.get_image(name)
+    if image is None or image.digest != digest:
+        return None
+    cfg = _config_file(svc.paths, digest)
+    return ImageBuildResult(image=image, config=ImageConfig.model_validate_json(cfg.read_text())
+                            if cfg.is_file() else ImageConfig())
+
+
 def build_dockerfile(svc: ImageService, name: str, context: str | os.PathLike, *,
                      dockerfile: str = "Dockerfile", build_args: dict[str, str] | None = None,
                      network: bool = False, replace: bool = False, memory_mb: int = 2048,
@@ -728,6 +775,31 @@ def build_dockerfile(svc: ImageService, name: str, context: str | os.PathLike, *
         if not replace:
             raise Conflict(f"image {name!r} already exists", field="name", fix="pass replace=True (--replace)")
         check_may_replace(existing, owner)
+    # Identical builds coalesce (issue 24: Harbor trials of one task each build its name): one
+    # runs, the others wait on its lock (across processes) and take its image; a name that
+    # holds this very build already answers at once. Two builds of one Dockerfile are never
+    # byte-identical (mtimes of RUN steps' files), so without this each would replace the name.
+    key = build_key(name, owner, ctx, dockerfile, text, build_args, network, infos)
+    with FileLock(svc.paths.home / "build-locks" / f"{key[:32]}.lock"):
+        done = _already_built(svc, name, key)
+        if done is not None:
+            report(progress, f"{name} is already built from this context ({done.image.digest[:19]})",
+                   1.0, level=logging.INFO)
+            return done
+        result = _build(svc, name, ctx, df, text, stages, infos, build_args=build_args, network=network,
+                        replace=replace, memory_mb=memory_mb, timeout_s=timeout_s, progress=progress,
+                        owner=owner)
+        f = _built_file(svc.paths, key)
+        f.parent.mkdir(parents=True, exist_ok=True)
+        tmp = f.with_suffix(f".tmp{os.getpid()}.{threading.get_native_id()}")
+        tmp.write_text(json.dumps({"name": name, "digest": result.image.digest}))
+        tmp.replace(f)
+        return result
+
+
+def _build(svc: ImageService, name: str, ctx: Path, df: Path, text: str, stages: list[str],
+           infos: dict[str, ImageInfo], *, build_args: dict[str, str] | None, network: bool, replace: bool,
+           memory_mb: int, timeout_s: float, progress: Progress | None, owner: str | None) -> ImageBuildResult:
     bah = Buildah.for_home(svc.paths)
     t0 = time.monotonic()
     prune_bases(svc, bah)

@@ -39,6 +39,7 @@ from .progress import Progress, report
 from .pull import check_ref, pull_to_layout
 from .shared import SharedStore
 from .uploads import UploadLedger
+from . import store
 from .store import (DIGEST_RE, TMP_PREFIX, FileLock, Registry, check_digest, check_may_replace, check_name,
                     layer_file, now_utc)
 
@@ -522,9 +523,11 @@ class ImageService:
                            fix="rebuild the image that uses this layer")
         return path
 
-    def mount_image(self, name_or_digest: str) -> list[Path]:
-        """Mount every layer of the image (once per node); returns the dirs, base first."""
-        info = self.get(name_or_digest)
+    def mount_image(self, name_or_digest: str | ImageInfo) -> list[Path]:
+        """Mount every layer of the image (once per node); returns the dirs, base first. Given
+        the ImageInfo a create resolved, its layers are mounted even if the name was replaced
+        meanwhile (they are held for REPLACED_GRACE_S), without looking the image up again."""
+        info = name_or_digest if isinstance(name_or_digest, ImageInfo) else self.get(name_or_digest)
         out = []
         for lay in info.layers:
             try:
@@ -555,6 +558,7 @@ class ImageService:
         (left by a crash). Returns the digests deleted."""
         with self._store_lock:
             with self.registry.transaction() as db:
+                self.registry.release_replaced(db, store.REPLACED_GRACE_S)
                 dead = self.registry.unreferenced_layers(db)
                 for d in dead:
                     self.registry.delete_layer(db, d)

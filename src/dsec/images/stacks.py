@@ -53,7 +53,7 @@ class Stacks:
         topmost position (overlayfs refuses a lowerdir used twice)."""
         lower: list[Path] = []
         for part in stack:
-            lower += await self._lower_dirs(part.digest)
+            lower += await self._lower_dirs(part)
         seen: set[Path] = set()
         out: list[Path] = []
         for p in reversed(lower):
@@ -62,13 +62,14 @@ class Stacks:
                 out.append(p)
         return out[::-1]
 
-    async def _lower_dirs(self, digest: str) -> list[Path]:
-        """Mounted layers of an image; mounts are per node and digests immutable, so cached."""
-        cached = self._lowers.get(digest)
+    async def _lower_dirs(self, image: ImageInfo) -> list[Path]:
+        """Mounted layers of an image; mounts are per node and digests immutable, so cached.
+        Mounted from the layers resolved: a replace of the name since then does not matter."""
+        cached = self._lowers.get(image.digest)
         if cached is not None and all(os.path.ismount(p) for p in cached):
             return cached
-        lower = await asyncio.to_thread(self.images.mount_image, digest)
-        self._lowers[digest] = lower
+        lower = await asyncio.to_thread(self.images.mount_image, image)
+        self._lowers[image.digest] = lower
         return lower
 
     def layer_files(self, stack: list[ImageInfo]) -> list[tuple[str, Path]]:

@@ -16,6 +16,7 @@ import os
 import re
 import sqlite3
 import threading
+import time
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
@@ -122,6 +123,12 @@ CREATE TABLE IF NOT EXISTS layer_holds (
 CREATE INDEX IF NOT EXISTS layer_holds_layer ON layer_holds(layer);
 CREATE INDEX IF NOT EXISTS images_digest ON images(digest);
 """
+
+
+# A replaced image's layers stay (held, not GC'd) this long: a create that resolved the name
+# just before the replace still finds and mounts them (issue 24: concurrent builds of a name)
+REPLACED_GRACE_S = 300.0
+REPLACED_PREFIX = "replaced:"
 
 
 def check_may_replace(existing: ImageInfo, owner: str | None) -> None:
@@ -275,6 +282,11 @@ class Registry:
                         "pass replace=True to point the name at the new build, or pick another name")
             check_may_replace(existing, owner)
             db.execute("DELETE FROM images WHERE name=?", (name,))
+            # creates in flight may have resolved the old digest: its layers outlive it a while
+            # (holder names sort by time: gc releases those past REPLACED_GRACE_S)
+            holder = f"{REPLACED_PREFIX}{time.time():015.3f}:{existing.digest[7:23]}"
+            db.executemany("INSERT OR IGNORE INTO layer_holds(holder, layer) VALUES (?,?)",
+                           [(holder, lay.digest) for lay in existing.layers])
         for lay in layers:
             db.execute("INSERT OR IGNORE INTO layers(digest, size_bytes, created_at, source) "
                        "VALUES (?,?,?,?)",
@@ -323,6 +335,11 @@ class Registry:
         with self.connect() as db:
             return {r[0] for r in db.execute("SELECT DISTINCT holder FROM layer_holds WHERE holder LIKE ? || '%'",
                                              (prefix,))}
+
+    def release_replaced(self, db: sqlite3.Connection, grace_s: float) -> None:
+        """Drop the holds on replaced images' layers older than grace_s (inside gc's transaction)."""
+        db.execute("DELETE FROM layer_holds WHERE holder LIKE ? || '%' AND holder < ?",
+                   (REPLACED_PREFIX, f"{REPLACED_PREFIX}{time.time() - grace_s:015.3f}"))
 
     def delete_layer(self, db: sqlite3.Connection, digest: str) -> None:
         db.execute("DELETE FROM layers WHERE digest=?", (digest,))

@@ -365,3 +365,35 @@ def test_files_as_root(sbx):
         sbx.files.list("/root", user="root")
     with pytest.raises(InvalidArgumentException, match="username"):
         sbx.files.read("/etc/hostname", user="root")
+
+
+def test_signed_file_urls_read_and_write_until_they_expire(server, sbx):
+    """download_url/upload_url of a secured sandbox (issue 24, item 6): the URLs answered 401, since
+    dsec knew no signature. Now GET/POST /files with E2B's v1 signature works without the token
+    header, for that path and operation only, until its expiration. The URL's host is the
+    sandbox's envd name under the apiserver's E2B domain (the Host header stands in for DNS)."""
+    from urllib.parse import urlsplit
+
+    from conftest import E2B_TEST_DOMAIN
+    envd = {"Host": f"49983-{sbx.sandbox_id}.{E2B_TEST_DOMAIN}"}
+
+    def at(url: str) -> str:          # the URL's path and query, sent to the apiserver by name
+        u = urlsplit(url)
+        return f"{server.url}/files?{u.query}"
+
+    sbx.files.write("/tmp/signed.txt", "signed content")
+    r = httpx.get(at(sbx.download_url("/tmp/signed.txt")), headers=envd, timeout=30)
+    assert r.status_code == 200 and r.content == b"signed content", (r.status_code, r.text)
+    url = at(sbx.upload_url("/tmp/up.txt", use_signature_expiration=60))
+    r = httpx.post(url, headers=envd, files={"file": ("up.txt", b"uploaded")}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert sbx.files.read("/tmp/up.txt") == "uploaded"
+    # another path, another operation, a changed signature, an expired URL: 401, nothing read or written
+    good = at(sbx.download_url("/tmp/signed.txt"))
+    assert httpx.get(good.replace("signed.txt", "up.txt"), headers=envd, timeout=30).status_code == 401
+    assert httpx.post(good, headers=envd, files={"file": ("x", b"x")}, timeout=30).status_code == 401
+    assert httpx.get(good.replace("signature=v1_", "signature=v1_A"), headers=envd, timeout=30).status_code == 401
+    expired = at(sbx.download_url("/tmp/signed.txt", use_signature_expiration=-5))
+    r = httpx.get(expired, headers=envd, timeout=30)
+    assert r.status_code == 401 and "expired" in r.text, r.text
+    assert sbx.files.read("/tmp/signed.txt") == "signed content"

@@ -8,10 +8,12 @@ sandbox only. The secret lives beside the IAM database ($DSEC_HOME/e2b.secret, m
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import os
 import secrets
+import time
 from pathlib import Path
 
 SECRET_FILE = "e2b.secret"
@@ -50,3 +52,17 @@ class AccessTokens:
 
     def check_traffic(self, sandbox_id: str, token: str | None) -> bool:
         return token is not None and hmac.compare_digest(self.traffic_token(sandbox_id), token.strip())
+
+    def check_signature(self, sandbox_id: str, path: str, operation: str, user: str,
+                        signature: str, expiration: str | None) -> str | None:
+        """A signed file URL (E2B's v1: sha256 of path:operation:user:token[:expiration],
+        base64 without padding): None if it holds, else why not. The token never travels."""
+        raw = f"{path}:{operation}:{user}:{self.token(sandbox_id)}"
+        if expiration is not None:
+            if not expiration.isdigit():
+                return "signature_expiration is not a Unix time"
+            if int(expiration) < time.time():
+                return "the signed URL has expired"
+            raw += f":{expiration}"
+        want = "v1_" + base64.b64encode(hashlib.sha256(raw.encode()).digest()).rstrip(b"=").decode("ascii")
+        return None if hmac.compare_digest(want, signature) else "the URL's signature does not match"

@@ -68,6 +68,13 @@ class E2BDispatch:
         """envd: the sandbox's access token. Ports: that token, or an API key of its project."""
         if self.tokens.check(t.sandbox_id, headers.get(TOKEN_HEADER)):
             return
+        if port == ENVD_PORT and scope["type"] == "http" and TOKEN_HEADER not in headers:
+            why = self._signed_file_url(scope, t)
+            if why is None:
+                return
+            if why:
+                raise Unauthorized(f"{why} (sandbox {t.e2b_id})", field="signature",
+                                   fix="ask the SDK for a new download_url/upload_url")
         if port != ENVD_PORT and self.tokens.check_traffic(t.sandbox_id, headers.get(TRAFFIC_HEADER)):
             return
         if port != ENVD_PORT and scope["type"] == "http":
@@ -79,6 +86,20 @@ class E2BDispatch:
         raise Unauthorized(f"missing or wrong access token for sandbox {t.e2b_id}", field="X-Access-Token",
                            fix="use the envdAccessToken of this sandbox (the SDK sends it when it created or "
                                "connected to the sandbox)")
+
+    def _signed_file_url(self, scope: Scope, t: Target) -> str | None:
+        """envd's signed file URLs (download_url/upload_url of a secured sandbox): GET /files
+        reads, POST /files writes, as `username`, until `signature_expiration`. None: it holds;
+        "": not a signed URL; else why it does not hold."""
+        if _sub_path(scope).rstrip("/") != "/files" or scope.get("method") not in ("GET", "POST"):
+            return ""
+        q = Request(scope).query_params
+        signature = q.get("signature")
+        if not signature:
+            return ""
+        operation = "read" if scope["method"] == "GET" else "write"
+        return self.tokens.check_signature(t.sandbox_id, q.get("path", ""), operation, q.get("username", ""),
+                                           signature, q.get("signature_expiration"))
 
     async def _port(self, scope: Scope, receive: Receive, send: Send, t: Target, port: int) -> None:
         """Any port but envd's: dsec's port ingress (apiserver/ports.py), when it is there."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from dsec.generated import write_or_check
 from dsec.settings import group_classes, is_secret, show_default, type_name
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "settings.md"
@@ -29,16 +30,7 @@ def render() -> str:
 
 
 def main(argv: list[str]) -> int:
-    text = render()
-    if "--check" in argv:
-        if not DOC.exists() or DOC.read_text() != text:
-            print(f"{DOC} is stale: run `python -m dsec.settings_doc`", file=sys.stderr)
-            return 1
-        return 0
-    DOC.write_text(text)
-    print(f"wrote {DOC}")
-    return 0
-
+    return write_or_check(DOC, render(), "python -m dsec.settings_doc", argv)
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

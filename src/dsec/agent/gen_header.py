@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from dsec.agent import protocol as P
+from dsec.generated import write_or_check
 
 TARGET = Path(__file__).resolve().parent.parent / "insandbox" / "agent" / "protocol.h"
 
@@ -48,17 +49,7 @@ def generate() -> str:
 
 
 def main(argv: list[str]) -> int:
-    text = generate()
-    if "--check" in argv:
-        if not TARGET.exists() or TARGET.read_text() != text:
-            print(f"{TARGET} is out of date with dsec/agent/protocol.py: run `python -m dsec.agent.gen_header`")
-            return 1
-        return 0
-    TARGET.parent.mkdir(parents=True, exist_ok=True)
-    TARGET.write_text(text)
-    print(f"wrote {TARGET}")
-    return 0
-
+    return write_or_check(TARGET, generate(), "python -m dsec.agent.gen_header", argv)
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -35,6 +35,9 @@ part_e2b() { .venv/bin/pip install -q -e '.[server,e2b]'; image code-interpreter
 part_cluster() { apt_get postgresql; .venv/bin/pip install -q -e '.[server,cluster,postgres]'; }
 part_tests() {
   apt_get git python3-botocore docker-registry
+  command -v npm >/dev/null || apt_get nodejs npm      # Debian's node (a node of another origin may bring its own npm)
+  # the stock E2B JavaScript SDKs, pinned by tests/compat/js/package-lock.json
+  [ -d tests/compat/js/node_modules/e2b ] || (cd tests/compat/js && npm ci --no-audit --no-fund --silent)
   part_vm; part_fncall; part_polyglot; part_builds; part_e2b; part_cluster
   .venv/bin/pip install -q -e '.[server,test]'
   # Harbor (dsec.adapters.harbor) needs Python >= 3.12: its own venv (a pyenv shim on PATH may

@@ -178,3 +178,20 @@ async def test_pty_flood_is_paced_not_buffered(agent_bin):
         assert tail.endswith(b"x\r\nEND\r\n")
     finally:
         await a.stop()
+
+
+async def test_agents_before_ptys_are_refused_by_name(agent_bin):
+    """A sandbox started before PTYs (its agent's PONG says protocol 2) is not sent a PTY field
+    it would ignore (the command would run without a terminal): refused, naming why."""
+    a = Agent(agent_bin)
+    try:
+        c = await a.client()
+        c.protocol_version = 2                 # as an older agent's PONG says
+        with pytest.raises(AgentError, match="protocol 2, PTYs need 3"):
+            await c.start_exec(1, cmd="true", uid=0, gid=0, pty=(80, 24))
+        out = []
+        async for item in c.exec(2, cmd="echo plain", uid=0, gid=0):   # the rest works as before
+            out.append(item)
+        assert out[0].data == b"plain\n" and out[-1].exit_code == 0
+    finally:
+        await a.stop()

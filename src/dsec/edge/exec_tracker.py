@@ -6,7 +6,9 @@ exec slot, output budget and release to the agent work as for any exec) and keep
 for any number of followers: each follower gets them from the beginning, then live. A retried
 request with the same idempotency key follows the same exec instead of starting another.
 
-Bounded: output is what the exec's own caps let through (the agent truncates), and a sandbox
+Bounded: output is what the exec's own caps let through (the agent truncates); a terminal's
+(PTY) is not capped but paced: its recent PTY_KEEP_BYTES are kept and the slowest follower
+holds the rest up (in the agent, and the program in write()). A sandbox
 keeps at most KEEP_FINISHED finished execs, each at most KEEP_FINISHED_S after it ended, and
 at most KEEP_FINISHED_BYTES of their output together; those keyed by the SDK for its own resends
 (every run() and start() without a caller's key) for SDK_KEEP_FINISHED_S, within

@@ -8,6 +8,7 @@ pointed at that DNS server. Nothing leaves the machine.
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -149,3 +150,44 @@ async def test_invalid_domains_name_the_field(dserver):
                                                 "network": {"domains": ["1.2.3.4"]}})
         assert r.status_code == 422, r.text
         assert "domains" in r.text and "CIDR rule" in r.text, r.text
+
+
+BENCH = r'''
+import json, socket, ssl, statistics, sys, time
+def get(ip, host, tls):
+    t = time.perf_counter()
+    s = socket.create_connection((ip, 443 if tls else 80), timeout=5)
+    if tls:
+        ctx = ssl.create_default_context(); ctx.check_hostname = False; ctx.verify_mode = ssl.CERT_NONE
+        s = ctx.wrap_socket(s, server_hostname=host)
+    s.sendall(("GET / HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n" % host).encode())
+    while s.recv(65536):
+        pass
+    s.close()
+    return (time.perf_counter() - t) * 1000
+out = {}
+for name, ip, host in json.loads(sys.argv[1]):
+    for tls in (False, True):
+        xs = [get(ip, host, tls) for _ in range(int(sys.argv[2]))]
+        out[name + ("_https" if tls else "_http")] = round(statistics.median(xs), 2)
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.skipif(not os.environ.get("DSEC_BENCH"), reason="a benchmark: DSEC_BENCH=1 (docs/benchmarks.md)")
+async def test_bench_new_connection_latency_proxy_vs_direct(dserver, peer):
+    """Median time of a new connection + one GET, through the egress proxy (by name) and direct
+    (a CIDR rule), from inside one sandbox; printed for docs/benchmarks.md."""
+    async with dserver.client() as c:
+        sb = await c.create_container(image="debian-python", network={
+            "domains": ["allowed.test"], "rules": [{"cidr": peer.ip2}]})
+        try:
+            await sb.files.write("/tmp/bench.py", BENCH)
+            targets = [["direct", peer.ip2, "other.test"], ["proxied", peer.ip, "allowed.test"]]
+            r = await sb.run(f"python3 /tmp/bench.py '{json.dumps(targets)}' 200", timeout_s=300)
+            out = json.loads(r.stdout)
+            out["ratio_http"] = round(out["proxied_http"] / out["direct_http"], 2)
+            out["ratio_https"] = round(out["proxied_https"] / out["direct_https"], 2)
+            print("BENCH", json.dumps(out))
+        finally:
+            await sb.stop()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 
 import pytest
@@ -150,6 +151,34 @@ async def test_invalid_domains_name_the_field(dserver):
                                                 "network": {"domains": ["1.2.3.4"]}})
         assert r.status_code == 422, r.text
         assert "domains" in r.text and "CIDR rule" in r.text, r.text
+
+
+def _alive(srv) -> bool:
+    import httpx
+    try:
+        return httpx.get(f"{srv.url}/healthz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+async def test_names_keep_working_after_the_edge_is_killed(dserver, peer):
+    """kill -9 of the server: the restarted edge reloads the nft set and serves DNS and the
+    proxy again for the sandboxes it recovers."""
+    async with dserver.client() as c:
+        sb = await c.create_container(image="debian-python", network=DOMAINS)
+    try:
+        dserver.kill(signal.SIGKILL)
+        dserver.start()
+        async with dserver.client() as c:
+            sb = await c.get(sb.id)
+            r = await probe(sb, [["dns", "resolve", "allowed.test"], ["http", "http", "allowed.test", 80, "allowed.test"],
+                                 ["other", "http", peer.ip, 80, "other.test"]])
+            assert r["dns"] == f"ok:{peer.ip}" and r["http"].startswith("ok:200"), r
+            assert r["other"].startswith("ok:403"), r
+            await sb.stop()
+    finally:
+        if not _alive(dserver):   # the module's later tests need it
+            dserver.start()
 
 
 BENCH = r'''

@@ -46,6 +46,14 @@ for tcp in (False, True):
 
 class Echo(BaseHTTPRequestHandler):
     def do_GET(self):
+        if self.path == "/big":            # 64 MiB: the throughput benchmark
+            self.send_response(200)
+            self.send_header("Content-Length", str(64 << 20))
+            self.end_headers()
+            chunk = b"x" * (1 << 20)
+            for _ in range(64):
+                self.wfile.write(chunk)
+            return
         sni = getattr(self.connection, "dsec_sni", "-")
         body = ("%s %s %s\n" % (self.connection.getsockname()[0], self.headers.get("Host"), sni)).encode()
         self.send_response(200)

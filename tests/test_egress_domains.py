@@ -194,11 +194,24 @@ def get(ip, host, tls):
         pass
     s.close()
     return (time.perf_counter() - t) * 1000
+def big(ip, host):
+    t = time.perf_counter()
+    s = socket.create_connection((ip, 80), timeout=30)
+    s.sendall(("GET /big HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n" % host).encode())
+    n = 0
+    while True:
+        c = s.recv(1 << 20)
+        if not c:
+            break
+        n += len(c)
+    s.close()
+    return n / (time.perf_counter() - t) / 1e6
 out = {}
 for name, ip, host in json.loads(sys.argv[1]):
     for tls in (False, True):
         xs = [get(ip, host, tls) for _ in range(int(sys.argv[2]))]
         out[name + ("_https" if tls else "_http")] = round(statistics.median(xs), 2)
+    out[name + "_MBps"] = round(statistics.median([big(ip, host) for _ in range(5)]), 1)
 print(json.dumps(out))
 '''
 
@@ -217,6 +230,7 @@ async def test_bench_new_connection_latency_proxy_vs_direct(dserver, peer):
             out = json.loads(r.stdout)
             out["ratio_http"] = round(out["proxied_http"] / out["direct_http"], 2)
             out["ratio_https"] = round(out["proxied_https"] / out["direct_https"], 2)
+            out["ratio_MBps"] = round(out["proxied_MBps"] / out["direct_MBps"], 2)
             print("BENCH", json.dumps(out))
         finally:
             await sb.stop()

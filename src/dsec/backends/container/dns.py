@@ -178,7 +178,11 @@ class _Udp(asyncio.DatagramProtocol):
         t.add_done_callback(self._tasks.discard)
 
     async def _serve(self, data: bytes, addr) -> None:
-        reply = await self.fwd.answer(data, addr[0], tcp=False)
+        try:
+            reply = await self.fwd.answer(data, addr[0], tcp=False)
+        except Exception:   # one query only, never the listener
+            log.warning("DNS query failed", exc_info=True, extra={"source": addr[0]})
+            return
         if reply is not None and self.transport is not None:
             if len(reply) > 512 and not DNSRecord.parse(data).ar:   # no EDNS: truncate, client retries on TCP
                 r = DNSRecord.parse(data).reply()
@@ -227,6 +231,8 @@ class DnsServer:
                 await writer.drain()
         except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError):
             pass
+        except Exception:
+            log.warning("DNS-over-TCP connection failed", exc_info=True, extra={"source": source})
         finally:
             n = self._per_source.get(source, 1) - 1
             if n > 0:

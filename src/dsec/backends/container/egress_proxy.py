@@ -138,7 +138,9 @@ class EgressProxy:
         try:
             await self._handle(source, reader, writer)
         except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError, UnicodeError):
-            pass
+            pass   # the sandbox's or the upstream's connection ended or was malformed
+        except Exception:   # e.g. a malformed upstream DNS answer: this connection only, never the loop
+            log.warning("egress proxy connection failed", exc_info=True, extra={"source": source})
         finally:
             n = self._per_source.get(source, 1) - 1
             if n > 0:

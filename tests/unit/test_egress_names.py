@@ -69,3 +69,12 @@ def test_e2b_allow_out_takes_names_and_deny_out_only_networks():
         network_policy({"denyOut": ["pypi.org"]}, True)
     with pytest.raises(Unsupported, match="network.egressProxy"):
         network_policy({"egressProxy": {"address": "x:1"}}, True)
+
+
+def test_a_project_held_to_some_networks_cannot_allow_names():
+    from dsec.iam.policy import SandboxPolicy, check_network
+    from dsec.types import Forbidden, NetworkPolicy
+    check_network(SandboxPolicy(), NetworkPolicy(domains=["pypi.org"]), "p")        # no ceiling: fine
+    with pytest.raises(Forbidden) as e:
+        check_network(SandboxPolicy(cidrs=["10.0.0.0/8"]), NetworkPolicy(domains=["pypi.org"]), "p")
+    assert e.value.field == "network.domains"

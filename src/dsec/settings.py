@@ -168,6 +168,13 @@ class NetworkSettings(Group):
     bridge: str = env("dsec0", "DSEC_NET_BRIDGE", "the sandboxes' bridge (at most 15 characters)",
                       max_length=15)
     subnet: str = env("10.88.0.0/16", "DSEC_NET_SUBNET", "the sandboxes' IPv4 subnet (/28 or larger)")
+    dns_upstream: str = env("", "DSEC_NET_DNS_UPSTREAM", "the resolver the node's DNS forwarder asks, "
+                            "IP or IP:PORT; unset: the first nameserver of the host's /etc/resolv.conf",
+                            max_length=64)
+    dns_port: int = env(10053, "DSEC_NET_DNS_PORT", "port of the node's DNS forwarder on the bridge's "
+                        "gateway address (sandboxes' UDP/TCP 53 to any address is sent there)", ge=1, le=65535)
+    proxy_port: int = env(10080, "DSEC_NET_PROXY_PORT", "port of the node's egress proxy on the gateway "
+                          "(TCP 80/443 of sandboxes with domain rules is sent there)", ge=1, le=65535)
 
 
 class ImageSettings(Group):

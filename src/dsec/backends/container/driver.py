@@ -96,7 +96,7 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
         ensure_node_file_max()   # node-wide: sandboxes' files are bounded by their memory instead
         # per-sandbox egress policy (cgroup-BPF) and, when a policy allows anything, a veth
         self.net = SandboxNetworks(paths, lambda sid: cgroups.v2_dir(cgroup_path(sid)),
-                                   NetSettings(conf.network.bridge, conf.network.subnet))
+                                   NetSettings.of(conf.network))
         # writable-layer quota: sandbox dirs are btrfs subvolumes with a limit (or polled)
         self.disk = open_quotas(paths, conf.storage)
         # a user namespace per sandbox with its own host id range (idmap.py)
@@ -132,6 +132,7 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
         spec = ContainerSpec(sandbox_id=sandbox_id, lower_dirs=lower, cpu_cores=args.cpu_cores,
                              memory_mb=args.memory_mb, pids_limit=args.pids_limit, uid=prepared.uid,
                              gid=prepared.gid, workdir=args.workdir, network=tuple(prepared.allows),
+                             resolv_conf=str(self.net.resolv_conf()),
                              disk_mb=args.disk_mb, nofile=args.nofile, max_file_mb=args.max_file_mb,
                              cpu_class=args.cpu_class)
         await self._start(sandbox_id, spec)

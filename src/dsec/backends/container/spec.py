@@ -40,6 +40,7 @@ class ContainerSpec:
     id_count: int = 65536           # ids mapped: 0..id_count-1 inside -> id_base.. on the host
     userns_path: str | None = None  # the user namespace to join (made by nsexec.c, owned by id_base)
     cpu_class: str = "latency"      # CPU QoS class (qos.py): 'latency' or 'batch' (best effort)
+    resolv_conf: str | None = None  # host file bound read-only on /etc/resolv.conf (network.py)
 
 
 def cgroup_path(sandbox_id: str) -> str:
@@ -166,6 +167,9 @@ def build_config(spec: ContainerSpec, agent_binary: Path, *, cgroup_v2: bool,
              "options": ["bind", "ro", "nosuid", "nodev"]},
             *({"destination": d, "type": "bind", "source": str(mask_dir(agent_binary)),
                "options": ["bind", "ro", "nosuid", "nodev", "noexec"]} for d in masked_dirs()),
+            # the node's DNS forwarder (answers only when the sandbox's policy allows egress)
+            *([{"destination": "/etc/resolv.conf", "type": "bind", "source": spec.resolv_conf,
+                "options": ["bind", "ro", "nosuid", "nodev", "noexec"]}] if spec.resolv_conf else []),
         ],
         "linux": {
             "namespaces": namespaces,

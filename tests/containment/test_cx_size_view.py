@@ -10,6 +10,7 @@ from containment._util import DENIED, py
 
 
 async def test_view_files_only_read_only_and_stuck(attacker):
+    """Root looks for the lxcfs mount behind its /proc/meminfo: only the six view files are bound (no directory), read-only; open for writing, `..` from the file, openat(fd, "..") and name_to_handle_at/open_by_handle_at fail; umount2 of the binds is refused (EPERM); sched_setaffinity cannot widen the cpuset."""
     out = await py(attacker, r"""
 views = []
 for line in open("/proc/self/mountinfo"):

@@ -79,7 +79,8 @@ class Lxcfs:
         logfile = self.mountpoint.with_name(self.mountpoint.name + ".log")
         with open(logfile, "ab") as out:
             subprocess.run(["setsid", "-f", self.binary, "--enable-pidfd", "--disable-swap", "-p", str(self.pidfile),
-                            str(self.mountpoint)], stdin=subprocess.DEVNULL, stdout=out, stderr=out, check=True)
+                            str(self.mountpoint)], stdin=subprocess.DEVNULL, stdout=out, stderr=out, check=True,
+                           cwd="/")    # pins no directory of the edge's
         deadline = time.monotonic() + START_TIMEOUT_S
         while (pid := self.pid()) is None or not self.healthy():
             if time.monotonic() > deadline:

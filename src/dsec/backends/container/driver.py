@@ -59,6 +59,7 @@ PIDFD_INFO_EXIT = 1 << 3
 PIDFD_GET_INFO = (3 << 30) | (64 << 16) | (0xFF << 8) | 11
 
 VIEW_RESTART_MIN_S = 2.0     # between two starts of the node's lxcfs (lxcfs.py)
+SETTLE_S = 0.25              # a park to disk waits this long for ended commands' supervisors
 
 
 def _proc_stat(pid: int) -> list[str]:
@@ -532,9 +533,14 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
         rel = cgroup_path(sandbox_id)
         run = self.sandbox_dir(sandbox_id) / "run"
         pid = self._pid(sandbox_id)
+        procs = (cgroups.v2_dir(rel) if self.cgroup_v2 else cgroups.v1_dir("memory", rel)) / "cgroup.procs"
+        # a command that just ended was reported by its supervisor before that process exits:
+        # give it a moment rather than park in memory for it (seen 2 in 16 on a loaded box)
+        deadline = time.monotonic() + SETTLE_S
+        while procs.read_text().split() != [str(pid)] and time.monotonic() < deadline:
+            time.sleep(0.005)
         held = self.parking.memory(rel).resident
         self.parking.freeze(rel)
-        procs = (cgroups.v2_dir(rel) if self.cgroup_v2 else cgroups.v1_dir("memory", rel)) / "cgroup.procs"
         try:
             why = hibernate.why_not_quiescent(pid, procs, run)
         except (OSError, ValueError, subprocess.SubprocessError) as e:

@@ -154,6 +154,10 @@ class ContainerSettings(Group):
     userns: bool = env(True, "DSEC_USERNS", "a user namespace per sandbox, with its own host id range")
     park_to_disk: bool = env(True, "DSEC_PARK_TO_DISK", "suspend a quiescent container to its files "
                              "(else freeze it and swap its memory)")
+    lxcfs: bool = env(True, "DSEC_LXCFS", "sandboxes read their own memory and CPUs in /proc/meminfo, "
+                      "/proc/cpuinfo, ... (the node's lxcfs daemon, started by dsec)")
+    cpuset: bool = env(True, "DSEC_CPUSET", "each sandbox runs on ceil(cpu_cores) of the host's CPUs, the "
+                       "least loaded (nproc and os.cpu_count() say its size)")
     cpu_quota_floor_cores: float = env(0.1, "DSEC_CPU_QUOTA_FLOOR_CORES", "the CFS quota never goes below "
                                        "this many cores (0..64)", ge=0, le=64)
     idmap_first: int = env(1 << 28, "DSEC_IDMAP_FIRST", "first host id of the sandboxes' id ranges")

@@ -15,7 +15,7 @@ from dsec.backends.container import qos
 from dsec.security.profile import CAPABILITIES, MASKED_PATHS, READONLY_PATHS
 from dsec.security.seccomp import seccomp_profile
 
-DSEC_DIR_IN_SANDBOX = "/.dsec"
+AGENT_DIR_IN_SANDBOX = "/.dsec"
 AGENT_PATH_IN_SANDBOX = "/.dsec/agent"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -107,13 +107,13 @@ def mask_dir(agent_binary: Path) -> Path:
     return agent_binary.parent / MASK_DIR_NAME
 
 
-DSEC_DIR_NAME = "dsec-root"
+AGENT_DIR_NAME = "dsec-root"
 
 
 def dsec_dir(agent_binary: Path) -> Path:
     """The directory bound read-only at /.dsec: it holds only the empty file the agent binary is
     bound onto, so no process in the sandbox can add anything beside it (made by the driver)."""
-    return agent_binary.parent / DSEC_DIR_NAME
+    return agent_binary.parent / AGENT_DIR_NAME
 
 
 @functools.cache
@@ -175,7 +175,7 @@ def build_config(spec: ContainerSpec, agent_binary: Path, *, cgroup_v2: bool,
              "options": ["nosuid", "noexec", "nodev"]},
             {"destination": "/sys", "type": "sysfs", "source": "sysfs",
              "options": ["nosuid", "noexec", "nodev", "ro"]},
-            {"destination": DSEC_DIR_IN_SANDBOX, "type": "bind", "source": str(dsec_dir(agent_binary)),
+            {"destination": AGENT_DIR_IN_SANDBOX, "type": "bind", "source": str(dsec_dir(agent_binary)),
              "options": ["bind", "ro", "nosuid", "nodev", "noexec"]},
             {"destination": AGENT_PATH_IN_SANDBOX, "type": "bind", "source": str(agent_binary),
              "options": ["bind", "ro", "nosuid", "nodev"]},

@@ -28,7 +28,7 @@ def write(p, data="1"):
     return attempt(lambda: open(p, "w").write(data))
 OUT["symlink_made"] = attempt(os.symlink, "/proc", "/procl")      # allowed: a name in /
 for p in ("/proc/1/oom_score_adj", "/proc/self/oom_score_adj", "/proc/self/comm", "/proc/1/coredump_filter",
-          "/proc/sys/kernel/core_pattern", "/proc/sysrq-trigger", "/procl/1/oom_score_adj",
+          "/proc/sys/kernel/core_pattern", "/procl/1/oom_score_adj",
           "/sys/kernel/mm/ksm/run", "/.dsec/agent", "/.dsec/new", "/dev/new", "/dev/shm/../evil"):
     OUT["write " + p] = write(p)
 OUT["mkdir /.dsec/d"] = attempt(os.mkdir, "/.dsec/d")

@@ -75,8 +75,7 @@ async def test_root_cannot_write_kernel_agent_or_device_paths(client):
         for cmd in ("echo x > /proc/sys/kernel/hostname", "echo 1 > /sys/kernel/mm/ksm/run",
                     "echo x > /proc/self/comm", "cp /bin/true /.dsec/agent", "touch /.dsec/x",
                     "rm -f /dev/null", "echo x > /dev/evil", "mkdir /dev/evil", "ln -s /etc /dev/evil",
-                    "mknod /tmp/mem c 1 1", "mknod /tmp/blk b 7 0", "cp /bin/true /dev/shm/t && /dev/shm/t",
-                    "mkdir /newtop"):
+                    "mknod /tmp/mem c 1 1", "mknod /tmp/blk b 7 0", "cp /bin/true /dev/shm/t && /dev/shm/t"):
             r = await sb.run(cmd)
             assert r.exit_code != 0, (cmd, r)
         r = await sb.run("ls -l /dev/null; ls /.dsec; ls /dev")
@@ -86,6 +85,38 @@ async def test_root_cannot_write_kernel_agent_or_device_paths(client):
                          "&& mkfifo /tmp/fifo && mkdir -p /opt/a && mv /dev/shm/f /opt/a/ && cat /opt/a/f "
                          "&& python3 -c 'import pty; pty.openpty()' && echo fine", check=True)
         assert r.stdout == "4\nx\nfine\n"
+
+
+async def test_root_writes_anywhere_in_its_rootfs_as_in_docker(client):
+    """Issue 24 item 1: a Harbor solution's `mkdir -p /app` as root got EACCES (Landlock granted
+    only the top-level entries that existed). Root may now create, write and remove entries
+    directly in /, in the same command and in a session started before; what stays closed is
+    closed by mounts: /proc, /sys, /dev and /.dsec read-only, /dev/shm noexec, no device nodes."""
+    async with await client.create_container(image=IMAGE, user="root") as sb:
+        await sb.run("cd /tmp", session="early")       # a session (its Landlock domain) from before
+        r = await sb.run("mkdir -p /app && echo x > /app/f && touch /x /usr/local/bin/y && cat /app/f "
+                         "&& mv /x /app/x2 && ls /app && rm -rf /app /x /usr/local/bin/y && echo done")
+        assert (r.exit_code, r.stdout) == (0, "x\nf\nx2\ndone\n"), r
+        r = await sb.run("mkdir -p /app/sub && echo early > /app/sub/f && cat /app/sub/f", session="early")
+        assert (r.exit_code, r.stdout) == (0, "early\n"), r
+        r = await sb.run("echo later >> /app/sub/f && cat /app/sub/f && ln -s /app /applink && ls /applink/sub")
+        assert (r.exit_code, r.stdout) == (0, "early\nlater\nf\n"), r
+        denied = {"mknod /dev/foo c 1 3": "Read-only", "mknod /app/mem c 1 1": "Permission denied",
+                  "echo 1000 > /proc/1/oom_score_adj": "Read-only", "echo 0 > /proc/self/oom_score_adj": "Read-only",
+                  "echo x > /proc/sys/kernel/hostname": "Read-only", "echo 1 > /sys/kernel/mm/ksm/run": "Read-only",
+                  "touch /.dsec/x": "Read-only", "cp /bin/true /.dsec/agent": "",
+                  "rm /dev/null": "Read-only", "mv /dev/null /dev/null2": "", "touch /dev/null2": "Read-only",
+                  "cp /bin/true /dev/shm/t && /dev/shm/t": "Permission denied",
+                  "ln -s /proc /procl && echo 1 > /procl/self/oom_score_adj": "Read-only",
+                  "mv /proc /p": "busy", "mv /.dsec /d": "busy", "rmdir /sys": "busy"}
+        for cmd, why in denied.items():
+            r = await sb.run(cmd)
+            assert r.exit_code != 0 and why in r.stderr, (cmd, r)
+        r = await sb.run("ls -l /dev/null; ls -A /.dsec; ls /dev | grep -c null2; echo ok > /dev/null && echo fine")
+        assert r.stdout.startswith("crw-rw-rw-") and r.stdout.endswith("\nagent\n0\nfine\n"), r
+    async with await client.create_container(image=IMAGE) as sb:   # not root: the image's permissions
+        r = await sb.run("mkdir /app")
+        assert r.exit_code != 0 and "Permission denied" in r.stderr, r
 
 
 async def test_disk_quota_hits_one_sandbox_only(client, server):

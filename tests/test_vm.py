@@ -77,6 +77,22 @@ async def test_clones_are_independent_and_get_their_own_entropy_and_clock(vm_cli
         await b.stop()
 
 
+async def test_microvm_guest_keeps_per_entry_landlock_rules(vm_client):
+    """D11: the guest's /proc and /dev are writable mounts, so the agent does not grant / itself
+    there (containers do): root writes below existing top-level entries but cannot create one,
+    nor write /proc or /dev; the files API makes a new top-level directory for later commands."""
+    sb = await vm_client.create_microvm(image="busybox", memory_mb=256, user="root")
+    try:
+        r = await sb.run("mkdir -p /usr/local/bin && touch /usr/local/bin/y && echo ok; mkdir /app; "
+                         "echo x > /proc/self/comm; touch /dev/x; ls /dev | grep -c '^x$'")
+        assert r.stdout == "ok\n0\n", r
+        assert r.stderr.count("Permission denied") == 3, r
+        await sb.files.write("/app/f", "x")                 # mkdirs: a new top-level directory
+        assert (await sb.run("echo y >> /app/f && cat /app/f")).stdout == "xy\n"
+    finally:
+        await sb.stop()
+
+
 async def test_cold_boot_and_q35_with_pmem_dax(vm_client, server):
     cold = await vm_client.create_microvm(image="busybox", memory_mb=256, clone=False)
     vm = await vm_client.create_vm(image="busybox", memory_mb=256)

@@ -116,8 +116,8 @@ class DsecEnvironment(BaseEnvironment):
         args.update(self._container_kwargs)
         self.logger.debug(f"creating dsec sandbox from {image}")
         self._sandbox = await self._client.create_container(ContainerArgs(**args))
-        # New top-level directories are made through the files API: a command may not create
-        # one under / (docs/adapters.md). Harbor's /logs/..., /tests, /solution, the workdir.
+        # New top-level directories are made through the files API: in VM sandboxes a command
+        # may not create one under / (docs/adapters.md; containers may, D11). Harbor's /logs/..., /tests, /solution, the workdir.
         paths = EnvironmentPaths()
         await self._make_dirs([*self._mount_targets(writable_only=True), str(paths.agent_dir),
                                str(paths.verifier_dir), str(paths.artifacts_dir), str(paths.tests_dir),

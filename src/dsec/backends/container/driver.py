@@ -41,7 +41,7 @@ from dsec.backends.container.network import NetSettings, SandboxNetworks
 from dsec.backends.container.parking import PARKED_MARKER, CgroupParking, cgroup_gone
 from dsec.backends.container.ports import CONNECT_TIMEOUT_S, connect_in_netns
 from dsec.backends.warm import WarmClaim
-from dsec.backends.container.spec import ContainerSpec, build_config, cgroup_path, ensure_node_file_max, mask_dir
+from dsec.backends.container.spec import ContainerSpec, build_config, cgroup_path, dsec_dir, ensure_node_file_max, mask_dir
 from dsec.config import Paths
 from dsec.native import compile_static
 from dsec.security.users import resolve_user
@@ -93,6 +93,7 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
         self.rulesets = rulesets      # the operator's named network rule sets
         self.agent_binary = agent_binary
         _make_mask_dir(mask_dir(agent_binary))
+        _make_dsec_dir(dsec_dir(agent_binary))
         self.crun = shutil.which(crun) or crun
         self.nsexec = compile_static(NSEXEC_SOURCE, paths.bin, "dsec-nsexec")
         self.cgroup_v2 = cgroups.is_unified()
@@ -259,20 +260,11 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
             tail = (d / "run" / "init.log").read_bytes()[-2000:].decode(errors="replace").strip()
             raise SandboxFailed(f"crun could not start sandbox {sandbox_id} (exit {rc}): {tail}",
                                 fix="check the image and limits; see the edge log")
-        self._protect_agent(d)
+        # No oom_score_adj for the agent (D11): /proc is read-only inside, so its commands could
+        # not reset what they inherit, and every process of the sandbox would be the host's
+        # OOM killer's last choice too.
         # CPU QoS class (qos.py): set on the agent before any command, inherited by all of them
         qos.apply(spec.cpu_class, self._pid(sandbox_id), cgroup_path(sandbox_id), v2=self.cgroup_v2)
-
-    @staticmethod
-    def _protect_agent(d: Path) -> None:
-        """Make the agent the OOM killer's last choice. Set from the host: inside the container
-        it lacks CAP_SYS_RESOURCE. Its children reset themselves to 0 (see dsec-agent.c)."""
-        try:
-            pid = int((d / "run" / "pid").read_text())
-            Path(f"/proc/{pid}/oom_score_adj").write_text("-998")
-        except (OSError, ValueError) as e:
-            # hosts without CAP_SYS_RESOURCE (like these dev machines) cannot lower it
-            log.debug("could not protect agent from the OOM killer", extra={"dir": str(d), "error": str(e)})
 
     async def destroy(self, sandbox_id: str) -> None:
         self.unwatch_exit(sandbox_id)     # its death below is ours, not news for the edge
@@ -821,6 +813,19 @@ def _remove_cgroups(sandbox_id: str, tries: int = 20) -> None:
             return
         time.sleep(0.05)
     log.warning("cgroups left behind", extra={"sandbox": sandbox_id, "paths": [str(c) for c in left]})
+
+
+def _make_dsec_dir(path: Path) -> None:
+    """The read-only /.dsec of every sandbox: a directory with one empty file, `agent`, the
+    mount point of the agent binary (a read-only mount cannot get a new mount point)."""
+    path.mkdir(mode=0o755, exist_ok=True)
+    (path / "agent").touch(exist_ok=True)
+    os.chmod(path, 0o755)             # any umask: root inside (another uid) must traverse it
+    os.chmod(path / "agent", 0o444)
+    extra = sorted(p.name for p in path.iterdir() if p.name != "agent")
+    if extra:
+        raise Unavailable(f"{path} must hold only the file 'agent': it is bound at /.dsec in every sandbox",
+                          fix=f"remove {', '.join(extra)} from {path} (dsec puts nothing else there)")
 
 
 def _make_mask_dir(path: Path) -> None:

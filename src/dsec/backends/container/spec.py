@@ -16,6 +16,7 @@ from dsec.backends.container.lxcfs import VIEW_FILES
 from dsec.security.profile import CAPABILITIES, MASKED_PATHS, READONLY_PATHS
 from dsec.security.seccomp import seccomp_profile
 
+AGENT_DIR_IN_SANDBOX = "/.dsec"
 AGENT_PATH_IN_SANDBOX = "/.dsec/agent"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -109,6 +110,15 @@ def mask_dir(agent_binary: Path) -> Path:
     return agent_binary.parent / MASK_DIR_NAME
 
 
+AGENT_DIR_NAME = "dsec-root"
+
+
+def dsec_dir(agent_binary: Path) -> Path:
+    """The directory bound read-only at /.dsec: it holds only the empty file the agent binary is
+    bound onto, so no process in the sandbox can add anything beside it (made by the driver)."""
+    return agent_binary.parent / AGENT_DIR_NAME
+
+
 @functools.cache
 def masked_dirs() -> tuple[str, ...]:
     """Masked paths that are directories on this kernel (absent ones need no mask: crun skips
@@ -164,9 +174,12 @@ def build_config(spec: ContainerSpec, agent_binary: Path, *, cgroup_v2: bool,
         "root": {"path": "rootfs", "readonly": False},
         "hostname": spec.hostname,
         "mounts": [
-            {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]},
+            # /proc, /dev (after crun made its nodes), /sys and /.dsec are read-only mounts, and
+            # what is writable below /dev is noexec: the agent then grants commands every
+            # filesystem right on / itself, as in Docker (D11; base.c, ll_root_ok).
+            {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev", "ro"]},
             {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
-             "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+             "options": ["nosuid", "strictatime", "mode=755", "size=65536k", "ro"]},
             {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
              "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
             {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
@@ -175,6 +188,8 @@ def build_config(spec: ContainerSpec, agent_binary: Path, *, cgroup_v2: bool,
              "options": ["nosuid", "noexec", "nodev"]},
             {"destination": "/sys", "type": "sysfs", "source": "sysfs",
              "options": ["nosuid", "noexec", "nodev", "ro"]},
+            {"destination": AGENT_DIR_IN_SANDBOX, "type": "bind", "source": str(dsec_dir(agent_binary)),
+             "options": ["bind", "ro", "nosuid", "nodev", "noexec"]},
             {"destination": AGENT_PATH_IN_SANDBOX, "type": "bind", "source": str(agent_binary),
              "options": ["bind", "ro", "nosuid", "nodev"]},
             *({"destination": d, "type": "bind", "source": str(mask_dir(agent_binary)),

@@ -185,13 +185,21 @@ static void rbuf_free(struct rbuf *b) { free(b->p); memset(b, 0, sizeof *b); }
  *    /proc/PID/fd (steal its output, inject into its stdin), read its environment or memory,
  *    and cannot touch the agent or the supervisors at all (they are in no domain).
  * Reads are not handled (allowed); masked /proc paths are the runtime's job (spec.py).
- * Landlock grants on hierarchies and cannot subtract, so the sandbox's own tree is granted
- * entry by entry: every top-level entry of / that exists when the command starts, except
- * LL_DENY_TOP. Consequence: a command cannot create, remove or rename an entry directly in /
- * (that would need a grant on / itself, which covers /proc and /dev); new top-level
- * directories come from the image or the files API (the agent is not confined) and are
- * writable for every command started after they appear. Symlinks at the top level are
- * skipped (never followed: `/x -> /proc` must not grant /proc).
+ * Landlock grants on hierarchies and cannot subtract: a grant on / covers /proc and /dev.
+ * So the tree is granted in one of two ways, chosen once (the mounts never change: no
+ * sandbox process may mount):
+ *  - on / itself (ll_root_ok): where /proc, /sys, /dev and /.dsec are read-only mounts and
+ *    /dev/shm, /dev/mqueue, /dev/pts noexec ones (the container spec), the kernel already
+ *    refuses what the per-entry rules kept out there, and root may create, remove and rename
+ *    entries directly in / as in Docker (mkdir /app; a new /app is writable at once, for
+ *    every command and for sessions started before). The ruleset is then constant.
+ *  - else entry by entry (VM guests, whose /proc and /dev are writable mounts): every
+ *    top-level entry of / that exists when the command starts, except LL_DENY_TOP. A command
+ *    then cannot create, remove or rename an entry directly in /; new top-level directories
+ *    come from the image or the files API (the agent is not confined) and are writable for
+ *    every command started after they appear. Symlinks at the top level are skipped (never
+ *    followed: `/x -> /proc` must not grant /proc).
+ * Either way MAKE_CHAR/MAKE_BLOCK are never granted and device ioctls only on LL_RULES' nodes.
  * Rights are masked by the kernel's ABI; below ABI 2 Landlock is not used at all (ABI 1
  * forbids every cross-directory rename/link, which breaks ordinary tools).
  */
@@ -249,6 +257,29 @@ static const struct { const char *path; uint64_t access; } LL_RULES[] = {
 	{ "/dev/mqueue",  LL_WFILE | LL_WDIR },
 };
 
+/* Mounts that must be read-only, and those that must be noexec (where they exist), for a
+ * grant on / to leave /proc, /sys, /dev and /.dsec closed as the per-entry rules do. */
+static const char *const LL_RO_MOUNTS[] = { "/proc", "/sys", "/dev", "/.dsec" };
+static const char *const LL_NOEXEC_MOUNTS[] = { "/dev/shm", "/dev/mqueue", "/dev/pts" };
+
+/* 1 if commands get their grant on / itself (see above); decided once, the mounts are fixed. */
+static int ll_root_ok(void)
+{
+	static int ok = -1;
+	struct stat st;
+	struct statvfs sv;
+	if (ok >= 0)
+		return ok;
+	ok = 1;
+	for (size_t i = 0; ok && i < sizeof LL_RO_MOUNTS / sizeof *LL_RO_MOUNTS; i++)
+		ok = lstat(LL_RO_MOUNTS[i], &st) == 0 && S_ISDIR(st.st_mode) &&
+		     statvfs(LL_RO_MOUNTS[i], &sv) == 0 && (sv.f_flag & ST_RDONLY);
+	for (size_t i = 0; ok && i < sizeof LL_NOEXEC_MOUNTS / sizeof *LL_NOEXEC_MOUNTS; i++)
+		if (lstat(LL_NOEXEC_MOUNTS[i], &st) == 0) /* absent: nothing there to run */
+			ok = S_ISDIR(st.st_mode) && statvfs(LL_NOEXEC_MOUNTS[i], &sv) == 0 && (sv.f_flag & ST_NOEXEC);
+	return ok;
+}
+
 /* The kernel's Landlock ABI version, 0 if Landlock is unavailable (or disabled). */
 static int ll_probe(void)
 {
@@ -295,27 +326,32 @@ static int ll_build(int abi)
 	int rs = (int)syscall(SYS_landlock_create_ruleset, &ra, sizeof ra, 0);
 	if (rs < 0)
 		return -1;
-	DIR *d = opendir("/");
-	struct dirent *de;
-	while (d && (de = readdir(d))) {
-		const char *nm = de->d_name;
-		int skip = !strcmp(nm, ".") || !strcmp(nm, "..");
-		for (size_t i = 0; !skip && i < sizeof LL_DENY_TOP / sizeof *LL_DENY_TOP; i++)
-			skip = !strcmp(nm, LL_DENY_TOP[i]);
-		if (!skip)
-			ll_add(rs, dirfd(d), nm, de->d_type, LL_TREE & h);
+	if (ll_root_ok()) {
+		ll_add(rs, AT_FDCWD, "/", DT_DIR, LL_TREE & h);
+	} else {
+		DIR *d = opendir("/");
+		struct dirent *de;
+		while (d && (de = readdir(d))) {
+			const char *nm = de->d_name;
+			int skip = !strcmp(nm, ".") || !strcmp(nm, "..");
+			for (size_t i = 0; !skip && i < sizeof LL_DENY_TOP / sizeof *LL_DENY_TOP; i++)
+				skip = !strcmp(nm, LL_DENY_TOP[i]);
+			if (!skip)
+				ll_add(rs, dirfd(d), nm, de->d_type, LL_TREE & h);
+		}
+		if (d)
+			closedir(d);
 	}
-	if (d)
-		closedir(d);
 	for (size_t i = 0; i < sizeof LL_RULES / sizeof *LL_RULES; i++)
 		ll_add(rs, AT_FDCWD, LL_RULES[i].path, DT_UNKNOWN, LL_RULES[i].access & h);
 	return rs;
 }
 
 /*
- * The agent keeps one ruleset and rebuilds it only when / changed (its mtime moves whenever
- * a top-level entry is created, removed or renamed): building costs ~120 us (an open and a
- * landlock_add_rule per top-level entry), enforcing a ready ruleset a few us. Every
+ * The agent keeps one ruleset. Granted on / it never changes; entry by entry it is rebuilt
+ * only when / changed (its mtime moves whenever a top-level entry is created, removed or
+ * renamed): building costs ~120 us (an open and a landlock_add_rule per top-level entry),
+ * enforcing a ready ruleset a few us. Every
  * landlock_restrict_self() creates a new domain, so sharing the ruleset does not share
  * domains: each command and session is still alone in its own.
  */
@@ -324,6 +360,8 @@ static struct { int fd; struct timespec mtime; ino_t ino; } LL = { -1, { 0, 0 },
 static int ll_ruleset(int abi)
 {
 	struct stat st;
+	if (LL.fd >= 0 && ll_root_ok())
+		return LL.fd;
 	if (stat("/", &st) < 0)
 		return -1;
 	if (LL.fd >= 0 && st.st_ino == LL.ino && st.st_mtim.tv_sec == LL.mtime.tv_sec &&

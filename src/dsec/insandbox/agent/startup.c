@@ -108,7 +108,8 @@ static void child_exec(uid_t uid, gid_t gid, const char *cwd, char **argv, int e
 		goto fail;
 	if (pty && ioctl(0, TIOCSCTTY, 0) < 0) /* the new session's terminal: job control, ^C, SIGWINCH */
 		goto fail;
-	int fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC); /* before Landlock: /proc */
+	/* before Landlock; fails (EROFS) where /proc is a read-only mount, as in containers */
+	int fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
 	if (fd >= 0) {
 		if (write(fd, "0", 1) < 0) { /* best effort */ }
 		close(fd);

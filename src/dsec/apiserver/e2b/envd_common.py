@@ -15,14 +15,16 @@ from typing import TypeVar
 from dsec.apiserver.context import ApiContext, EdgeHandle
 from dsec.apiserver.e2b.errors import gone
 from dsec.apiserver.e2b.ids import to_dsec
-from dsec.apiserver.e2b.mapping import e2b_state
+from dsec.apiserver.e2b.mapping import E2B_HOME, e2b_state
 from dsec.apiserver.guard import E2B_SANDBOX_HEADER
+from dsec.iam.policy import is_root
 from dsec.types import USER_RE, InvalidArgument, NotFound, SandboxInfo
 
 ENVD_PORT = 49983
 PORT_HEADER = "e2b-sandbox-port"
 KEEPALIVE_HEADER = "keepalive-ping-interval"   # seconds between keepalives of a server stream
-HOME = "/work"     # relative paths resolve here: the workdir of sandboxes created through E2B
+HOME = E2B_HOME     # the default user's home: the workdir of sandboxes created through E2B
+ROOT_HOME = "/root"
 
 
 @dataclass(frozen=True)
@@ -71,13 +73,18 @@ def user_name(name: str | None) -> str | None:
     return name
 
 
-def abs_path(path: str, field: str = "path") -> str:
-    """envd resolves relative paths against the user's home; dsec against HOME."""
+def home_of(user: str | None) -> str:
+    """The home of a request's user, as envd has it: /root for root, else the default user's."""
+    return ROOT_HOME if is_root(user) else HOME
+
+
+def abs_path(path: str, field: str = "path", user: str | None = None) -> str:
+    """envd resolves relative paths against the acting user's home (home_of)."""
     if not path:
         raise InvalidArgument("path is empty", field=field, fix="pass a file path")
     if "\0" in path:
         raise InvalidArgument("path contains a NUL byte", field=field, fix="pass a plain file path")
-    return posixpath.normpath(posixpath.join(HOME, path))
+    return posixpath.normpath(posixpath.join(home_of(user), path))
 
 
 T = TypeVar("T")

@@ -83,6 +83,19 @@ def test_files_as_root_and_as_user(sbx):
     assert sh(sbx, "stat -c %u:%g /tmp/by-uid") == "4242:4343\n"
 
 
+def test_any_user_of_the_image_by_name(sbx):
+    """A user the image (or a command) made: file calls and commands act as that user's ids."""
+    sh(sbx, "useradd -m -u 1234 alice", user="root")
+    sbx.files.write("/home/alice/notes", "mine", user="alice")
+    assert sh(sbx, "stat -c '%U:%G %u' /home/alice/notes") == "alice:alice 1234\n"
+    assert sbx.files.read("/home/alice/notes", user="alice") == "mine"
+    assert sh(sbx, "id -un; id -u", user="alice") == "alice\n1234\n"
+    sbx.files.write("/tmp/private", "p", user="alice")
+    sh(sbx, "chmod 600 /tmp/private", user="alice")
+    with pytest.raises(SandboxException, match="(?i)permission denied"):
+        sbx.files.read("/tmp/private")                          # not the default user's
+
+
 def test_a_user_that_does_not_exist_is_refused_naming_it(sbx):
     with pytest.raises(InvalidArgumentException, match="no-such-user"):
         sbx.files.write("/tmp/z", "z", user="no-such-user")

@@ -15,7 +15,7 @@ from starlette.routing import Route
 
 from dsec.apiserver.context import ApiContext
 from dsec.apiserver.control import check_file_user_in
-from dsec.apiserver.e2b.envd_common import Target, abs_path, user_name
+from dsec.apiserver.e2b.envd_common import Target, abs_path, account, user_name
 from dsec.apiserver.e2b.errors import Unsupported, e2b_response
 from dsec.apiserver.guard import MAX_FILE_BYTES
 from dsec.types import DsecError, Forbidden, InvalidArgument, PayloadTooLarge
@@ -30,9 +30,9 @@ def target(request: Request) -> Target:
     return t
 
 
-def _user(request: Request) -> str | None:
+async def _user(request: Request, t: Target) -> str | None:
     """The user a file request acts as (?username=; E2B's "user" is the sandbox's own)."""
-    return user_name(request.query_params.get("username"))
+    return await account(t, user_name(request.query_params.get("username")))
 
 
 def _user_path(request: Request, path: str | None, user: str | None) -> str:
@@ -44,7 +44,7 @@ def _user_path(request: Request, path: str | None, user: str | None) -> str:
 
 async def _checked_user(request: Request, t: Target) -> str | None:
     """The request's user, once the project's policy allows it (root: allow_root)."""
-    user = _user(request)
+    user = await _user(request, t)
     check_file_user_in(request.app.state.ctx, t.info.project, user)
     return user
 

@@ -25,7 +25,8 @@ from e2b.envd.filesystem.filesystem_connect import FilesystemASGIApplication
 from dsec.apiserver.context import ApiContext
 from dsec.apiserver.control import check_file_user_in
 from dsec.apiserver.e2b.control import check_exec
-from dsec.apiserver.e2b.envd_common import Target, abs_path, keepalive_s, target_of, user_of, with_keepalive
+from dsec.apiserver.e2b.envd_common import (Target, abs_path, account, keepalive_s, target_of, user_of,
+                                            with_keepalive)
 from dsec.apiserver.e2b.envd_files import denied
 from dsec.apiserver.e2b.envd_watch import Watchers, fs_event, open_watch
 from dsec.apiserver.e2b.errors import connect_error
@@ -102,7 +103,8 @@ class FilesystemService:
 
     async def _target(self, rc: RequestContext) -> tuple[Target, str | None]:
         try:
-            return await target_of(self.ctx, rc.request_headers), user_of(rc.request_headers)
+            t = await target_of(self.ctx, rc.request_headers)
+            return t, await account(t, user_of(rc.request_headers))
         except DsecError as e:
             raise connect_error(e) from None
 

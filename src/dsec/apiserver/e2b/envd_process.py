@@ -20,7 +20,8 @@ from e2b.envd.process.process_connect import ProcessASGIApplication
 
 from dsec.apiserver.context import ApiContext
 from dsec.apiserver.e2b.control import check_exec
-from dsec.apiserver.e2b.envd_common import Target, abs_path, keepalive_s, target_of, user_of, with_keepalive
+from dsec.apiserver.e2b.envd_common import (Target, abs_path, account, keepalive_s, target_of, user_of,
+                                            with_keepalive)
 from dsec.apiserver.e2b.errors import connect_error
 from dsec.apiserver.e2b.mapping import E2B_USER_ENV
 from dsec.types import MAX_EXEC_TIMEOUT_S, DsecError, ExecEvent, ExecInfo, ExecRequest, ExecResult
@@ -113,7 +114,7 @@ class ProcessService:
     async def _run(self, request: pb.StartRequest, ctx: RequestContext) -> AsyncIterator[pb.StartResponse]:
         t = await self._target(ctx)
         try:
-            req = exec_request(request, user_of(ctx.request_headers))
+            req = exec_request(request, await account(t, user_of(ctx.request_headers)))
             check_exec(self.ctx, t.info.project, req)
             info = await t.edge.exec_start(t.sandbox_id, req)
         except DsecError as e:

@@ -16,8 +16,8 @@ from dsec.iam import IAM
 pytest.importorskip("e2b", reason="the e2b SDK is not installed: pip install -e '.[e2b]'")
 
 from e2b import Sandbox
-from e2b.sandbox.filesystem.filesystem import WriteEntry
 from e2b.exceptions import InvalidArgumentException, SandboxException
+from e2b.sandbox.filesystem.filesystem import WriteEntry
 
 TEMPLATE = "debian-python"
 

@@ -13,11 +13,10 @@ import pytest
 from conftest import stranger_key
 from oci_util import member, tar_of, write_oci
 
+from containment._util import sh
 from dsec.images.builtin import make_busybox_rootfs
 from dsec.sdk.client import Client
 from dsec.types import DsecError, NotFound
-
-from containment._util import sh
 
 
 @pytest.fixture

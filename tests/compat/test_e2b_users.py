@@ -125,3 +125,14 @@ def test_root_file_calls_need_allow_root(server, e2b_env):
         assert s.files.exists("/tmp/mine")
     finally:
         s.kill()
+
+
+def test_a_vm_sandbox_has_the_layout_too(vm_client, e2b_env):
+    """The account is added through the guest's agent as well (busybox: uid 1000 is `sandbox`)."""
+    s = Sandbox.create("busybox", timeout=120, metadata={"dsec.backend": "microvm"})
+    try:
+        assert sh(s, "whoami; pwd; echo $HOME; stat -c %U:%G /home/user") == "user\n/home/user\n/home/user\nuser:user\n"
+        s.files.write("/root/vm", "r", user="root")
+        assert sh(s, "stat -c %u:%g /root/vm", user="root") == "0:0\n"
+    finally:
+        s.kill()

@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import E2B_TEST_DOMAIN
 
 JS = Path(__file__).parent / "js"
 HELPERS = {"check.mjs"}
@@ -29,8 +30,10 @@ if not (JS / "node_modules" / "e2b").is_dir():
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_js_sdk(script, e2b_env):
-    env = {**os.environ, "NODE_NO_WARNINGS": "1"}
+def test_js_sdk(script, e2b_env, server):
+    # DSEC_SERVER_URL / DSEC_E2B_DOMAIN: for scripts that reach the server by a sandbox's name
+    env = {**os.environ, "NODE_NO_WARNINGS": "1", "DSEC_SERVER_URL": server.url,
+           "DSEC_E2B_DOMAIN": E2B_TEST_DOMAIN}
     r = subprocess.run(["node", script], cwd=JS, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), \
         f"node {script} exited {r.returncode}\nstdout:\n{r.stdout[-4000:]}\nstderr:\n{r.stderr[-4000:]}"

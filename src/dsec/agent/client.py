@@ -444,10 +444,15 @@ class AgentClient:
         session: str | None = None,
         stdin: bytes | None = None,
         keep_stdin: bool = False,
+        pty: tuple[int, int] | None = None,
     ) -> tuple[bytes, ...]:
         """The EXEC request for `cmd` run as uid/gid (cwd, env, timeout, output cap per stream,
-        session name, stdin bytes, keep stdin open for STDIN frames)."""
+        session name, stdin bytes, keep stdin open for STDIN frames; pty (cols, rows): on a
+        terminal of that size, its output as stdout, STDIN frames typed into it)."""
         self._check_exec_chan(chan)
+        if pty is not None and self.protocol_version < P.PTY_VERSION:
+            raise AgentError(95, f"this sandbox's agent speaks protocol {self.protocol_version}, PTYs need "
+                                 f"{P.PTY_VERSION}: it was started before dsec had PTYs")
         fields: list[tuple[int, P.FieldValue]] = [
             (Tag.CMD, cmd), (Tag.UID, uid), (Tag.GID, gid),
             (Tag.TIMEOUT_MS, timeout_ms), (Tag.CAP, cap),
@@ -460,6 +465,8 @@ class AgentClient:
             fields.append((Tag.SESSION, session))
         if keep_stdin:
             fields.append((Tag.KEEP_STDIN, 1))
+        if pty is not None:
+            fields.append((Tag.PTY, P.PTY_SIZE.pack(*pty)))
         head = P.encode_fields(fields) + self._window()
         if stdin is not None:  # sent without copying the data into one buffer
             head += P.FIELD_HEAD.pack(Tag.STDIN, len(stdin))
@@ -476,6 +483,10 @@ class AgentClient:
 
     async def signal(self, chan: int, sig: int) -> None:
         await self._send(MsgType.SIGNAL, chan, P.U32.pack(int(sig)))
+
+    async def resize(self, chan: int, cols: int, rows: int) -> None:
+        """New size of a PTY exec's terminal (ignored by the agent for other execs)."""
+        await self._send(MsgType.RESIZE, chan, P.PTY_SIZE.pack(cols, rows))
 
     async def send_stdin(self, chan: int, data: bytes) -> None:
         """Feed stdin of a KEEP_STDIN exec; b"" closes it."""

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Iterable, Iterator
 
-PROTOCOL_VERSION = 2     # 2: per-exec output credit (CREDIT, Tag.WINDOW)
+PROTOCOL_VERSION = 3     # 2: per-exec output credit (CREDIT, Tag.WINDOW); 3: PTY execs (Tag.PTY, RESIZE)
 CREDIT_VERSION = 2
+PTY_VERSION = 3
 CREDIT_LET_GO = 0xFFFFFFFF   # CREDIT payload: the edge follows the chan no more
 HEADER = struct.Struct("<IBBHI")
 HEADER_SIZE = HEADER.size  # 12
@@ -28,6 +29,7 @@ PONG_PAYLOAD = struct.Struct("<II")
 ERROR_HEAD = struct.Struct("<i")
 U32 = struct.Struct("<I")
 U64 = struct.Struct("<Q")
+PTY_SIZE = struct.Struct("<HH")  # Tag.PTY and RESIZE: columns, rows
 FIELD_HEAD = struct.Struct("<BI")
 
 
@@ -50,6 +52,7 @@ class MsgType(IntEnum):
     WATCH = 15
     UNWATCH = 16
     CREDIT = 17
+    RESIZE = 18
     # agent -> edge
     STDOUT = 101
     STDERR = 102
@@ -82,6 +85,7 @@ class Tag(IntEnum):
     TIME_NS = 16
     RECURSIVE = 17
     WINDOW = 18
+    PTY = 19
 
 
 KIND_NAMES = {0: "file", 1: "dir", 2: "symlink", 3: "other"}

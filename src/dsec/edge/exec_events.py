@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import codecs
 import time
 from collections.abc import AsyncIterator
@@ -10,11 +11,18 @@ from dsec.agent.client import Exit, Output
 from dsec.types import ExecEvent, ExecResult
 
 
-async def exec_events(exec_id: str, items: AsyncIterator[Output | Exit], t0: float) -> AsyncIterator[ExecEvent]:
-    """Agent output -> wire events, decoding UTF-8 incrementally so characters never split."""
+async def exec_events(exec_id: str, items: AsyncIterator[Output | Exit], t0: float,
+                      pty: bool = False) -> AsyncIterator[ExecEvent]:
+    """Agent output -> wire events, decoding UTF-8 incrementally so characters never split.
+    A terminal's output (pty) is bytes: `pty` events in base64, not kept for the result (a
+    terminal runs for long; its followers have had every byte)."""
     decoders = {s: codecs.getincrementaldecoder("utf-8")(errors="replace") for s in ("stdout", "stderr")}
     kept: dict[str, list[str]] = {"stdout": [], "stderr": []}
     async for item in items:
+        if pty and isinstance(item, Output):
+            if item.data:
+                yield ExecEvent(type="pty", data=base64.b64encode(item.data).decode())
+            continue
         if isinstance(item, Output):
             text = decoders[item.stream].decode(item.data)
             if text:

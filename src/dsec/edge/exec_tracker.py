@@ -6,7 +6,9 @@ exec slot, output budget and release to the agent work as for any exec) and keep
 for any number of followers: each follower gets them from the beginning, then live. A retried
 request with the same idempotency key follows the same exec instead of starting another.
 
-Bounded: output is what the exec's own caps let through (the agent truncates), and a sandbox
+Bounded: output is what the exec's own caps let through (the agent truncates); a terminal's
+(PTY) is not capped but paced: its recent PTY_KEEP_BYTES are kept and the slowest follower
+holds the rest up (in the agent, and the program in write()). A sandbox
 keeps at most KEEP_FINISHED finished execs, each at most KEEP_FINISHED_S after it ended, and
 at most KEEP_FINISHED_BYTES of their output together; those keyed by the SDK for its own resends
 (every run() and start() without a caller's key) for SDK_KEEP_FINISHED_S, within
@@ -18,6 +20,7 @@ follower falls back to attaching there (Edge.exec_follow).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -30,13 +33,20 @@ KEEP_FINISHED_S = 600.0     # ... and for at most this long after they ended
 KEEP_FINISHED_BYTES = 32 << 20   # ... holding at most this much output together (oldest dropped first)
 SDK_KEEP_FINISHED_S = 60.0  # an exec keyed by the SDK itself (SDK_KEY_PREFIX) is only there for the
 SDK_KEEP_FINISHED_BYTES = 4 << 20   # SDK's resends (RETRY_WINDOW_S): kept this long, this much of them
+PTY_KEEP_BYTES = 256 << 10  # a terminal's recent output kept for followers (base64): it runs for long, so
+                            # older output is dropped once every follower has it, and a follower this far
+                            # behind holds the terminal up (paced: the agent stops reading it)
+
+
+_follower_ids = itertools.count()
 
 
 @dataclass(eq=False)
 class TrackedExec:
     info: ExecInfo
     idempotency_key: str | None = None
-    events: list[ExecEvent] = field(default_factory=list)   # stdout/stderr, in order
+    events: list[ExecEvent] = field(default_factory=list)   # stdout/stderr/pty, in order
+    base: int = 0                           # index of events[0] (a terminal's older output is dropped)
     result: ExecResult | None = None
     error: DsecError | None = None          # it could not start, or was lost (sandbox ended ...)
     ended_at: float | None = None           # monotonic
@@ -45,6 +55,8 @@ class TrackedExec:
     task: asyncio.Task | None = None
     on_start: Callable[[], None] | None = None   # the table makes it reachable by its exec id
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _readers: dict[int, int] = field(default_factory=dict)   # follower -> index of its next event
+    _read: asyncio.Event = field(default_factory=asyncio.Event)   # a follower moved on or left
 
     @property
     def done(self) -> bool:
@@ -71,6 +83,10 @@ class TrackedExec:
                 else:
                     self.events.append(ev)
                     self.kept_bytes += len(ev.data)
+                    if ev.type == "pty":
+                        self._notify()
+                        await self._pace()
+                        continue
                 self._notify()
         except DsecError as e:
             self.error = e
@@ -81,17 +97,42 @@ class TrackedExec:
             self.started.set()
             self._notify()
 
+    async def _pace(self) -> None:
+        """A terminal's output beyond PTY_KEEP_BYTES: drop what every follower has read (all of
+        it while none follows); wait while the slowest follower still needs it."""
+        while self.kept_bytes > PTY_KEEP_BYTES and self.events:
+            if min(self._readers.values(), default=self.base + len(self.events)) > self.base:
+                self.kept_bytes -= len(self.events.pop(0).data)
+                self.base += 1
+                continue
+            self._read = asyncio.Event()      # set by the next follower that moves on or leaves
+            await self._read.wait()
+
     async def follow(self) -> AsyncIterator[ExecEvent]:
-        """start, every output event so far and then live, exit (with the result, or the error
-        as the exit event's data, as the NDJSON stream reports errors after its start)."""
+        """start, every output event so far (a terminal's recent output) and then live, exit (with
+        the result, or the error as the exit event's data, as the NDJSON stream reports errors
+        after its start)."""
         exec_id = self.info.exec_id
         yield ExecEvent(type="start", exec_id=exec_id)
-        i = 0
+        me = next(_follower_ids)
+        i = self.base
+        self._readers[me] = i
+        try:
+            async for ev in self._follow_from(exec_id, me, i):
+                yield ev
+        finally:
+            del self._readers[me]
+            self._read.set()
+
+    async def _follow_from(self, exec_id: str, me: int, i: int) -> AsyncIterator[ExecEvent]:
         while True:
             wake = self._wake
-            while i < len(self.events):
-                yield self.events[i]
+            while i < self.base + len(self.events):
+                i = max(i, self.base)
+                yield self.events[i - self.base]
                 i += 1
+                self._readers[me] = i
+                self._read.set()
             if self.done:
                 if self.result is not None:
                     yield ExecEvent(type="exit", exec_id=exec_id, result=self.result)

@@ -8,6 +8,7 @@ import builtins
 import time
 from collections.abc import AsyncIterator
 
+from dsec.agent import protocol as P
 from dsec.agent.client import INTERNAL_CHAN_BASE, AgentClient, AgentDisconnected, AgentError, ExecLost
 from dsec.edge import output_budget
 from dsec.edge.agent_errors import map_agent_error
@@ -37,7 +38,8 @@ class Execs(EdgeCore):
     @staticmethod
     def _exec_info(req: ExecRequest, detached: bool) -> ExecInfo:
         return ExecInfo(exec_id="", cmd=req.cmd, cwd=req.cwd, env=dict(req.env), tag=req.tag, session=req.session,
-                        detached=detached, stdin_open=req.keep_stdin, started_at=now_utc())
+                        detached=detached, stdin_open=req.keep_stdin or req.pty is not None,
+                        pty=req.pty is not None, started_at=now_utc())
 
     async def _exec_events(self, sandbox_id: str, req: ExecRequest, info: ExecInfo,
                            tracked: bool) -> AsyncIterator[ExecEvent]:
@@ -50,6 +52,11 @@ class Execs(EdgeCore):
             grant = output_budget.reserve(rec, cap)
             delivered = 0                # once started: all, unless the exit result says less
             env = {**rec.args.env, **req.env}
+            pty = (req.pty.cols, req.pty.rows) if req.pty is not None else None
+            if pty is not None and agent.protocol_version < P.PTY_VERSION:
+                raise Conflict(f"sandbox {rec.id} was started before dsec had PTYs: its agent speaks protocol "
+                               f"{agent.protocol_version}, a PTY needs {P.PTY_VERSION}", field="pty",
+                               fix="create a new sandbox for PTYs, or run the command without pty")
             try:
                 # bounded per sandbox (count and output reserved): 429 + Retry-After beyond
                 with live.exec_slot(grant.reserved):
@@ -58,7 +65,7 @@ class Execs(EdgeCore):
                             chan, cmd=req.cmd, uid=uid, gid=gid, cwd=req.cwd, env=env,
                             timeout_ms=int(req.timeout_s * 1000), cap=grant.per_stream, session=req.session,
                             stdin=req.stdin.encode() if req.stdin is not None else None,
-                            keep_stdin=req.keep_stdin)
+                            keep_stdin=req.keep_stdin, pty=pty)
                     except AgentError as e:
                         raise map_agent_error(e, "cmd") from e
                     delivered = grant.reserved
@@ -67,7 +74,7 @@ class Execs(EdgeCore):
                         live.commands.running[info.exec_id] = info
                     yield ExecEvent(type="start", exec_id=str(chan))
                     try:
-                        async for ev in exec_events(str(chan), events, time.monotonic()):
+                        async for ev in exec_events(str(chan), events, time.monotonic(), pty=pty is not None):
                             if ev.type == "exit" and ev.result is not None:
                                 r = ev.result
                                 delivered = min(r.stdout_bytes, grant.per_stream) + min(r.stderr_bytes, grant.per_stream)
@@ -205,6 +212,19 @@ class Execs(EdgeCore):
                 await agent.send_stdin(chan, b"")
                 if info is not None:
                     info.stdin_open = False
+
+    async def exec_resize(self, sandbox_id: str, exec_id: str, cols: int, rows: int) -> None:
+        """New size of a PTY exec's terminal (its programs get SIGWINCH)."""
+        if not (0 < cols <= 4096 and 0 < rows <= 4096):
+            raise InvalidArgument(f"terminal size {cols}x{rows} is out of range", field="cols",
+                                  fix="use 1..4096 columns and rows")
+        chan = self._exec_chan(sandbox_id, exec_id)
+        async with self._use(sandbox_id) as (live, agent):
+            info = await self._check_running_exec(live, agent, chan)
+            if info is not None and not info.pty:
+                raise Conflict(f"exec {chan} does not run on a terminal", field="exec_id",
+                               fix="start the command with pty to resize its terminal")
+            await agent.resize(chan, cols, rows)
 
     async def exec_signal(self, sandbox_id: str, exec_id: str, signal: int) -> None:
         """Send `signal` to a running command (its whole process group)."""

@@ -33,7 +33,8 @@ from dsec.sdk import client
 
 # Async class -> name of its blocking class, in the order they are written out.
 CLASSES: list[tuple[type, str]] = [(client.Client, "SyncClient"), (client.Created, "SyncCreated"),
-                                   (client.Sandbox, "SyncSandbox"), (client.Files, "SyncFiles")]
+                                   (client.Sandbox, "SyncSandbox"), (client.Files, "SyncFiles"),
+                                   (client.Pty, "SyncPty")]
 TARGET = Path(__file__).with_name("sync.py")
 LINE = 110
 # Async protocol methods and the blocking ones generated for them.

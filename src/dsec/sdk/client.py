@@ -28,7 +28,7 @@ from dsec.config import DEFAULT_PORT, SERVER_INSTALL, Paths, server_installed
 from dsec.sdk.iam_types import (KeyInfo, KeyList, NewKey, ProjectCreate, ProjectInfo, ProjectList, QuotaInfo,
                                 QuotaUpdate)
 from dsec.types import FnCallBatch, FnCallBatchItem, FnCallRequest, FnCallResult, FnCallStatus
-from dsec.types import BulkItem, BulkResult, ExecInfo, ExecList, PackDiffRequest
+from dsec.types import BulkItem, BulkResult, ExecInfo, ExecList, PackDiffRequest, PtySize
 from dsec.types import MicroVMArgs, SandboxArgs, SnapshotInfo, SnapshotList, VMArgs
 from dsec.types import ImageBuildResult, ImageConfig, ImageProgress, ImagePullRequest
 from dsec.types import (ERRORS_BY_CODE, SDK_KEY_PREFIX, ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult, FsEvent,
@@ -596,6 +596,22 @@ class Sandbox:
         await self._c._request("POST", f"{self._base}/execs/{exec_id}/signal",
                                content=json.dumps({"signal": signal}), headers=JSON)
 
+    async def pty(self, cmd: str | None = None, *, cols: int = 80, rows: int = 24,
+                  env: dict[str, str] | None = None, cwd: str | None = None, user: str | None = None,
+                  timeout_s: float = 3600.0) -> Pty:
+        """Start `cmd` (default: an interactive bash, or sh where the image has no bash) on a
+        terminal of cols x rows. The handle types into it (send), resizes it, signals it, yields
+        its output bytes (output()) and waits for its end (wait())."""
+        req = ExecRequest(cmd=cmd or PTY_SHELL, timeout_s=timeout_s, cwd=cwd, env=env or {}, user=user,
+                          pty=PtySize(cols=cols, rows=rows), idempotency_key=_sdk_key())
+        resp = await self._c._request("POST", f"{self._base}/execs", content=wire(req), headers=JSON, idempotent=True)
+        return Pty(self, ExecInfo.model_validate_json(resp.content))
+
+    async def resize(self, exec_id: str, cols: int, rows: int) -> None:
+        """New size of a PTY exec's terminal (its programs get SIGWINCH)."""
+        await self._c._request("POST", f"{self._base}/execs/{exec_id}/resize",
+                               content=json.dumps({"cols": cols, "rows": rows}), headers=JSON)
+
     async def execs(self) -> builtins.list[ExecInfo]:
         """The commands running in the sandbox now."""
         resp = await self._c._request("GET", f"{self._base}/execs")
@@ -671,6 +687,59 @@ class Sandbox:
         resp = await self._c._request("DELETE", self._base)
         self.info = SandboxInfo.model_validate_json(resp.content)
         return self.info
+
+
+PTY_SHELL = "if command -v bash >/dev/null 2>&1; then exec bash -i; else exec sh -i; fi"
+
+
+class Pty:
+    """A command on a terminal (Sandbox.pty)."""
+    info: ExecInfo
+    result: ExecResult | None   # once output() reached the end
+
+    def __init__(self, sandbox: Sandbox, info: ExecInfo):
+        self._sb = sandbox
+        self.info = info
+        self.result = None
+
+    @property
+    def exec_id(self) -> str:
+        return self.info.exec_id
+
+    def __repr__(self) -> str:
+        return f"Pty({self._sb.id!r}, exec_id={self.exec_id!r})"
+
+    async def send(self, data: bytes | str) -> None:
+        """Type `data` into the terminal (b"\\x03" is ^C, b"\\x04" ^D)."""
+        await self._sb.send_stdin(self.exec_id, data)
+
+    async def resize(self, cols: int, rows: int) -> None:
+        await self._sb.resize(self.exec_id, cols, rows)
+
+    async def signal(self, signal: int = 15) -> None:
+        """Send `signal` to the terminal's command (its process group)."""
+        await self._sb.signal(self.exec_id, signal)
+
+    async def kill(self) -> None:
+        await self._sb.signal(self.exec_id, 9)
+
+    async def output(self) -> AsyncIterator[bytes]:
+        """The terminal's output as it comes (its recent output first), until the command ends
+        (then .result is set)."""
+        async for ev in self._sb.follow(self.exec_id):
+            if ev.type == "pty":
+                yield base64.b64decode(ev.data)
+            elif ev.type == "exit":
+                self.result = ev.result
+                return
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self.output()
+
+    async def wait(self) -> ExecResult:
+        """The command's end: exit code or signal."""
+        self.result = await self._sb.attach(self.exec_id)
+        return self.result
 
 
 class Files:

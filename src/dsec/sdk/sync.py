@@ -21,14 +21,14 @@ import os
 from typing import Any, cast
 
 from dsec.sdk import _sync
-from dsec.sdk.client import Client, Created, Files, Sandbox
+from dsec.sdk.client import Client, Created, Files, Pty, Sandbox
 from dsec.sdk.iam_types import KeyInfo, NewKey, ProjectInfo, QuotaInfo
 from dsec.types import (BulkItem, ContainerArgs, DsecError, ExecEvent, ExecInfo, ExecResult, FileEntry,
                         FnCallRequest, FnCallResult, FsEvent, ImageBuildResult, ImageConfig, ImageInfo,
                         ImageProgress, MicroVMArgs, NetworkPolicy, NodeStatus, SandboxArgs, SandboxInfo,
                         SandboxList, SnapshotInfo, VMArgs)
 
-__all__ = ["SyncClient", "SyncCreated", "SyncSandbox", "SyncFiles"]
+__all__ = ["SyncClient", "SyncCreated", "SyncSandbox", "SyncFiles", "SyncPty"]
 
 
 @_sync.register(Client)
@@ -330,6 +330,20 @@ class SyncSandbox(_sync.Synchronized):
         """Send `signal` (default TERM) to a running command's process group."""
         _sync.call(self, "signal", exec_id, signal)
 
+    def pty(self, cmd: str | None = None, *, cols: int = 80, rows: int = 24,
+            env: dict[str, str] | None = None, cwd: str | None = None, user: str | None = None,
+            timeout_s: float = 3600.0) -> SyncPty:
+        """Start `cmd` (default: an interactive bash, or sh where the image has no bash) on a
+        terminal of cols x rows. The handle types into it (send), resizes it, signals it, yields
+        its output bytes (output()) and waits for its end (wait()).
+        """
+        return cast("SyncPty", _sync.call(self, "pty", cmd, cols=cols, rows=rows, env=env, cwd=cwd, user=user,
+                                          timeout_s=timeout_s))
+
+    def resize(self, exec_id: str, cols: int, rows: int) -> None:
+        """New size of a PTY exec's terminal (its programs get SIGWINCH)."""
+        _sync.call(self, "resize", exec_id, cols, rows)
+
     def execs(self) -> builtins.list[ExecInfo]:
         """The commands running in the sandbox now."""
         return cast("builtins.list[ExecInfo]", _sync.call(self, "execs"))
@@ -420,3 +434,46 @@ class SyncFiles(_sync.Synchronized):
         list again). Until you stop iterating; NotFound if the directory is removed.
         """
         return cast("Iterator[FsEvent]", _sync.call(self, "watch", path, recursive=recursive, user=user))
+
+
+@_sync.register(Pty)
+class SyncPty(_sync.Synchronized):
+    """A command on a terminal (Sandbox.pty)."""
+    __slots__ = ()
+
+    info: ExecInfo
+    result: ExecResult | None
+
+    def __init__(self, sandbox: SyncSandbox, info: ExecInfo) -> None:
+        _sync.construct(self, sandbox, info)
+
+    @property
+    def exec_id(self) -> str:
+        return cast("str", _sync.get_attr(self, "exec_id"))
+
+    def send(self, data: bytes | str) -> None:
+        """Type `data` into the terminal (b"\\x03" is ^C, b"\\x04" ^D)."""
+        _sync.call(self, "send", data)
+
+    def resize(self, cols: int, rows: int) -> None:
+        _sync.call(self, "resize", cols, rows)
+
+    def signal(self, signal: int = 15) -> None:
+        """Send `signal` to the terminal's command (its process group)."""
+        _sync.call(self, "signal", signal)
+
+    def kill(self) -> None:
+        _sync.call(self, "kill")
+
+    def output(self) -> Iterator[bytes]:
+        """The terminal's output as it comes (its recent output first), until the command ends
+        (then .result is set).
+        """
+        return cast("Iterator[bytes]", _sync.call(self, "output"))
+
+    def __iter__(self) -> Iterator[bytes]:
+        return cast("Iterator[bytes]", _sync.call(self, "__aiter__"))
+
+    def wait(self) -> ExecResult:
+        """The command's end: exit code or signal."""
+        return cast("ExecResult", _sync.call(self, "wait"))

@@ -19,7 +19,7 @@ from dsec.types.sandboxes import (NAME_RE, MAX_TTL_S, ENV_KEY_RE, MAX_ENV_VARS, 
                                   PORT_RANGE_RE, RULESET_NAME_RE, NetworkRule, NetworkPolicy, ContainerArgs,
                                   MicroVMArgs, VMArgs, SandboxArgs, VM_BACKENDS, SandboxState, SandboxInfo,
                                   BulkSelector, BulkItem, BulkResult, SnapshotInfo, SnapshotList, SandboxList)
-from dsec.types.execs import (MAX_EXEC_TIMEOUT_S, ExecRequest, ExecResult, ExecInfo, ExecList, SignalRequest,
+from dsec.types.execs import (MAX_EXEC_TIMEOUT_S, PtySize, ResizeRequest, ExecRequest, ExecResult, ExecInfo, ExecList, SignalRequest,
                               TimeoutRequest, ExecEvent, FileWrite, FileEntry, FsEvent, FileList)
 from dsec.types.nodes import (NodeCapacity, NodeStatus)
 from dsec.types.images import (LayerInfo, ImageInfo, ImageList, DEFAULT_SCRUB, PackDiffRequest)
@@ -37,7 +37,7 @@ __all__ = [
     "IdempotencyKey", "OutputCap", "PORT_RANGE_RE", "RULESET_NAME_RE", "NetworkRule", "NetworkPolicy",
     "ContainerArgs", "MicroVMArgs", "VMArgs", "SandboxArgs", "VM_BACKENDS", "SandboxState", "SandboxInfo",
     "BulkSelector", "BulkItem", "BulkResult", "SnapshotInfo", "SnapshotList", "SandboxList", "MAX_EXEC_TIMEOUT_S",
-    "ExecRequest", "ExecResult", "ExecInfo", "ExecList", "SignalRequest", "TimeoutRequest", "ExecEvent", "FileWrite",
+    "PtySize", "ResizeRequest", "ExecRequest", "ExecResult", "ExecInfo", "ExecList", "SignalRequest", "TimeoutRequest", "ExecEvent", "FileWrite",
     "FileEntry", "FsEvent", "FileList", "NodeCapacity", "NodeStatus", "LayerInfo", "ImageInfo", "ImageList",
     "DEFAULT_SCRUB", "PackDiffRequest", "FNCALL_MAX_TIMEOUT_S", "FNCALL_MAX_BYTES", "FNCALL_DEFAULT_IMAGE",
     "FnCallRequest", "FnCallStatus", "FnCallStep", "FnCallResult", "FnCallBatch", "FnCallBatchItem", "ImageConfig",

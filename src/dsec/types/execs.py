@@ -5,11 +5,17 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Literal
 
-from pydantic import (AfterValidator, BaseModel, Field, field_validator)
+from pydantic import (AfterValidator, BaseModel, Field, field_validator, model_validator)
 from dsec.types.sandboxes import _check_user, _Strict, Env, IdempotencyKey, MAX_TTL_S, USER_RE
 
 
 MAX_EXEC_TIMEOUT_S = 24 * 3600
+
+
+class PtySize(_Strict):
+    """A terminal's size in character cells."""
+    cols: Annotated[int, Field(ge=1, le=4096)] = 80
+    rows: Annotated[int, Field(ge=1, le=4096)] = 24
 
 
 class ExecRequest(_Strict):
@@ -28,6 +34,14 @@ class ExecRequest(_Strict):
     tag: Annotated[str | None, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$",
                                      description="a free label shown in list_execs")] = None
     idempotency_key: IdempotencyKey = None
+    pty: PtySize | None = Field(None, description="run on a terminal of this size: output comes as `pty` events "
+                                                   "(bytes, base64), stdin is typed into it, resize changes its size")
+
+    @model_validator(mode="after")
+    def _pty_alone(self) -> "ExecRequest":
+        if self.pty is not None and self.session is not None:
+            raise ValueError("pty cannot be combined with session: a terminal runs its own shell")
+        return self
 
     @field_validator("cmd")
     @classmethod
@@ -69,6 +83,7 @@ class ExecInfo(BaseModel):
     running: bool = True
     detached: bool = Field(False, description="started with start_exec: its output is kept for followers")
     stdin_open: bool = False
+    pty: bool = Field(False, description="runs on a terminal (resize applies)")
     started_at: datetime | None = None
     exit_code: int | None = None
     signal: int | None = None
@@ -88,9 +103,10 @@ class TimeoutRequest(_Strict):
 
 
 class ExecEvent(BaseModel):
-    """One line of a streamed exec (NDJSON). data is UTF-8 text with invalid bytes replaced."""
+    """One line of a streamed exec (NDJSON). data is UTF-8 text with invalid bytes replaced; of a
+    `pty` event (an exec on a terminal), the terminal's output bytes in base64."""
 
-    type: Literal["start", "stdout", "stderr", "exit"]
+    type: Literal["start", "stdout", "stderr", "pty", "exit"]
     data: str = ""
     exec_id: str | None = None
     result: ExecResult | None = None
@@ -122,3 +138,8 @@ class FsEvent(BaseModel):
 class FileList(BaseModel):
     path: str
     entries: list[FileEntry]
+
+
+class ResizeRequest(_Strict):
+    cols: Annotated[int, Field(ge=1, le=4096)]
+    rows: Annotated[int, Field(ge=1, le=4096)]

@@ -2,11 +2,14 @@
 
 A process is a dsec exec started detached (edge.exec_start); its E2B pid is the exec id.
 Output streams from edge.exec_follow (replayed from the beginning, then live); stdin, signals
-and the list go to exec_stdin / exec_signal / list_execs. PTYs are not available.
+and the list go to exec_stdin / exec_signal / list_execs. A PTY (StartRequest.pty) is an exec
+on a terminal: its output comes as `pty` data (bytes), `pty` input is typed into it, Update
+resizes it (exec_resize).
 """
 
 from __future__ import annotations
 
+import base64
 import shlex
 from collections.abc import AsyncIterator
 
@@ -24,7 +27,7 @@ from dsec.apiserver.e2b.envd_common import (Target, abs_path, account, keepalive
                                             with_keepalive)
 from dsec.apiserver.e2b.errors import connect_error
 from dsec.apiserver.e2b.mapping import E2B_USER_ENV
-from dsec.types import MAX_EXEC_TIMEOUT_S, DsecError, ExecEvent, ExecInfo, ExecRequest, ExecResult
+from dsec.types import MAX_EXEC_TIMEOUT_S, DsecError, ExecEvent, ExecInfo, ExecRequest, ExecResult, PtySize
 
 SHELLS = {"/bin/bash", "bash", "/bin/sh", "sh", "/usr/bin/bash", "/bin/ash", "ash"}
 SIGNALS = {pb.Signal.SIGKILL: 9, pb.Signal.SIGTERM: 15}
@@ -38,21 +41,42 @@ def shell_command(cmd: str, args: list[str]) -> str:
     return shlex.join([cmd, *args])
 
 
+def pty_command(cmd: str, args: list[str]) -> str:
+    """A terminal's shell: the SDK asks for `/bin/bash -i -l`; images without bash (busybox)
+    get their sh with the same flags. `exec`: the shell is the terminal's session leader."""
+    if cmd in SHELLS and all(a.startswith("-") for a in args):
+        flags = shlex.join(args)
+        return (f'if command -v {shlex.quote(cmd)} >/dev/null 2>&1; then exec {shlex.quote(cmd)} {flags}; '
+                f'else exec /bin/sh {flags}; fi')
+    return "exec " + shlex.join([cmd, *args])
+
+
+def pty_size(pty: pb.PTY | None) -> PtySize:
+    size = pty.size if pty is not None else None
+    if size is None or not 0 < size.cols <= 4096 or not 0 < size.rows <= 4096:
+        raise ConnectError(Code.INVALID_ARGUMENT, "pty.size needs cols and rows in 1..4096")
+    return PtySize(cols=size.cols, rows=size.rows)
+
+
 def exec_request(req: pb.StartRequest, user: str | None) -> ExecRequest:
-    if req.pty is not None:
-        raise ConnectError(Code.UNIMPLEMENTED, "PTY sessions are not available in dsec: run commands with "
-                                               "sandbox.commands.run instead")
     proc = req.process or pb.ProcessConfig()
     if not proc.cmd:
         raise ConnectError(Code.INVALID_ARGUMENT, "process.cmd is empty")
     # unset: the sandbox's workdir (/home/user, the default user's home, for E2B's sandboxes)
     cwd = abs_path(proc.cwd, "cwd", user) if proc.has_field("cwd") and proc.cwd else None
+    env = {**(E2B_USER_ENV if user is None else {}), **proc.envs}
     tag = req.tag if req.has_field("tag") and req.tag else None
+    if req.pty is not None:
+        size = pty_size(req.pty)
+        try:
+            return ExecRequest(cmd=pty_command(proc.cmd, list(proc.args)), cwd=cwd, env=env, tag=tag,
+                               pty=size, user=user, timeout_s=MAX_EXEC_TIMEOUT_S)
+        except ValueError as e:
+            raise ConnectError(Code.INVALID_ARGUMENT, f"invalid process: {e}") from None
     # stdin unset: older SDKs expect it open (envd's default)
     keep_stdin = req.stdin if req.has_field("stdin") else True
     try:
         # E2B bounds a command only by the client's stream deadline and the sandbox's life
-        env = {**(E2B_USER_ENV if user is None else {}), **proc.envs}
         return ExecRequest(cmd=shell_command(proc.cmd, list(proc.args)), cwd=cwd, env=env, tag=tag,
                            keep_stdin=keep_stdin, user=user, timeout_s=MAX_EXEC_TIMEOUT_S)
     except ValueError as e:       # pydantic: tag, env names, cwd
@@ -80,7 +104,8 @@ def end_event(result: ExecResult | None, error: str | None) -> pb.ProcessEvent:
 
 
 def _data(ev: ExecEvent) -> pb.ProcessEvent:
-    return pb.ProcessEvent(event=Oneof("data", pb.ProcessEvent.DataEvent(output=Oneof(ev.type, ev.data.encode()))))
+    data = base64.b64decode(ev.data) if ev.type == "pty" else ev.data.encode()
+    return pb.ProcessEvent(event=Oneof("data", pb.ProcessEvent.DataEvent(output=Oneof(ev.type, data))))
 
 
 class ProcessService:
@@ -145,7 +170,7 @@ class ProcessService:
             async for ev in with_keepalive(events, keepalive_s(ctx.request_headers)):
                 if ev is None:
                     yield _event(pb.ProcessEvent(event=Oneof("keepalive", pb.ProcessEvent.KeepAlive())), start)
-                elif ev.type in ("stdout", "stderr") and ev.data:
+                elif ev.type in ("stdout", "stderr", "pty") and ev.data:
                     yield _event(_data(ev), start)
                 elif ev.type == "exit":
                     yield _event(end_event(ev.result, ev.data), start)
@@ -200,7 +225,15 @@ class ProcessService:
         return pb.SendSignalResponse()
 
     async def update(self, request: pb.UpdateRequest, ctx: RequestContext) -> pb.UpdateResponse:
-        raise ConnectError(Code.UNIMPLEMENTED, "PTY resize: PTY sessions are not available in dsec")
+        """envd's Update: a PTY's new size (the only thing it updates)."""
+        t = await self._target(ctx)
+        pid = await self._pid(t, request.process)
+        size = pty_size(request.pty)
+        try:
+            await t.edge.exec_resize(t.sandbox_id, pid, size.cols, size.rows)
+        except DsecError as e:
+            raise _process_error(e, pid) from None
+        return pb.UpdateResponse()
 
     async def _stdin(self, t: Target, pid: str, data: bytes, close: bool = False) -> None:
         try:
@@ -218,10 +251,8 @@ def _process_error(e: DsecError, pid: str) -> ConnectError:
 
 def _stdin_bytes(inp: pb.ProcessInput | None) -> bytes:
     match inp.input if inp is not None else None:
-        case Oneof(field="stdin", value=data):
+        case Oneof(field="stdin" | "pty", value=data):    # a PTY's input is typed into its terminal
             return bytes(data)
-        case Oneof(field="pty"):
-            raise ConnectError(Code.UNIMPLEMENTED, "PTY input: PTY sessions are not available in dsec")
     return b""
 
 

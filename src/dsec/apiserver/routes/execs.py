@@ -9,7 +9,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from dsec.apiserver import control
 from dsec.apiserver.deps import Ctx, ExecId, Who, owned
-from dsec.types import (DsecError, ExecEvent, ExecInfo, ExecList, ExecRequest, ExecResult, SandboxInfo, SignalRequest,
+from dsec.types import (DsecError, ExecEvent, ExecInfo, ExecList, ExecRequest, ExecResult, ResizeRequest, SandboxInfo, SignalRequest,
                         TimeoutRequest)
 
 router = APIRouter()
@@ -100,6 +100,14 @@ async def exec_signal(sandbox_id: str, exec_id: ExecId, req: SignalRequest, who:
     """Send a signal to a running command's process group."""
     edge = await owned(ctx, sandbox_id, who)
     await edge.exec_signal(sandbox_id, exec_id, req.signal)
+    return Response(status_code=204)
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/execs/{exec_id}/resize", status_code=204)
+async def exec_resize(sandbox_id: str, exec_id: ExecId, req: ResizeRequest, who: Who, ctx: Ctx) -> Response:
+    """Resize the terminal of a command started with pty (its programs get SIGWINCH)."""
+    edge = await owned(ctx, sandbox_id, who)
+    await edge.exec_resize(sandbox_id, exec_id, req.cols, req.rows)
     return Response(status_code=204)
 
 

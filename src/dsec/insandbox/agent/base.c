@@ -54,6 +54,7 @@ static uint32_t get32(const uint8_t *p)
 	return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
+static uint16_t get16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
 static uint64_t get64(const uint8_t *p) { return (uint64_t)get32(p) | (uint64_t)get32(p + 4) << 32; }
 
 static int64_t now_ms(void)
@@ -372,6 +373,7 @@ struct proc {                 /* one supervised command: S + C and the agent's e
 	int kill_sent;
 	int64_t exited_at, kill_deadline;
 	int zombie;               /* finished; freed at the end of the loop iteration */
+	int pty;                  /* C runs on a terminal: out[0] reads its master, in writes it */
 };
 
 struct session;
@@ -392,6 +394,7 @@ struct exec {
 	int exit_sent, auto_release, timed_out, truncated, session_ended;
 	int failed_err, failed_stage;
 	int exit_code, sig;
+	int pty;                  /* PTY exec: out[0] holds only what is not sent yet (paced, see exec_pump) */
 	uint64_t seq;             /* finish order, for eviction */
 	char *cwd;
 	/* session exec: kept until the syntax check passed */

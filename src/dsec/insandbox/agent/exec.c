@@ -63,14 +63,15 @@ static char *dup_str(const uint8_t *v, uint32_t n)
 }
 
 /* Default environment, then ENV fields replacing key by key. One allocation. */
-static char **build_env(const struct fields *f, uid_t uid, int *err, const char **why)
+static char **build_env(const struct fields *f, uid_t uid, int pty, int *err, const char **why)
 {
 	char home[PATH_MAX + 8], user[32], logname[32];
 	snprintf(home, sizeof home, "HOME=%s", uid == 0 ? "/root" : G.workdir);
 	snprintf(user, sizeof user, "USER=%s", uid == 0 ? "root" : "sandbox");
 	snprintf(logname, sizeof logname, "LOGNAME=%s", uid == 0 ? "root" : "sandbox");
 	const char *defs[] = { "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-			       home, user, logname, "LANG=C.UTF-8", "TERM=dumb" };
+			       home, user, logname, "LANG=C.UTF-8",
+			       pty ? "TERM=xterm-256color" : "TERM=dumb" };
 	size_t ndef = sizeof defs / sizeof *defs, nenv = 0;
 	for (uint32_t i = 0; i < f->rawlen; i += 5 + get32(f->raw + i + 1))
 		if (f->raw[i] == F_ENV)
@@ -171,6 +172,17 @@ static void h_exec(uint32_t chan, const struct fields *f)
 		send_err(chan, EINVAL, "EXEC without CMD");
 		return;
 	}
+	unsigned cols = 0, rows = 0; /* PTY: u16 columns, u16 rows */
+	if (f->has[F_PTY]) {
+		if (f->n[F_PTY] != 4 || !(cols = get16(f->v[F_PTY])) || !(rows = get16(f->v[F_PTY] + 2))) {
+			send_err(chan, EINVAL, "PTY must be u16 columns and u16 rows, both > 0");
+			return;
+		}
+		if (f->has[F_SESSION]) {
+			send_err(chan, EINVAL, "PTY is not supported with SESSION");
+			return;
+		}
+	}
 	if (G.running >= MAX_RUNNING) {
 		send_err(chan, EAGAIN, "too many running commands (%d)", MAX_RUNNING);
 		return;
@@ -195,7 +207,7 @@ static void h_exec(uint32_t chan, const struct fields *f)
 			goto out;
 		}
 	}
-	if (!(env = build_env(f, uid, &err, &why))) {
+	if (!(env = build_env(f, uid, cols > 0, &err, &why))) {
 		send_err(chan, err, "%s", why);
 		goto out;
 	}
@@ -209,6 +221,7 @@ static void h_exec(uint32_t chan, const struct fields *f)
 	e->cap = cap > MAX_CAP ? MAX_CAP : cap;
 	e->gen = G.gen;
 	e->credit = window ? (int64_t)window : -1;
+	e->pty = cols > 0;
 	e->uid = uid;
 	e->gid = gid;
 	e->deadline = timeout ? now_ms() + timeout : 0;
@@ -217,15 +230,21 @@ static void h_exec(uint32_t chan, const struct fields *f)
 
 	if (!name) {
 		char *av[] = { (char *)pick_shell(), "-c", cmd, NULL };
-		int want_in = f->has[F_STDIN] || keep_in;
-		struct proc *p = proc_spawn(PK_EXEC, e, uid, gid, e->cwd ? e->cwd : G.workdir, av, env, want_in, &err);
+		int want_in = f->has[F_STDIN] || keep_in || e->pty, master = -1;
+		if (e->pty && (master = pty_open(cols, rows)) < 0) {
+			send_err(chan, errno, "pty: %s", strerror(errno));
+			goto out;
+		}
+		struct proc *p = proc_spawn(PK_EXEC, e, uid, gid, e->cwd ? e->cwd : G.workdir, av, env, want_in, master, &err);
 		if (!p) {
+			if (master >= 0)
+				close(master);
 			send_err(chan, err, "spawn: %s", strerror(err));
 			goto out;
 		}
 		if (f->has[F_STDIN] && f->n[F_STDIN])
 			bq_append(&p->inq, f->v[F_STDIN], f->n[F_STDIN]);
-		if (!keep_in)
+		if (!keep_in && !e->pty) /* a terminal's input stays open while it runs */
 			p->in_close = 1;
 		if (want_in)
 			proc_in_flush(p);
@@ -289,7 +308,7 @@ static void h_exec(uint32_t chan, const struct fields *f)
 		w += snprintf(w, sl - (size_t)(w - e->script), tail, nonce, nonce);
 		e->script_len = (size_t)(w - e->script);
 		char *av[] = { s->shell_path, "-n", NULL };
-		struct proc *p = proc_spawn(PK_CHECK, e, uid, gid, "/", av, env, 1, &err);
+		struct proc *p = proc_spawn(PK_CHECK, e, uid, gid, "/", av, env, 1, -1, &err);
 		if (!p) {
 			send_err(chan, err, "spawn: %s", strerror(err));
 			if (fresh)
@@ -328,12 +347,28 @@ static void h_stdin(uint32_t chan, const uint8_t *d, uint32_t n)
 	if (p->in < 0 || p->in_close)
 		return;
 	if (!n) {
+		if (e->pty) /* EOF on a terminal is the ^D the client types, not a hang-up */
+			return;
 		p->in_close = 1;
 	} else if (p->inq.len + n > STDIN_QMAX || bq_append(&p->inq, d, n) < 0) {
 		send_err(chan, ENOBUFS, "stdin queue full, %u bytes dropped", n);
 		return;
 	}
 	proc_in_flush(p);
+}
+
+/* RESIZE: the terminal's new size; the kernel sends SIGWINCH to its foreground process group. */
+static void h_resize(uint32_t chan, const uint8_t *d, uint32_t n)
+{
+	struct exec *e = exec_find(chan);
+	/* no ERROR on an exec's chan: it would end the edge's stream of that exec */
+	if (!e || !e->pty || e->phase != PH_RUN || !e->proc || n != 4 || !get16(d) || !get16(d + 2))
+		return;
+	struct proc *p = e->proc;
+	int fd = p->in >= 0 ? p->in : p->out[0];
+	struct winsize ws = { .ws_row = get16(d + 2), .ws_col = get16(d) };
+	if (fd >= 0)
+		ioctl(fd, TIOCSWINSZ, &ws);
 }
 
 static struct proc *exec_target(struct exec *e)

@@ -20,6 +20,9 @@ static void handle_frame(int type, uint32_t chan, const uint8_t *p, uint32_t n)
 	case T_CREDIT:
 		h_credit(chan, p, n);
 		return;
+	case T_RESIZE:
+		h_resize(chan, p, n);
+		return;
 	case T_PING:
 		h_ping(chan);
 		return;
@@ -228,7 +231,8 @@ static int next_timeout(int64_t now)
 	for (struct proc *p = G.procs; p; p = p->next) {
 		if (p->zombie)
 			continue;
-		if (p->have_status && (p->out[0] >= 0 || p->out[1] >= 0))
+		if (p->have_status && (p->out[0] >= 0 || p->out[1] >= 0) &&
+		    !(p->pty && !proc_room(p) && attached(p->owner))) /* paced: CREDIT wakes us */
 			CAND(p->exited_at + LINGER_MS);
 		if (!p->have_status && p->kill_deadline)
 			CAND(p->kill_deadline);
@@ -262,7 +266,7 @@ static void loop(void)
 				continue;
 			if (p->ctl >= 0)
 				poll_add(&n, p->ctl, POLLIN, SL_CTL, p);
-			if (p->out[0] >= 0)
+			if (p->out[0] >= 0 && proc_room(p))
 				poll_add(&n, p->out[0], POLLIN, SL_OUT0, p);
 			if (p->out[1] >= 0)
 				poll_add(&n, p->out[1], POLLIN, SL_OUT1, p);

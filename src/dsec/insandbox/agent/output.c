@@ -132,6 +132,12 @@ static void exec_free(struct exec *e)
 static void exec_output(struct exec *e, int st, const char *d, size_t n)
 {
 	e->total[st] += n;
+	if (e->pty && e->sent[st]) { /* a terminal runs for long: keep only what is not sent yet */
+		struct rbuf *r = &e->out[st];
+		memmove(r->p, r->p + e->sent[st], r->len - e->sent[st]);
+		r->len -= e->sent[st];
+		e->sent[st] = 0;
+	}
 	if (rbuf_add(&e->out[st], d, n, e->cap) < n)
 		e->truncated = 1;
 }

@@ -1,18 +1,59 @@
 /* dsec-agent: supervised processes and shell sessions. One part of the agent's single translation unit (dsec-agent.c). */
 /* ------------------------------------------------------------------ supervised processes */
 
-static struct proc *proc_spawn(int kind, void *owner, uid_t uid, gid_t gid, const char *cwd,
-			       char *const *cargv, char *const *envp, int want_in, int *err)
+#ifndef TIOCGPTPEER
+#define TIOCGPTPEER _IO('T', 0x41)
+#endif
+
+/* A new terminal of cols x rows: its master (non-blocking, close-on-exec), or -1 with errno. */
+static int pty_open(unsigned cols, unsigned rows)
 {
-	int o[2] = { -1, -1 }, e[2] = { -1, -1 }, in[2] = { -1, -1 }, sp[2] = { -1, -1 };
+	int m = posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
+	if (m < 0)
+		return -1;
+	struct winsize ws = { .ws_row = (unsigned short)rows, .ws_col = (unsigned short)cols };
+	if (grantpt(m) < 0 || unlockpt(m) < 0 || ioctl(m, TIOCSWINSZ, &ws) < 0) {
+		int e = errno;
+		close(m);
+		errno = e;
+		return -1;
+	}
+	set_nonblock(m);
+	return m;
+}
+
+/* The slave side of `master`, opened through the master itself (TIOCGPTPEER: no path lookup
+ * in /dev/pts, which a command could have swapped), by name on kernels before 4.13. */
+static int pty_slave(int master)
+{
+	int fd = ioctl(master, TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC);
+	if (fd >= 0 || (errno != EINVAL && errno != ENOTTY))
+		return fd;
+	char name[64];
+	if (ptsname_r(master, name, sizeof name))
+		return -1;
+	return open(name, O_RDWR | O_NOCTTY | O_CLOEXEC);
+}
+
+/* `master` >= 0: C gets the terminal's slave side as 0/1/2 (and as its controlling tty); the
+ * agent reads and writes the master (its own fd, not closed here). Else pipes. */
+static struct proc *proc_spawn(int kind, void *owner, uid_t uid, gid_t gid, const char *cwd,
+			       char *const *cargv, char *const *envp, int want_in, int master, int *err)
+{
+	int o[2] = { -1, -1 }, e[2] = { -1, -1 }, in[2] = { -1, -1 }, sp[2] = { -1, -1 }, slave = -1;
 	char **av = NULL;
 	struct proc *p = calloc(1, sizeof *p);
 	if (!p) {
 		*err = ENOMEM;
 		return NULL;
 	}
-	if (pipe2(o, O_CLOEXEC) || pipe2(e, O_CLOEXEC) || (want_in && pipe2(in, O_CLOEXEC)) ||
-	    socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp)) {
+	if (master >= 0) {
+		if ((slave = pty_slave(master)) < 0 || socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp)) {
+			*err = errno;
+			goto fail;
+		}
+	} else if (pipe2(o, O_CLOEXEC) || pipe2(e, O_CLOEXEC) || (want_in && pipe2(in, O_CLOEXEC)) ||
+		   socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp)) {
 		*err = errno;
 		goto fail;
 	}
@@ -28,7 +69,7 @@ static struct proc *proc_spawn(int kind, void *owner, uid_t uid, gid_t gid, cons
 	snprintf(us, sizeof us, "%u", (unsigned)uid);
 	snprintf(gs, sizeof gs, "%u", (unsigned)gid);
 	snprintf(ps, sizeof ps, "%d", (int)getpid());
-	snprintf(os, sizeof os, "%d:%lu:%llu", G.ll_abi, G.nofile, G.fsize);
+	snprintf(os, sizeof os, "%d:%lu:%llu:%d", G.ll_abi, G.nofile, G.fsize, master >= 0);
 	av[0] = "dsec-supervisor";
 	av[1] = "--supervise";
 	av[2] = us;
@@ -53,12 +94,17 @@ static struct proc *proc_spawn(int kind, void *owner, uid_t uid, gid_t gid, cons
 	sigemptyset(&none);
 	sigfillset(&all);
 	posix_spawn_file_actions_init(&fa);
-	if (want_in)
-		posix_spawn_file_actions_adddup2(&fa, in[0], 0);
-	else
-		posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
-	posix_spawn_file_actions_adddup2(&fa, o[1], 1);
-	posix_spawn_file_actions_adddup2(&fa, e[1], 2);
+	if (slave >= 0) {
+		for (int i = 0; i < 3; i++)
+			posix_spawn_file_actions_adddup2(&fa, slave, i);
+	} else {
+		if (want_in)
+			posix_spawn_file_actions_adddup2(&fa, in[0], 0);
+		else
+			posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
+		posix_spawn_file_actions_adddup2(&fa, o[1], 1);
+		posix_spawn_file_actions_adddup2(&fa, e[1], 2);
+	}
 	posix_spawn_file_actions_adddup2(&fa, sp[1], 3);
 	if (ll >= 0)
 		posix_spawn_file_actions_adddup2(&fa, ll, 4);
@@ -78,27 +124,36 @@ static struct proc *proc_spawn(int kind, void *owner, uid_t uid, gid_t gid, cons
 		*err = rc;
 		goto fail;
 	}
-	close(o[1]);
-	close(e[1]);
+	xclose(&o[1]);
+	xclose(&e[1]);
 	close(sp[1]);
-	if (want_in)
-		close(in[0]);
+	xclose(&in[0]);
 	p->kind = kind;
 	p->owner = owner;
-	p->out[0] = o[0];
-	p->out[1] = e[0];
-	p->in = want_in ? in[1] : -1;
 	p->ctl = sp[0];
-	set_nonblock(p->out[0]);
-	set_nonblock(p->out[1]);
 	set_nonblock(p->ctl);
-	if (p->in >= 0)
-		set_nonblock(p->in);
+	if (slave >= 0) { /* the master's reads end with EIO once C's tree closed every slave fd */
+		close(slave);
+		p->pty = 1;
+		p->out[0] = master;
+		p->out[1] = -1;
+		if ((p->in = fcntl(master, F_DUPFD_CLOEXEC, 5)) >= 0)
+			set_nonblock(p->in);
+	} else {
+		p->out[0] = o[0];
+		p->out[1] = e[0];
+		p->in = want_in ? in[1] : -1;
+		set_nonblock(p->out[0]);
+		set_nonblock(p->out[1]);
+		if (p->in >= 0)
+			set_nonblock(p->in);
+	}
 	p->next = G.procs;
 	G.procs = p;
 	return p;
 fail:
 	free(av);
+	xclose(&slave);
 	for (int i = 0; i < 2; i++) {
 		xclose(&o[i]);
 		xclose(&e[i]);
@@ -165,21 +220,37 @@ static void proc_output(struct proc *p, int st, const char *d, size_t n)
 	}
 }
 
-/* Read from one output pipe; max_reads bounds the work per call. */
+/* How much C's output may be read now. A terminal's output is paced: what the edge has not
+ * taken stays within the exec's cap here, beyond that it waits in the kernel and C blocks in
+ * write(), as on a terminal nobody reads. Pipes are read at once (their output is capped). */
+static size_t proc_room(struct proc *p)
+{
+	if (!p->pty || !p->owner)
+		return sizeof scratch;
+	struct exec *e = p->owner;
+	size_t unsent = e->out[0].len - e->sent[0];
+	size_t room = unsent >= e->cap ? 0 : e->cap - unsent;
+	return room < sizeof scratch ? room : sizeof scratch;
+}
+
+/* Read from one output pipe (or a terminal's master); max_reads bounds the work per call. */
 static void proc_read(struct proc *p, int st, int max_reads)
 {
 	while (p->out[st] >= 0 && max_reads-- > 0) {
-		ssize_t n = read(p->out[st], scratch, sizeof scratch);
+		size_t want = proc_room(p);
+		if (!want)
+			return;
+		ssize_t n = read(p->out[st], scratch, want);
 		if (n < 0 && errno == EINTR)
 			continue;
 		if (n < 0 && errno == EAGAIN)
 			return;
-		if (n <= 0) {
+		if (n <= 0) { /* EOF; EIO: a terminal whose slave side every process closed */
 			xclose(&p->out[st]);
 			return;
 		}
 		proc_output(p, st, scratch, (size_t)n);
-		if ((size_t)n < sizeof scratch)
+		if ((size_t)n < want)
 			return;
 	}
 }
@@ -279,6 +350,8 @@ static void proc_tick(struct proc *p, int64_t now)
 	}
 	if ((p->out[0] >= 0 || p->out[1] >= 0) && now < p->exited_at + LINGER_MS)
 		return;
+	if (p->pty && p->out[0] >= 0 && !proc_room(p) && attached(p->owner))
+		return; /* C's last output waits for the edge to take what is queued */
 	for (int st = 0; st < 2; st++) /* what C wrote before exiting may still sit in the pipe */
 		proc_read(p, st, 16);
 	proc_done(p);
@@ -455,7 +528,7 @@ static void check_done(struct exec *e, struct proc *p)
 	if (!s->shell) {
 		char *av[] = { s->shell_path, NULL };
 		int err = 0;
-		s->shell = proc_spawn(PK_SESSION, s, e->uid, e->gid, e->cwd ? e->cwd : G.workdir, av, e->env, 1, &err);
+		s->shell = proc_spawn(PK_SESSION, s, e->uid, e->gid, e->cwd ? e->cwd : G.workdir, av, e->env, 1, -1, &err);
 		if (!s->shell) {
 			e->failed_err = err;
 			e->failed_stage = ST_SUPERVISOR;

@@ -2,7 +2,7 @@
 #ifndef DSEC_AGENT_PROTOCOL_H
 #define DSEC_AGENT_PROTOCOL_H
 
-#define PROTO_VERSION 2u
+#define PROTO_VERSION 3u
 #define HDR 12u                   /* u32 len, u8 type, u8 flags, u16 reserved, u32 chan */
 #define MAX_PAYLOAD ((64u << 20) + 4096u) /* largest frame payload accepted */
 #define FILE_CHUNK (1u << 20)     /* max DATA frame payload */
@@ -27,6 +27,7 @@ enum {
 	T_WATCH = 15,
 	T_UNWATCH = 16,
 	T_CREDIT = 17,
+	T_RESIZE = 18,
 	T_STDOUT = 101,
 	T_STDERR = 102,
 	T_EXIT = 103,
@@ -59,7 +60,8 @@ enum {
 	F_TIME_NS = 16,
 	F_RECURSIVE = 17,
 	F_WINDOW = 18,
-	F_MAX = 19,
+	F_PTY = 19,
+	F_MAX = 20,
 };
 
 #endif

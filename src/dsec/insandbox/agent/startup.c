@@ -98,13 +98,15 @@ static int child_limits(unsigned long nofile, unsigned long long fsize)
 }
 
 static void child_exec(uid_t uid, gid_t gid, const char *cwd, char **argv, int ep,
-		       int ll_abi, unsigned long nofile, unsigned long long fsize)
+		       int ll_abi, unsigned long nofile, unsigned long long fsize, int pty)
 {
 	sigset_t none;
 	sigemptyset(&none);
 	sigprocmask(SIG_SETMASK, &none, NULL);
 	int stage = ST_SETSID;
 	if (setsid() < 0)
+		goto fail;
+	if (pty && ioctl(0, TIOCSCTTY, 0) < 0) /* the new session's terminal: job control, ^C, SIGWINCH */
 		goto fail;
 	int fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC); /* before Landlock: /proc */
 	if (fd >= 0) {
@@ -145,8 +147,8 @@ fail:;
 	_exit(127);
 }
 
-/* argv: self --supervise UID GID CWD AGENT_PID LL_ABI:NOFILE:FSIZE cmd... ;
- * fds 0-2 for C, 3 = control socket. */
+/* argv: self --supervise UID GID CWD AGENT_PID LL_ABI:NOFILE:FSIZE:PTY cmd... ;
+ * fds 0-2 for C (PTY 1: a terminal's slave side, made C's controlling tty), 3 = control socket. */
 static int supervise_main(int argc, char **argv)
 {
 	if (argc < 8)
@@ -158,7 +160,8 @@ static int supervise_main(int argc, char **argv)
 	int ll_abi = 0;
 	unsigned long nofile = 0;
 	unsigned long long fsize = 0;
-	if (sscanf(argv[6], "%d:%lu:%llu", &ll_abi, &nofile, &fsize) != 3)
+	int pty = 0;
+	if (sscanf(argv[6], "%d:%lu:%llu:%d", &ll_abi, &nofile, &fsize, &pty) != 4)
 		return 2;
 	char **cargv = argv + 7;
 
@@ -183,7 +186,7 @@ static int supervise_main(int argc, char **argv)
 	}
 	pid_t c = fork();
 	if (c == 0)
-		child_exec(uid, gid, cwd, cargv, ep[1], ll_abi, nofile, fsize);
+		child_exec(uid, gid, cwd, cargv, ep[1], ll_abi, nofile, fsize, pty);
 	s_msg(SM_PID, c < 0 ? -errno : c, 0);
 	if (c < 0)
 		return 1;

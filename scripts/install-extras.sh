@@ -34,7 +34,7 @@ part_builds() { apt_get buildah skopeo; }
 part_e2b() { .venv/bin/pip install -q -e '.[server,e2b]'; image code-interpreter; }
 part_cluster() { apt_get postgresql; .venv/bin/pip install -q -e '.[server,cluster,postgres]'; }
 part_tests() {
-  apt_get git python3-botocore docker-registry
+  apt_get git python3-botocore docker-registry openssl   # openssl: self-signed certificates of the egress tests
   command -v npm >/dev/null || apt_get nodejs npm      # Debian's node (a node of another origin may bring its own npm)
   # the stock E2B JavaScript SDKs, pinned by tests/compat/js/package-lock.json
   [ -d tests/compat/js/node_modules/e2b ] || (cd tests/compat/js && npm ci --no-audit --no-fund --silent)

@@ -9,11 +9,15 @@ export DEBIAN_FRONTEND=noninteractive
 t0=$SECONDS
 step() { echo "== [$1/6] $2 (+$(( SECONDS - t0 ))s)"; }
 
-step 1 "Debian packages: crun, EROFS and overlay tools, the agent's compiler, network policy (BPF, nftables)"
+step 1 "Debian packages: crun, EROFS and overlay tools, the agent's compiler, network policy (BPF, nftables), lxcfs"
 apt-get update -qq
+lxcfs_new=$(dpkg-query -W -f='${Status}' lxcfs 2>/dev/null | grep -q "ok installed" || echo 1)
 apt-get install -y -qq --no-install-recommends python3 python3-venv crun erofs-utils debootstrap busybox-static \
   musl-tools gcc libc6-dev zstd tar util-linux iproute2 procps ca-certificates sqlite3 clang libbpf1 \
-  linux-libc-dev nftables bpftool btrfs-progs python3-pyfuse3 fuse3 libarchive-tools >/dev/null
+  linux-libc-dev nftables bpftool btrfs-progs python3-pyfuse3 fuse3 libarchive-tools lxcfs >/dev/null
+# sandboxes' /proc/meminfo etc. (D48): dsec starts its own lxcfs on <home>/lxcfs; the distribution's
+# host-wide service is not used (left alone where it was installed before)
+if [ -n "$lxcfs_new" ] && [ -d /run/systemd/system ]; then systemctl disable --now lxcfs >/dev/null 2>&1 || true; fi
 step 2 "host setup (cgroups, EROFS/overlay/btrfs modules, compressed swap)"
 bash scripts/host-setup.sh
 step 3 "Python environment (.venv, from Debian's python3)"

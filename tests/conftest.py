@@ -85,12 +85,15 @@ def images(dsec_home):
 
 
 E2B_TEST_DOMAIN = "sandboxes.dsec.test"
+LOCAL_DNS_SINK = "127.0.0.1:9"
 
 
 @pytest.fixture(scope="session")
 def server(dsec_home, images):
     # hung-guest checks within seconds; E2B get_host() names under a test domain (resolved by hand)
-    srv = ServerProc(dsec_home, env={"DSEC_VM_PING_S": "2", "DSEC_E2B_DOMAIN": E2B_TEST_DOMAIN})
+    # sandboxes' DNS goes to a closed local port (SERVFAIL): no test query leaves the machine
+    srv = ServerProc(dsec_home, env={"DSEC_VM_PING_S": "2", "DSEC_E2B_DOMAIN": E2B_TEST_DOMAIN,
+                                     "DSEC_NET_DNS_UPSTREAM": LOCAL_DNS_SINK})
     srv.start()
     yield srv
     srv.kill(signal.SIGTERM)

@@ -211,8 +211,8 @@ def test_fields_dsec_cannot_honour_are_refused_by_name(e2b_env):
     with pytest.raises(SandboxException, match="autoPause") as e:
         Sandbox.create("busybox", lifecycle={"on_timeout": "pause"})
     assert e.value.status_code == 400
-    with pytest.raises(SandboxException, match="network.allowOut.*not an IP address"):
-        Sandbox.create("busybox", network={"allow_out": ["example.com"]})
+    with pytest.raises(SandboxException, match="network.allowOut.*not a domain name"):
+        Sandbox.create("busybox", network={"allow_out": ["bad_name!"]})
     with pytest.raises(SandboxException, match="metadata"):
         Sandbox.create("busybox", metadata={"bad key!": "x"})
     with pytest.raises(SandboxException, match="templateID|no-such-template"):

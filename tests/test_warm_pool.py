@@ -7,6 +7,7 @@ no pool container; one tenant's claimed container sees nothing of another's."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import time
@@ -152,6 +153,24 @@ async def test_a_request_that_does_not_match_creates_normally(pool_server):
         finally:
             await small.stop()
             await other.stop()
+
+
+async def test_claimed_sandbox_sees_its_own_size(pool_server):
+    """D50: the claimer's cores and memory, not the pool's, in nproc, /proc/cpuinfo and
+    /proc/meminfo (the cpuset is written at claim; lxcfs reads the limits live)."""
+    await _wait_idle(pool_server)
+    pooled = await _pool_ids(pool_server)
+    size = "nproc; grep -c ^processor /proc/cpuinfo; head -1 /proc/meminfo"
+    cpus = len(os.sched_getaffinity(0))
+    async with pool_server.client() as c:
+        for cores, mb in ((2, 700), (1, 300)):
+            sb = await c.create_container(image="busybox", cpu_cores=cores, memory_mb=mb)
+            try:
+                assert sb.id in pooled
+                want = min(cores, cpus)
+                assert (await sb.run(size)).stdout.split() == [str(want), str(want), "MemTotal:", str(mb << 10), "kB"]
+            finally:
+                await sb.stop()
 
 
 async def test_claimed_filesystem_is_clean_and_tenants_do_not_see_each_other(pool_server):

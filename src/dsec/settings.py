@@ -154,6 +154,10 @@ class ContainerSettings(Group):
     userns: bool = env(True, "DSEC_USERNS", "a user namespace per sandbox, with its own host id range")
     park_to_disk: bool = env(True, "DSEC_PARK_TO_DISK", "suspend a quiescent container to its files "
                              "(else freeze it and swap its memory)")
+    lxcfs: bool = env(True, "DSEC_LXCFS", "sandboxes read their own memory and CPUs in /proc/meminfo, "
+                      "/proc/cpuinfo, ... (the node's lxcfs daemon, started by dsec)")
+    cpuset: bool = env(True, "DSEC_CPUSET", "each sandbox runs on ceil(cpu_cores) of the host's CPUs, the "
+                       "least loaded (nproc and os.cpu_count() say its size)")
     cpu_quota_floor_cores: float = env(0.1, "DSEC_CPU_QUOTA_FLOOR_CORES", "the CFS quota never goes below "
                                        "this many cores (0..64)", ge=0, le=64)
     idmap_first: int = env(1 << 28, "DSEC_IDMAP_FIRST", "first host id of the sandboxes' id ranges")
@@ -168,6 +172,13 @@ class NetworkSettings(Group):
     bridge: str = env("dsec0", "DSEC_NET_BRIDGE", "the sandboxes' bridge (at most 15 characters)",
                       max_length=15)
     subnet: str = env("10.88.0.0/16", "DSEC_NET_SUBNET", "the sandboxes' IPv4 subnet (/28 or larger)")
+    dns_upstream: str = env("", "DSEC_NET_DNS_UPSTREAM", "the resolver the node's DNS forwarder asks, "
+                            "IP or IP:PORT; unset: the first nameserver of the host's /etc/resolv.conf",
+                            max_length=64)
+    dns_port: int = env(10053, "DSEC_NET_DNS_PORT", "port of the node's DNS forwarder on the bridge's "
+                        "gateway address (sandboxes' UDP/TCP 53 to any address is sent there)", ge=1, le=65535)
+    proxy_port: int = env(10080, "DSEC_NET_PROXY_PORT", "port of the node's egress proxy on the gateway "
+                          "(TCP 80/443 of sandboxes with domain rules is sent there)", ge=1, le=65535)
 
 
 class ImageSettings(Group):

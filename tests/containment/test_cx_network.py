@@ -266,10 +266,11 @@ OUT["seqpacket"] = attempt(socket.socket, 40, socket.SOCK_SEQPACKET, 0)
 def netserver(images, dsec_home, tmp_path_factory):
     """A second server with its own bridge and subnet, so plugging sandboxes in cannot disturb
     other dsec instances on this host (they all default to dsec0 / 10.88.0.0/16)."""
-    from conftest import ServerProc, _cleanup_home, side_home
+    from conftest import LOCAL_DNS_SINK, ServerProc, _cleanup_home, side_home
     home = side_home(dsec_home, tmp_path_factory, "cxnet")
     n = 100 + os.getpid() % 100
-    srv = ServerProc(home, env={"DSEC_NET_BRIDGE": f"dsecx{n}", "DSEC_NET_SUBNET": f"10.201.{n}.0/24"})
+    srv = ServerProc(home, env={"DSEC_NET_BRIDGE": f"dsecx{n}", "DSEC_NET_SUBNET": f"10.201.{n}.0/24",
+                                "DSEC_NET_DNS_UPSTREAM": LOCAL_DNS_SINK})
     srv.start()
     srv.gateway = f"10.201.{n}.1"
     yield srv
@@ -280,7 +281,7 @@ def netserver(images, dsec_home, tmp_path_factory):
 @pytest.mark.xfail(not HAS_SET_NETWORK, reason="Sandbox.set_network (network policy API) is not implemented yet",
                    strict=False)
 async def test_policy_changed_live_still_blocks_dns_metadata_and_host(netserver):
-    """With set_network() an allow-list (one TCP port elsewhere), then allow-all, then deny-all again: DNS and metadata stay denied while not allowed, host services stay unreachable even under allow-all, and nothing reaches the host's listeners."""
+    """With set_network() an allow-list (one TCP port elsewhere), then allow-all, then deny-all again: metadata stays denied while not allowed, DNS reaches only the node's forwarder (never a host listener), host services stay unreachable even under allow-all, and nothing reaches the host's listeners."""
     udp_sink, tcp_sink = UdpSink(), TcpSink()
     targets = host_ipv4_addresses() + [netserver.gateway]
     try:
@@ -299,6 +300,8 @@ OUT["links"] = sorted(os.listdir("/sys/class/net"))
 """
                 out = await py(sb, probe, user="root")
                 assert "eth0" in out.pop("links"), "the sandbox was not plugged in"
+                dns = {k: out.pop(k) for k in list(out) if k.startswith("dns ")}
+                assert set(dns.values()) == {"sent"}, dns   # to the forwarder (egress is on), see udp_sink
                 assert set(out.values()) == {"EPERM"}, out
                 # allow-all: the policy lets packets out, but the host itself stays unreachable
                 await sb.set_network(rules=[{"cidr": "0.0.0.0/0"}])

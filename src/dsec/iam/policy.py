@@ -113,6 +113,11 @@ def _fix(project_id: str, what: str) -> str:
 
 
 def check_network(policy: SandboxPolicy, net: NetworkPolicy, project_id: str, prefix: str = "network.") -> None:
+    if net.domains and policy.cidrs is not None:
+        # a name may resolve anywhere: a project held to some networks cannot allow names
+        raise Forbidden(f"project {project_id} allows egress only to {policy.cidrs or 'no networks'}; "
+                        f"domain rules ({net.domains[0]!r}) could reach any address",
+                        field=f"{prefix}domains", fix=_fix(project_id, "leave domains empty"))
     for name, on in net.rulesets.items():
         if on and policy.rulesets is not None and name not in policy.rulesets:
             raise Forbidden(f"project {project_id} does not allow network rule set {name!r}",

@@ -184,7 +184,7 @@ def add_sandbox_user(root: Path, *, shell: str = "/bin/bash") -> None:
 
 
 def _build_debian_python(service: ImageService, progress: Progress | None) -> ImageInfo:
-    return service.build_debootstrap("debian-python", suite="bookworm", include=["python3"],
+    return service.build_debootstrap("debian-python", suite="bookworm", include=["python3", "procps"],
                                      customize=add_sandbox_user, progress=progress)
 
 

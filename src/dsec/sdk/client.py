@@ -640,7 +640,9 @@ class Sandbox:
     async def set_network(self, policy: NetworkPolicy | dict[str, Any] | None = None, **kwargs: Any) -> SandboxInfo:
         """Replace the sandbox's egress policy, e.g.
         `await sb.set_network(rules=[{"cidr": "10.1.2.3", "ports": [443], "protocol": "tcp"}])`,
-        `await sb.set_network(rulesets={"pypi": True})`; `set_network()` denies everything again."""
+        `await sb.set_network(rulesets={"pypi": True})`,
+        `await sb.set_network(domains=["pypi.org", "*.pythonhosted.org"])` (TCP 80/443 by name, DNS
+        for those names only); `set_network()` denies everything again. New connections follow at once."""
         if policy is None:
             policy = NetworkPolicy(**kwargs)
         elif isinstance(policy, dict):

@@ -43,6 +43,10 @@ BPF_SOURCE = Path(__file__).with_name("netpolicy.bpf.c")
 RULESETS_FILE = "network-rulesets.json"
 MAX_RANGES = 16          # per prefix, as in netpolicy.bpf.c
 PROTO_BITS = {"tcp": 1, "udp": 2, "any": 3}
+PROTO_DOMAIN = 4         # an Allow whose `cidr` is a domain pattern: served by the node's egress proxy
+ANY4 = "0.0.0.0/0"
+DNS_PORT = 53
+PROXIED_PORTS = (80, 443)   # TCP ports matched by name (HTTP Host, TLS SNI), as in E2B
 PROGRAMS = ("dsec_sock", "dsec_connect4", "dsec_connect6", "dsec_sendmsg4", "dsec_sendmsg6", "dsec_egress")
 MAPS = ("dsec_pol4", "dsec_pol6")
 PROG_PREFIX = "dsec_"
@@ -63,6 +67,10 @@ class Allow:
     hi: int
     protos: int   # 1 tcp, 2 udp, 3 both
 
+    @property
+    def is_domain(self) -> bool:
+        return bool(self.protos & PROTO_DOMAIN)
+
     def to_json(self) -> list:
         return [self.cidr, self.lo, self.hi, self.protos]
 
@@ -76,6 +84,28 @@ def allows_of_rule(rule: NetworkRule) -> list[Allow]:
     return [Allow(rule.cidr, lo, hi, bits) for lo, hi in rule.port_ranges()]
 
 
+def allows_of_domains(patterns: list[str]) -> list[Allow]:
+    return [Allow(p, PROXIED_PORTS[0], PROXIED_PORTS[-1], PROTO_DOMAIN) for p in patterns]
+
+
+def domains_of(allows: list[Allow]) -> tuple[str, ...]:
+    return tuple(a.cidr for a in allows if a.is_domain)
+
+
+def kernel_allows(allows: list[Allow]) -> list[Allow]:
+    """What the BPF maps hold for a policy: its CIDR rules; with any egress at all, UDP and TCP 53
+    to any IPv4 address (the node's nftables sends it to the DNS forwarder, whatever the address);
+    with domain rules, TCP 80 and 443 to any IPv4 address (sent to the egress proxy, which decides
+    by name). IPv6 gets nothing implicit: the bridge does not route it."""
+    out = [a for a in allows if not a.is_domain]
+    if not allows:
+        return out
+    out.append(Allow(ANY4, DNS_PORT, DNS_PORT, PROTO_BITS["any"]))
+    if any(a.is_domain for a in allows):
+        out += [Allow(ANY4, p, p, PROTO_BITS["tcp"]) for p in PROXIED_PORTS]
+    return out
+
+
 class Rulesets:
     """The operator's named rule sets, re-read when the file changes."""
 
@@ -83,6 +113,7 @@ class Rulesets:
         self.path = path
         self._stamp: tuple | None = None
         self._sets: dict[str, list[NetworkRule]] = {}
+        self._domains: dict[str, list[str]] = {}
         self._lock = threading.Lock()
 
     def get(self) -> dict[str, list[NetworkRule]]:
@@ -93,22 +124,28 @@ class Rulesets:
             except FileNotFoundError:
                 stamp = None
             if stamp != self._stamp:
-                self._sets = self._load() if stamp else {}
+                self._sets, self._domains = self._load() if stamp else ({}, {})
                 self._stamp = stamp
             return self._sets
 
-    def _load(self) -> dict[str, list[NetworkRule]]:
+    def domains(self, name: str) -> list[str]:
+        """The domain patterns of a rule set ({"pypi": {"domains": ["pypi.org"]}}), as of get()."""
+        return self._domains.get(name, [])
+
+    def _load(self) -> tuple[dict[str, list[NetworkRule]], dict[str, list[str]]]:
         try:
             raw = json.loads(self.path.read_text())
             if not isinstance(raw, dict):
                 raise ValueError("the top level must be an object {name: {\"rules\": [...]}}")
             out: dict[str, list[NetworkRule]] = {}
+            doms: dict[str, list[str]] = {}
             for name, body in raw.items():
                 rules = body.get("rules", []) if isinstance(body, dict) else body
                 if not isinstance(rules, list):
                     raise ValueError(f"rule set {name!r}: 'rules' must be a list")
                 out[name] = [NetworkRule.model_validate(r) for r in rules]
-            return out
+                doms[name] = NetworkPolicy(domains=body.get("domains", []) if isinstance(body, dict) else []).domains
+            return out, doms
         except (ValueError, ValidationError, OSError) as e:
             raise Unavailable(f"operator rule-set file {self.path} is invalid: {e}",
                               fix=f"fix {self.path}: {{\"pypi\": {{\"rules\": [{{\"cidr\": \"151.101.0.0/16\", "
@@ -121,6 +158,7 @@ def resolve(policy: NetworkPolicy, rulesets: Rulesets, field: str = "network") -
     allows: list[Allow] = []
     for rule in policy.rules:
         allows += allows_of_rule(rule)
+    allows += allows_of_domains(policy.domains)
     wanted = [name for name, on in policy.rulesets.items() if on]
     if policy.rulesets:
         known = rulesets.get()
@@ -135,7 +173,8 @@ def resolve(policy: NetworkPolicy, rulesets: Rulesets, field: str = "network") -
         for name in wanted:
             for rule in known[name]:
                 allows += allows_of_rule(rule)
-    compile_allows(allows, field=f"{prefix}rules")   # bounds check now, before anything changes
+            allows += allows_of_domains(rulesets.domains(name))
+    compile_allows(kernel_allows(allows), field=f"{prefix}rules")   # bounds check now, before anything changes
     return allows
 
 
@@ -152,7 +191,7 @@ def compile_allows(allows: list[Allow], field: str = "network.rules"
                    ) -> dict[ipaddress.IPv4Network | ipaddress.IPv6Network, list[tuple[int, int, int]]]:
     """Map entries: each distinct network -> merged (lo, hi, protos) ranges of every rule containing it."""
     nets: dict = collections.defaultdict(list)
-    parsed = [(_network(a.cidr), a) for a in allows]
+    parsed = [(_network(a.cidr), a) for a in allows if not a.is_domain]
     for net, _ in parsed:
         nets.setdefault(net, [])
     for net in nets:
@@ -403,7 +442,7 @@ class PolicyProgram:
     # -- policy ------------------------------------------------------------------------------
     def write(self, cgid: int, allows: list[Allow]) -> None:
         """Replace the cgroup's policy: new entries first, then stale ones are removed."""
-        entries = {_key(cgid, net): _value(ranges) for net, ranges in compile_allows(allows).items()}
+        entries = {_key(cgid, net): _value(ranges) for net, ranges in compile_allows(kernel_allows(allows)).items()}
         with self._lock:
             old = self._entries.get(cgid, set())
             for (m, k), v in entries.items():

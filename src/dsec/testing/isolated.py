@@ -117,6 +117,7 @@ def qemu_pids_of(home: Path) -> list[int]:
 def cleanup_home(home: Path) -> list[int]:
     """Remove whatever a (possibly killed) server on `home` left: VMs, containers, template
     RAM, mounts, files. Returns the pids of the QEMUs it had to kill."""
+    from dsec.backends.container.lxcfs import Lxcfs
     from dsec.backends.vm.templates import ram_dir
     paths = Paths(home)
     leaked = qemu_pids_of(home)
@@ -131,6 +132,7 @@ def cleanup_home(home: Path) -> list[int]:
         for cid in ids:
             subprocess.run(["crun", "--root", str(paths.crun_root), "delete", "-f", cid], capture_output=True)
     shutil.rmtree(ram_dir(paths), ignore_errors=True)
+    Lxcfs(home / "lxcfs").stop()           # the node's daemon outlives its server, by design
     with open("/proc/self/mountinfo") as f:
         mnts = [line.split()[4] for line in f if line.split()[4].startswith(str(home))]
     for m in sorted(mnts, key=len, reverse=True):

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag,
                       ValidationInfo, WithJsonSchema, field_validator)
+from dsec.types.domains import normalize_pattern
 from dsec.types.ids import SNAPSHOT_ID_PATTERN
 
 
@@ -169,12 +170,23 @@ class NetworkRule(_Strict):
 
 
 class NetworkPolicy(_Strict):
-    """Egress allow-list of a sandbox. Empty (the default) denies everything but loopback."""
+    """Egress allow-list of a sandbox. Empty (the default) denies everything but loopback; any
+    allowed egress also gives the sandbox DNS (the node's forwarder)."""
 
     rules: Annotated[list[NetworkRule], Field(max_length=256)] = Field(default_factory=list)
     rulesets: Annotated[dict[Annotated[str, Field(pattern=RULESET_NAME_RE)], bool],
                         Field(description="named rule sets defined by the operator, e.g. {'pypi': true, 'npm': false}")
                         ] = Field(default_factory=dict)
+    domains: Annotated[list[str], Field(
+        max_length=256,
+        description="allow egress to these names and wildcards ('pypi.org', '*.githubusercontent.com') on "
+                    "TCP 80 (HTTP Host) and 443 (TLS SNI), through the node's egress proxy; the sandbox's "
+                    "DNS then answers only for them")] = Field(default_factory=list)
+
+    @field_validator("domains")
+    @classmethod
+    def _valid_domains(cls, v: list[str]) -> list[str]:
+        return list(dict.fromkeys(normalize_pattern(d) for d in v))   # ValueError names the value
 
 
 class ContainerArgs(_Strict):

@@ -18,6 +18,7 @@ from dsec.apiserver.e2b.auth import AccessTokens
 from dsec.apiserver.e2b.errors import Unsupported
 from dsec.apiserver.e2b.ids import to_e2b
 from dsec.apiserver.e2b.models import NewSandbox
+from dsec.types.domains import normalize_name, pattern_error
 from dsec.types import (IDEMPOTENCY_KEY_RE, MAX_TTL_S, VM_BACKENDS, InvalidArgument, SandboxArgs, SandboxInfo,
                         SandboxState)
 
@@ -72,29 +73,58 @@ def _cidr(value: str, field: str) -> str:
     try:
         return str(ipaddress.ip_network(value.strip(), strict=False))
     except ValueError:
-        raise _refuse(field, f"{value[:80]!r} is not an IP address or CIDR block: dsec allow-lists networks, "
-                             "not domain names", "list IP addresses or CIDR blocks") from None
+        raise _refuse(field, f"{value[:80]!r} is not an IP address or CIDR block", "list IP addresses or CIDR "
+                             "blocks (domain names are allowed in allowOut only)") from None
+
+
+def _destination(value: str, field: str) -> tuple[str, str]:
+    """An allowOut entry: ('cidr', network) or ('domain', pattern), as E2B reads them."""
+    if not isinstance(value, str):
+        raise _refuse(field, f"{value!r} is not a string", "list CIDR blocks, IP addresses or domain names")
+    try:
+        return "cidr", str(ipaddress.ip_network(value.strip(), strict=False))
+    except ValueError:
+        err = pattern_error(value)
+        if err:
+            raise _refuse(field, err, "list CIDR blocks ('10.0.0.0/8'), IP addresses or domain names "
+                                      "('pypi.org', '*.githubusercontent.com')") from None
+        return "domain", normalize_name(value)
+
+
+# Keys of E2B's network object dsec reads; dnsServers is accepted and has no effect (every
+# sandbox's port 53 goes to dsec's forwarder whatever the address, docs/e2b.md)
+_NETWORK_KEYS = {"allowOut", "denyOut", "allowPublicTraffic", "dnsServers"}
+
+
+def network_policy(net: dict[str, Any] | None, internet: bool | None, prefix: str = "network") -> dict[str, Any] | None:
+    """dsec's egress policy (deny-all by default) from E2B's allow_internet_access and network
+    (create) or allowInternetAccess and the rest of the body (PUT /sandboxes/{id}/network).
+    E2B's semantics: allowOut wins over denyOut; domains only in allowOut, matched on TCP 80/443."""
+    net = dict(net or {})
+    allow = [_destination(v, f"{prefix}.allowOut") for v in net.pop("allowOut", None) or []]
+    deny = [_cidr(v, f"{prefix}.denyOut") for v in net.pop("denyOut", None) or []]
+    if net.pop("allowPublicTraffic", None) is True:
+        raise _refuse(f"{prefix}.allowPublicTraffic", "dsec never serves a sandbox's ports without a key or the "
+                                                      "sandbox's access token", "leave it unset or false")
+    net.pop("dnsServers", None)
+    extra = sorted(k for k, v in net.items() if v is not None)
+    if extra:
+        raise _refuse(f"{prefix}.{extra[0]}", "not available in dsec",
+                      "use allowOut (CIDRs, IPs, domain names) and denyOut (0.0.0.0/0)")
+    if deny and not set(deny) <= set(ALL_TRAFFIC):
+        raise _refuse(f"{prefix}.denyOut", "dsec's egress policy is an allow-list: it cannot deny parts of what "
+                                           "it allows", "deny all (0.0.0.0/0) and allow what is needed in allowOut")
+    cidrs = [v for kind, v in allow if kind == "cidr"]
+    domains = [v for kind, v in allow if kind == "domain"]
+    if internet and not deny and not allow:
+        cidrs = list(ALL_TRAFFIC)
+    if not cidrs and not domains:
+        return None                    # dsec's default: no egress but loopback
+    return {"rules": [{"cidr": c} for c in cidrs], "domains": domains}
 
 
 def _network(body: NewSandbox) -> dict[str, Any] | None:
-    """dsec's egress allow-list (deny-all by default) from allow_internet_access and network."""
-    net = dict(body.network or {})
-    allow = [_cidr(v, "network.allowOut") for v in net.pop("allowOut", None) or []]
-    deny = [_cidr(v, "network.denyOut") for v in net.pop("denyOut", None) or []]
-    if net.pop("allowPublicTraffic", None) is True:
-        raise _refuse("network.allowPublicTraffic", "dsec never serves a sandbox's ports without a key or the "
-                                                    "sandbox's access token", "leave it unset or false")
-    if net:
-        key = sorted(net)[0]
-        raise _refuse(f"network.{key}", "not available in dsec", "use allowOut/denyOut with IP addresses or CIDRs")
-    if deny and not set(deny) <= set(ALL_TRAFFIC):
-        raise _refuse("network.denyOut", "dsec's egress policy is an allow-list: it cannot deny parts of what "
-                                         "it allows", "deny all (0.0.0.0/0) and allow what is needed in allowOut")
-    if body.allow_internet_access and not deny and not allow:
-        allow = list(ALL_TRAFFIC)
-    if not allow:
-        return None                    # dsec's default: no egress but loopback
-    return {"rules": [{"cidr": c} for c in allow]}
+    return network_policy(body.network, body.allow_internet_access)
 
 
 def _dsec_metadata(metadata: dict[str, str]) -> tuple[dict[str, str], dict[str, Any]]:
@@ -198,7 +228,7 @@ def detail(info: SandboxInfo, tokens: AccessTokens, domain: str | None = None) -
     """E2B's SandboxDetail (GET /sandboxes/{id})."""
     out = listed(info)
     out.pop("volumeMounts")
-    egress = bool(info.network and info.network.rules)
+    egress = bool(info.network and (info.network.rules or info.network.domains))
     out.update({"envdAccessToken": tokens.token(info.id), "domain": domain,
                 "allowInternetAccess": egress if info.backend not in VM_BACKENDS else False})
     return out

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime, timezone
-from typing import Annotated
+from typing import Annotated, Any
 from urllib.parse import parse_qsl, unquote
 
 from fastapi import Body, FastAPI, Header, Query, Request, Response
@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsec.apiserver import listing
+from dsec.apiserver.control import set_network as set_sandbox_network
 from dsec.apiserver.control import stop_sandbox
 from dsec.apiserver.context import ApiContext
 from dsec.apiserver.e2b import control, layout, mapping
@@ -26,13 +27,13 @@ from dsec.apiserver.e2b.ids import to_dsec, to_e2b
 from dsec.apiserver.e2b.models import ConnectBody, NewSandbox, PauseBody, TimeoutBody
 from dsec.apiserver.guard import principal_of
 from dsec.iam import Principal
-from dsec.types import (MAX_TTL_S, Conflict, DsecError, InternalError, InvalidArgument, NotFound,
+from dsec.types import (MAX_TTL_S, VM_BACKENDS, Conflict, DsecError, InternalError, InvalidArgument, NetworkPolicy, NotFound,
                         SandboxInfo, SandboxState, Unauthorized)
 
 log = logging.getLogger("dsec.apiserver.e2b")
 
 # E2B routes the SDK has that dsec does not serve: a clear 501 instead of a bare 404
-NOT_SERVED = ("fork", "snapshots", "metrics", "logs", "network", "refreshes")
+NOT_SERVED = ("fork", "snapshots", "metrics", "logs", "refreshes")
 
 
 def _who(request: Request) -> Principal:
@@ -119,6 +120,23 @@ def build_rest_app(ctx: ApiContext, tokens: AccessTokens, domain: str | None = N
         if info.state == SandboxState.suspended:
             raise Conflict(f"sandbox {sandbox_id} is already paused", field="sandboxID", fix="resume it with connect")
         await ctx.edge_for(info.id).suspend(info.id)
+        return Response(status_code=204)
+
+    @app.put("/sandboxes/{sandbox_id}/network", status_code=204)
+    async def update_network(request: Request, sandbox_id: str, body: Annotated[dict[str, Any], Body()]) -> Response:
+        """E2B's update_network: the whole egress policy replaced, effective for new connections."""
+        info = await running(sandbox_id, _who(request))
+        if info.backend in VM_BACKENDS:
+            raise Unsupported("network: dsec VMs have no network device", field="network",
+                              fix="use a container sandbox (the default) for network access")
+        body = dict(body)
+        internet = body.pop("allowInternetAccess", None)
+        if internet is not None and not isinstance(internet, bool):
+            raise InvalidArgument("allowInternetAccess must be true or false", field="allowInternetAccess",
+                                  fix="send a boolean")
+        raw = mapping.network_policy(body, True if internet is None else internet, prefix="network")
+        await set_sandbox_network(ctx, ctx.edge_for(info.id), info.id,
+                                  NetworkPolicy.model_validate(raw or {}))
         return Response(status_code=204)
 
     @app.post("/sandboxes/{sandbox_id}/connect")

@@ -6,8 +6,9 @@ Fixed at start, hence in the key: the image layers (the overlay), the agent's co
 (workdir, uid/gid, nofile, max_file_mb and the retained-output bound, a function of memory_mb),
 the /dev/shm size (also of memory_mb), the writable layer's quota (disk_mb), the user namespace
 and the CPU class (a batch sandbox's RLIMIT_NICE is in its config). Applied at claim: CPU quota
-and weight, memory (and v1 memory+swap, socket buffer) limits, pids limit, as crun would have
-written them from config.json (spec.py); the network policy (network.py, as set_network does).
+and weight, memory (and v1 memory+swap, socket buffer) limits, pids limit, the cpuset (cpusets.py),
+as crun would have written them from config.json (spec.py); the network policy (network.py, as
+set_network does). lxcfs reads the limits live, so a claimed sandbox's /proc/meminfo is its own.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def _write(f: Path, value: int | str) -> None:
     f.write_text(str(value))
 
 
-def apply_limits(rel: str, args: ContainerArgs, *, v2: bool, quota_floor: float = qos.DEFAULT_QUOTA_FLOOR_CORES) -> None:
+def apply_limits(rel: str, args: ContainerArgs, *, v2: bool, quota_floor: float = qos.DEFAULT_QUOTA_FLOOR_CORES,
+                 cpus: str = "") -> None:
     """Write the claimer's CPU, memory and pids limits into the container's cgroups (blocking:
     run in a thread). Raises OSError if a limit cannot be set (e.g. memory below what the
     container holds: EBUSY), and the edge then destroys the container."""
@@ -58,6 +60,8 @@ def apply_limits(rel: str, args: ContainerArgs, *, v2: bool, quota_floor: float 
         _write(d / "cpu.max", f"{quota} {CPU_PERIOD_US}")
         _write(d / "cpu.weight", shares_to_weight(shares))
         _write(d / "pids.max", args.pids_limit)
+        if cpus:                               # the claimer's cpuset (cpusets.py)
+            _write(d / "cpuset.cpus", cpus)
         return
     m = cgroups.v1_dir("memory", rel)
     memsw = m / "memory.memsw.limit_in_bytes"     # absent without swap accounting
@@ -76,3 +80,5 @@ def apply_limits(rel: str, args: ContainerArgs, *, v2: bool, quota_floor: float 
     _write(cpu / "cpu.cfs_quota_us", quota)
     _write(cpu / "cpu.shares", shares)
     _write(cgroups.v1_dir("pids", rel) / "pids.max", args.pids_limit)
+    if cpus:
+        _write(cgroups.v1_dir("cpuset", rel) / "cpuset.cpus", cpus)

@@ -22,6 +22,7 @@ import signal
 import socket
 import struct
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Hashable
 from contextlib import asynccontextmanager
@@ -32,7 +33,9 @@ from dsec.backends.base import (PARKED, RUNNING, Backend, Egress, Hibernation, I
                                 Parking, PortIngress, Prepared, Reclaim, UpperView)
 from dsec.backends.container import cgroups, hibernate, qos
 from dsec.backends.container import claim as warm_claim
+from dsec.backends.container.cpusets import CpuSets
 from dsec.backends.container.disk import open_quotas
+from dsec.backends.container.lxcfs import Lxcfs
 from dsec.backends.container.idmap import IdRanges, host_to_sandbox
 from dsec.backends.container.network import NetSettings, SandboxNetworks
 from dsec.backends.container.parking import PARKED_MARKER, CgroupParking, cgroup_gone
@@ -54,6 +57,9 @@ NSEXEC_SOURCE = Path(__file__).with_name("nsexec.c")
 # (_IOWR(0xFF, 11, struct pidfd_info), its first 64-byte version; exit_code at offset 60).
 PIDFD_INFO_EXIT = 1 << 3
 PIDFD_GET_INFO = (3 << 30) | (64 << 16) | (0xFF << 8) | 11
+
+VIEW_RESTART_MIN_S = 2.0     # between two starts of the node's lxcfs (lxcfs.py)
+SETTLE_S = 0.25              # a park to disk waits this long for ended commands' supervisors
 
 
 def _proc_stat(pid: int) -> list[str]:
@@ -96,7 +102,7 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
         ensure_node_file_max()   # node-wide: sandboxes' files are bounded by their memory instead
         # per-sandbox egress policy (cgroup-BPF) and, when a policy allows anything, a veth
         self.net = SandboxNetworks(paths, lambda sid: cgroups.v2_dir(cgroup_path(sid)),
-                                   NetSettings(conf.network.bridge, conf.network.subnet))
+                                   NetSettings.of(conf.network))
         # writable-layer quota: sandbox dirs are btrfs subvolumes with a limit (or polled)
         self.disk = open_quotas(paths, conf.storage)
         # a user namespace per sandbox with its own host id range (idmap.py)
@@ -106,6 +112,23 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
         self.parking = CgroupParking(self.cgroup_v2)  # suspend: freeze + memory to (zram) swap
         # suspend of a quiescent container: torn down to its files, started again on resume
         self.park_to_disk = c.park_to_disk
+        # sandboxes see their own size (D50): a cpuset each, lxcfs's /proc files bound in
+        self.cpusets = CpuSets() if c.cpuset else None
+        self.lxcfs = Lxcfs(paths.home / "lxcfs") if c.lxcfs else None
+        self.view: Path | None = None          # the lxcfs mountpoint while its daemon answers
+        self._view_pidfd: int | None = None
+        self._view_restarted = False           # started here: binds made before need repair
+        self._view_tasks: set[asyncio.Task[None]] = set()
+        self._view_started_at = 0.0
+        self._view_gen = 0                     # daemons started by this edge: a create that
+                                               # straddles a restart repairs its own binds
+        if self.lxcfs is not None:
+            try:
+                _, self._view_restarted = self.lxcfs.ensure()
+                self.view = self.lxcfs.mountpoint
+            except (OSError, subprocess.SubprocessError) as e:
+                log.warning("sandboxes will read the host's /proc/meminfo and CPUs: %s", e,
+                            extra={"fix": "apt-get install lxcfs (scripts/install.sh); or DSEC_LXCFS=0"})
 
     # -- paths ---------------------------------------------------------------------------
     def sandbox_dir(self, sandbox_id: str) -> Path:
@@ -132,12 +155,16 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
         spec = ContainerSpec(sandbox_id=sandbox_id, lower_dirs=lower, cpu_cores=args.cpu_cores,
                              memory_mb=args.memory_mb, pids_limit=args.pids_limit, uid=prepared.uid,
                              gid=prepared.gid, workdir=args.workdir, network=tuple(prepared.allows),
+                             resolv_conf=str(self.net.resolv_conf()),
                              disk_mb=args.disk_mb, nofile=args.nofile, max_file_mb=args.max_file_mb,
-                             cpu_class=args.cpu_class)
+                             cpu_class=args.cpu_class,
+                             cpus=self.cpusets.pick(sandbox_id, args.cpu_cores) if self.cpusets else "")
         await self._start(sandbox_id, spec)
 
     async def _start(self, sandbox_id: str, spec: ContainerSpec) -> None:
         d = self.sandbox_dir(sandbox_id)
+        self._watch_view()
+        gen = self._view_gen
         try:
             try:
                 spec = await asyncio.to_thread(self._prepare_bundle, d, spec)
@@ -156,6 +183,8 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
             finally:
                 listener.close()  # the agent holds its own copy (fd 3)
             await self.net.setup(sandbox_id, self._pid(sandbox_id), list(spec.network))
+            if gen != self._view_gen:        # lxcfs restarted meanwhile: its binds may be the dead one's
+                await self._rebind_views([sandbox_id])
             # what a park to disk needs to start it again, and to see that nothing changed
             await asyncio.to_thread(self._record_start, d / "run", spec, self._pid(sandbox_id))
         except BaseException:
@@ -185,7 +214,8 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
             (d / "lower").mkdir(mode=0o700)
             for i in range(len(spec.lower_dirs)):
                 (d / "lower" / str(i)).mkdir(mode=0o700)
-        cfg = build_config(spec, self.agent_binary, cgroup_v2=self.cgroup_v2, quota_floor=self.quota_floor)
+        cfg = build_config(spec, self.agent_binary, cgroup_v2=self.cgroup_v2, quota_floor=self.quota_floor,
+                               view=self.view)
         (d / "config.json").write_text(json.dumps(cfg))
         return spec
 
@@ -269,6 +299,8 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
         elif self.ids is not None:      # torn down before config.json recorded its base (a failed
             await asyncio.to_thread(self.ids.release_owner, d)   # or crashed create): by owner
         await self.net.release(sandbox_id)   # veth (if any), IP, BPF map entries
+        if self.cpusets is not None:
+            self.cpusets.release(sandbox_id)
 
     async def _crun_delete(self, sandbox_id: str) -> tuple[int, bytes]:
         """`crun delete -f`: its exit status and stderr."""
@@ -335,12 +367,15 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
         """A pre-started container gets the claimer's limits and network policy."""
         args = prepared.args
         assert isinstance(args, ContainerArgs)
+        # placed again for its claimed cores: a pool container's cpuset was for the pool's
+        cpus = self.cpusets.pick(sandbox_id, args.cpu_cores) if self.cpusets is not None else ""
         # a few cgroup file writes (microseconds): inline, a thread hop would cost more
-        warm_claim.apply_limits(cgroup_path(sandbox_id), args, v2=self.cgroup_v2, quota_floor=self.quota_floor)
+        warm_claim.apply_limits(cgroup_path(sandbox_id), args, v2=self.cgroup_v2, quota_floor=self.quota_floor,
+                                cpus=cpus)
         run = self.sandbox_dir(sandbox_id) / "run"     # a start after a park to disk: as claimed
         if (run / hibernate.SPEC_FILE).exists():
             hibernate.save_spec(run, replace(hibernate.load_spec(run), cpu_cores=args.cpu_cores,
-                                             memory_mb=args.memory_mb, pids_limit=args.pids_limit))
+                                             memory_mb=args.memory_mb, pids_limit=args.pids_limit, cpus=cpus))
         if prepared.allows:
             await self.net.apply(sandbox_id, self._pid(sandbox_id), list(prepared.allows))
 
@@ -372,11 +407,87 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
                 live[sid] = self._pid(sid)
             except (OSError, ValueError):
                 pass
+            if self.cpusets is not None:     # where each one runs counts again for new picks
+                try:
+                    spec = await asyncio.to_thread(hibernate.load_spec, self.sandbox_dir(sid) / "run")
+                    self.cpusets.adopt(sid, spec.cpus, spec.cpu_cores)
+                except (OSError, ValueError, TypeError):
+                    pass
             try:
                 await asyncio.to_thread(self.parking.settle, cgroup_path(sid), self.sandbox_dir(sid) / "run")
             except OSError as e:
                 log.warning("could not settle a sandbox's park state", extra={"sandbox": sid, "error": str(e)})
         await self.net.recover(live)
+        if self._view_restarted and live:   # the daemon died while no edge watched it
+            await self._rebind_views()
+        self._view_restarted = False
+        self._watch_view()
+
+    # -- lxcfs views (lxcfs.py, viewmounts.py) -------------------------------------------
+    def _watch_view(self, restarted: bool = False) -> None:
+        """A pidfd on the lxcfs daemon, on the event loop: its death is repaired at once (one
+        repair at a time: `restarted` is the repair itself, done)."""
+        if self.lxcfs is None or self._view_pidfd is not None or self.view is None or \
+                (self._view_tasks and not restarted):
+            return
+        pid = self.lxcfs.pid()
+        try:
+            fd = os.pidfd_open(pid) if pid is not None else None
+        except OSError:
+            fd = None
+        if fd is None:
+            self._view_died(None)
+            return
+        self._view_pidfd = fd
+        asyncio.get_running_loop().add_reader(fd, self._view_died, fd)
+
+    def _view_died(self, fd: int | None) -> None:
+        if fd is not None:
+            asyncio.get_running_loop().remove_reader(fd)
+            os.close(fd)
+            self._view_pidfd = None
+        task = asyncio.get_running_loop().create_task(self._restart_view())
+        self._view_tasks.add(task)
+        task.add_done_callback(self._view_tasks.discard)
+
+    async def _restart_view(self) -> None:
+        """A new daemon and fresh binds in every running sandbox; with no daemon, the dead
+        binds detached (the host's figures rather than ENOTCONN)."""
+        assert self.lxcfs is not None
+        log.warning("lxcfs died; starting it again and repairing the sandboxes' /proc views")
+        since = time.monotonic() - self._view_started_at
+        if since < VIEW_RESTART_MIN_S:          # one that dies at once is not restarted in a loop
+            await asyncio.sleep(VIEW_RESTART_MIN_S - since)
+        self._view_started_at = time.monotonic()
+        self._view_gen += 1
+        try:
+            await asyncio.to_thread(self.lxcfs.ensure)
+            self.view = self.lxcfs.mountpoint
+        except (OSError, subprocess.SubprocessError) as e:
+            log.error("lxcfs did not start again; sandboxes now read the host's /proc/meminfo: %s", e)
+            self.view = None
+        await self._rebind_views()
+        self._watch_view(restarted=True)
+
+    async def _rebind_views(self, only: list[str] | None = None) -> None:
+        """viewmounts.py, in a process of its own, over every sandbox whose init runs (or `only`)."""
+        items = []
+        dirs = [self.sandbox_dir(s) for s in only] if only is not None else \
+            (list(self.paths.sandboxes.iterdir()) if self.paths.sandboxes.exists() else [])
+        for d in dirs:
+            try:
+                items.append(f"{int((d / 'run' / 'pid').read_text())}:{cgroup_path(d.name)}")
+            except (OSError, ValueError):
+                continue          # parked to disk, or not started: its next start binds afresh
+        if not items:
+            return
+        view = ["--view", str(self.view)] if self.view is not None else []
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "dsec.backends.container.viewmounts", *view, *items,
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        _, err = await proc.communicate()
+        if proc.returncode != 0:
+            log.warning("some sandboxes' /proc views were not repaired", extra={"stderr": err.decode(errors="replace")})
 
     # -- parking (suspend/resume): parking.py --------------------------------------------
     async def park(self, sandbox_id: str) -> int:
@@ -423,9 +534,14 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
         rel = cgroup_path(sandbox_id)
         run = self.sandbox_dir(sandbox_id) / "run"
         pid = self._pid(sandbox_id)
+        procs = (cgroups.v2_dir(rel) if self.cgroup_v2 else cgroups.v1_dir("memory", rel)) / "cgroup.procs"
+        # a command that just ended was reported by its supervisor before that process exits:
+        # give it a moment rather than park in memory for it (seen 2 in 16 on a loaded box)
+        deadline = time.monotonic() + SETTLE_S
+        while procs.read_text().split() != [str(pid)] and time.monotonic() < deadline:
+            time.sleep(0.005)
         held = self.parking.memory(rel).resident
         self.parking.freeze(rel)
-        procs = (cgroups.v2_dir(rel) if self.cgroup_v2 else cgroups.v1_dir("memory", rel)) / "cgroup.procs"
         try:
             why = hibernate.why_not_quiescent(pid, procs, run)
         except (OSError, ValueError, subprocess.SubprocessError) as e:
@@ -463,7 +579,8 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
         if (run / "pid").exists():          # a park the edge did not see through
             await self._remove_runtime(sandbox_id)
         try:
-            cfg = build_config(spec, self.agent_binary, cgroup_v2=self.cgroup_v2, quota_floor=self.quota_floor)
+            cfg = build_config(spec, self.agent_binary, cgroup_v2=self.cgroup_v2, quota_floor=self.quota_floor,
+                               view=self.view)
             await asyncio.to_thread((d / "config.json").write_text, json.dumps(cfg))
             listener = self._listen(self.agent_socket(sandbox_id))
             try:

@@ -34,8 +34,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsec.backends.container.dns import DnsServer, SandboxView, Upstream, parse_upstream
+from dsec.backends.container.egress_proxy import EgressProxy
 from dsec.config import Paths
-from dsec.security.netpolicy import Allow, PolicyProgram
+from dsec.security.netpolicy import Allow, PolicyProgram, domains_of
 from dsec.types import SandboxFailed, Unavailable
 
 log = logging.getLogger("dsec.backends.container.network")
@@ -59,12 +61,25 @@ CREATE TABLE IF NOT EXISTS net_meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
 class NetSettings:
     bridge: str = "dsec0"
     subnet: str = "10.88.0.0/16"
+    dns_upstream: str = ""        # the forwarder's resolver; empty: the host's first nameserver
+    dns_port: int = 10053         # forwarder on the gateway (sandboxes' port 53 is sent there)
+    proxy_port: int = 10080       # egress proxy on the gateway (domain-mode TCP 80/443)
+
+    @classmethod
+    def of(cls, group) -> "NetSettings":
+        """From dsec.settings.NetworkSettings."""
+        return cls(group.bridge, group.subnet, group.dns_upstream, group.dns_port, group.proxy_port)
 
     def __post_init__(self) -> None:
         net = ipaddress.IPv4Network(self.subnet)       # raises on a bad value at startup
         if net.prefixlen > 28 or len(self.bridge) > 15:
             raise ValueError(f"DSEC_NET_SUBNET must be an IPv4 network of /28 or larger and "
                              f"DSEC_NET_BRIDGE at most 15 characters, got {self.subnet!r}, {self.bridge!r}")
+        try:
+            parse_upstream(self.dns_upstream)
+        except ValueError:
+            raise ValueError(f"DSEC_NET_DNS_UPSTREAM must be IP, IP:PORT or [IPv6]:PORT, "
+                             f"got {self.dns_upstream!r}") from None
 
     @property
     def network(self) -> ipaddress.IPv4Network:
@@ -136,6 +151,10 @@ class SandboxNetworks:
         self._prog_error: Exception | None = None
         self._prog_lock = threading.Lock()
         self._cgids: dict[str, int] = {}          # sandbox id -> cgroup id, for every attached sandbox
+        self._by_ip: dict[str, str] = {r["ip"]: sid for sid, r in self._rows.items() if r["ip"]}
+        self._domain_ips: set[str] = set()        # in the nft set: TCP 80/443 go to the egress proxy
+        self._dns: DnsServer | None = None
+        self._proxy: EgressProxy | None = None
         self._locks: dict[str, asyncio.Lock] = {}
         self._infra_lock = asyncio.Lock()
         self._infra_ready = False
@@ -152,13 +171,17 @@ class SandboxNetworks:
 
     def _save(self, row: dict) -> None:
         self._rows[row["sandbox_id"]] = row
+        if row["ip"]:
+            self._by_ip[row["ip"]] = row["sandbox_id"]
         with self._dblock:
             self._db.execute("INSERT OR REPLACE INTO net_sandboxes VALUES (?,?,?,?,?)",
                              (row["sandbox_id"], row["ip"], row["cgid"],
                               json.dumps([a.to_json() for a in row["allows"]]), time.time()))
 
     def _forget(self, sandbox_id: str) -> None:
-        self._rows.pop(sandbox_id, None)
+        row = self._rows.pop(sandbox_id, None)
+        if row and row["ip"]:
+            self._by_ip.pop(row["ip"], None)
         with self._dblock:
             self._db.execute("DELETE FROM net_sandboxes WHERE sandbox_id=?", (sandbox_id,))
 
@@ -181,6 +204,28 @@ class SandboxNetworks:
     def ip_of(self, sandbox_id: str) -> str | None:
         row = self._rows.get(sandbox_id)
         return row["ip"] if row else None
+
+    def view_of_ip(self, ip: str) -> SandboxView | None:
+        """The policy of the sandbox holding a bridge address (the DNS forwarder's and the egress
+        proxy's lookup, per query and per connection: a set_network counts at once)."""
+        sid = self._by_ip.get(ip)
+        row = self._rows.get(sid) if sid else None
+        if row is None:
+            return None
+        return SandboxView(sid, bool(row["allows"]), domains_of(row["allows"]), row["allows"])
+
+    def resolv_conf(self) -> Path:
+        """The file every container sees as /etc/resolv.conf (spec.py): the gateway, where its
+        port 53 is answered by the forwarder when its policy allows egress."""
+        path = self.paths.home / "net" / f"resolv-{self.settings.bridge}.conf"
+        text = f"nameserver {self.settings.gateway}\noptions timeout:2 attempts:2\n"
+        if not path.exists() or path.read_text() != text:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(text)
+            tmp.chmod(0o644)
+            tmp.replace(path)
+        return path
 
     # -- BPF -----------------------------------------------------------------------------
     def program(self) -> PolicyProgram:
@@ -229,7 +274,12 @@ class SandboxNetworks:
                 cgid = self._cgids[sandbox_id] = prog.attach(self._cgroup_dir(sandbox_id))
             row = self._rows.get(sandbox_id)
             old = row["allows"] if row else []
+            domains = bool(domains_of(allows))
+            if domains and row and row["ip"]:
+                await self._domain_mode(row["ip"], True)   # the redirect before BPF lets 80/443 out
             prog.write(cgid, allows)   # deny before a link exists; effective for new connections now
+            if not domains and row and row["ip"]:
+                await self._domain_mode(row["ip"], False)
             if row is None and not allows:
                 return
             new_row = {"sandbox_id": sandbox_id, "ip": row["ip"] if row else None, "cgid": cgid, "allows": allows}
@@ -239,6 +289,8 @@ class SandboxNetworks:
                         await self._ensure_infra()
                         new_row["ip"] = self._allocate()
                         self._save(new_row)   # durable before the veth exists
+                        if domains:
+                            await self._domain_mode(new_row["ip"], True)
                     t0 = time.monotonic()
                     await self._plug(sandbox_id, pid, new_row["ip"])
                     log.info("sandbox plugged into the bridge",
@@ -246,6 +298,8 @@ class SandboxNetworks:
                                     "ms": round((time.monotonic() - t0) * 1000, 1)})
                 except BaseException:
                     await asyncio.shield(self._unplug(sandbox_id))
+                    if new_row["ip"]:
+                        await asyncio.shield(self._domain_mode(new_row["ip"], False))
                     if row:
                         self._save(row)
                     else:
@@ -273,6 +327,8 @@ class SandboxNetworks:
                 await self._unplug(sandbox_id)
             return
         await self._unplug(sandbox_id)
+        if row["ip"]:
+            await self._domain_mode(row["ip"], False)
         self._forget(sandbox_id)
         await self._maybe_teardown()
 
@@ -357,9 +413,21 @@ class SandboxNetworks:
     def _nft_rules(self) -> str:
         s, t = self.settings, self.settings.nft_table
         br = json.dumps(s.bridge)
+        gw = s.gateway
+        ips = sorted(self._domain_ips)
+        elements = f"elements = {{ {', '.join(ips)} }}" if ips else ""
         return f"""table inet {t} {{}}
 flush table inet {t}
 table inet {t} {{
+  set domain4 {{
+    type ipv4_addr
+    {elements}
+  }}
+  chain prerouting {{
+    type nat hook prerouting priority dstnat; policy accept;
+    iifname {br} meta l4proto {{ tcp, udp }} th dport 53 dnat ip to {gw}:{s.dns_port}
+    iifname {br} ip saddr @domain4 tcp dport {{ 80, 443 }} dnat ip to {gw}:{s.proxy_port}
+  }}
   chain postrouting {{
     type nat hook postrouting priority srcnat; policy accept;
     ip saddr {s.network} oifname != {br} masquerade
@@ -374,6 +442,8 @@ table inet {t} {{
   chain input {{
     type filter hook input priority filter; policy accept;
     iifname {br} ct state established,related accept
+    iifname {br} ip daddr {gw} meta l4proto {{ tcp, udp }} th dport {s.dns_port} ct status dnat accept
+    iifname {br} ip daddr {gw} tcp dport {s.proxy_port} ct status dnat accept
     iifname {br} drop
   }}
 }}
@@ -397,10 +467,48 @@ table inet {t} {{
             old = _write_sysctl(f"net/ipv4/conf/{dev}/forwarding", "1")
             if old is not None and old != "1" and self._meta(f"forwarding:{dev}") is None:
                 self._meta(f"forwarding:{dev}", old)   # restored when the bridge goes away
-        code, _ = await _run("nft", "list", "table", "inet", s.nft_table, check=False)
-        if code != 0:
-            await _run("nft", "-f", "-", stdin=self._nft_rules())
+        self._domain_ips = {r["ip"] for r in self._rows.values() if r["ip"] and domains_of(r["allows"])}
+        await _run("nft", "-f", "-", stdin=self._nft_rules())   # (re)loaded whole: rules of this version
+        await self._start_services()
         self._infra_ready = True
+
+    async def _domain_mode(self, ip: str, on: bool) -> None:
+        """Add or remove a sandbox address in the set whose TCP 80/443 the egress proxy gets."""
+        if on == (ip in self._domain_ips):
+            return
+        verb = "add" if on else "delete"
+        await _run("nft", verb, "element", "inet", self.settings.nft_table, "domain4", f"{{ {ip} }}", check=on)
+        (self._domain_ips.add if on else self._domain_ips.discard)(ip)
+
+    async def _start_services(self) -> None:
+        """The DNS forwarder and the egress proxy on the gateway, while the bridge exists."""
+        s = self.settings
+        if self._dns is not None:
+            return
+        upstream = Upstream(parse_upstream(s.dns_upstream))
+        dns = DnsServer(self.view_of_ip, upstream, str(s.gateway), s.dns_port)
+        proxy = EgressProxy(self.view_of_ip, upstream, str(s.gateway), s.proxy_port, s.network)
+        try:
+            await dns.start()
+            await proxy.start()
+        except OSError as e:
+            await dns.stop()
+            await proxy.stop()
+            raise Unavailable(f"cannot serve sandbox DNS/egress on {s.gateway} ports {s.dns_port}/{s.proxy_port}: {e}",
+                              fix="another dsec on this host uses the same bridge: give each its own "
+                                  "DSEC_NET_BRIDGE and DSEC_NET_SUBNET, or set DSEC_NET_DNS_PORT / "
+                                  "DSEC_NET_PROXY_PORT to free ports") from e
+        self._dns, self._proxy = dns, proxy
+        log.info("sandbox DNS forwarder and egress proxy serving",
+                 extra={"gateway": str(s.gateway), "dns_port": s.dns_port, "proxy_port": s.proxy_port,
+                        "upstream": "%s:%d" % upstream.addr})
+
+    async def _stop_services(self) -> None:
+        dns, proxy, self._dns, self._proxy = self._dns, self._proxy, None, None
+        if dns is not None:
+            await dns.stop()
+        if proxy is not None:
+            await proxy.stop()
 
     async def _uplinks(self) -> list[str]:
         _, out = await _run("ip", "-j", "route", "show", "default", check=False)
@@ -416,6 +524,8 @@ table inet {t} {{
                 return
             s = self.settings
             self._infra_ready = False
+            await self._stop_services()
+            self._domain_ips.clear()
             if _link_exists(s.bridge):
                 await _run("ip", "link", "del", s.bridge, check=False)
                 log.info("removed sandbox bridge", extra={"bridge": s.bridge})

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsec.backends.container import qos
+from dsec.backends.container.lxcfs import VIEW_FILES
 from dsec.security.profile import CAPABILITIES, MASKED_PATHS, READONLY_PATHS
 from dsec.security.seccomp import seccomp_profile
 
@@ -40,6 +41,8 @@ class ContainerSpec:
     id_count: int = 65536           # ids mapped: 0..id_count-1 inside -> id_base.. on the host
     userns_path: str | None = None  # the user namespace to join (made by nsexec.c, owned by id_base)
     cpu_class: str = "latency"      # CPU QoS class (qos.py): 'latency' or 'batch' (best effort)
+    resolv_conf: str | None = None  # host file bound read-only on /etc/resolv.conf (network.py)
+    cpus: str = ""                  # its cpuset ("0,1", cpusets.py); "": every CPU of the host
 
 
 def cgroup_path(sandbox_id: str) -> str:
@@ -113,8 +116,18 @@ def masked_dirs() -> tuple[str, ...]:
     return tuple(p for p in MASKED_PATHS if os.path.isdir(p) and not os.path.islink(p))
 
 
+def view_mounts(view: Path | None) -> list[dict]:
+    """Read-only binds of lxcfs's files (lxcfs.py) over the sandbox's own /proc/meminfo,
+    /proc/cpuinfo, ...: the figures of the reader's cgroups. Files only, never the lxcfs mount's
+    directories (its cgroup/ tree shows the host's); binds add no superblock (D35)."""
+    if view is None:
+        return []
+    return [{"destination": "/" + f, "type": "bind", "source": str(view / f),
+             "options": ["bind", "ro", "nosuid", "nodev", "noexec"]} for f in VIEW_FILES]
+
+
 def build_config(spec: ContainerSpec, agent_binary: Path, *, cgroup_v2: bool,
-                 quota_floor: float = qos.DEFAULT_QUOTA_FLOOR_CORES) -> dict:
+                 quota_floor: float = qos.DEFAULT_QUOTA_FLOOR_CORES, view: Path | None = None) -> dict:
     mem = spec.memory_mb * 1024 * 1024
     nofile = min(resource.getrlimit(resource.RLIMIT_NOFILE)[1], 65536)
     namespaces = [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")]
@@ -166,6 +179,10 @@ def build_config(spec: ContainerSpec, agent_binary: Path, *, cgroup_v2: bool,
              "options": ["bind", "ro", "nosuid", "nodev"]},
             *({"destination": d, "type": "bind", "source": str(mask_dir(agent_binary)),
                "options": ["bind", "ro", "nosuid", "nodev", "noexec"]} for d in masked_dirs()),
+            # the node's DNS forwarder (answers only when the sandbox's policy allows egress)
+            *([{"destination": "/etc/resolv.conf", "type": "bind", "source": spec.resolv_conf,
+                "options": ["bind", "ro", "nosuid", "nodev", "noexec"]}] if spec.resolv_conf else []),
+            *view_mounts(view),
         ],
         "linux": {
             "namespaces": namespaces,
@@ -177,7 +194,8 @@ def build_config(spec: ContainerSpec, agent_binary: Path, *, cgroup_v2: bool,
                 "memory": {"limit": mem, "swap": mem,
                            **({} if cgroup_v2 else {"kernelTCP": tcp_mem_bytes(spec.memory_mb)})},
                 "cpu": {"quota": qos.cpu_quota_us(spec.cpu_cores, quota_floor), "period": qos.CPU_PERIOD_US,
-                        "shares": qos.cpu_shares(spec.cpu_class, spec.cpu_cores)},
+                        "shares": qos.cpu_shares(spec.cpu_class, spec.cpu_cores),
+                        **({"cpus": spec.cpus} if spec.cpus else {})},
                 "pids": {"limit": spec.pids_limit},
             },
             "sysctl": dict(SOCKET_SYSCTLS),    # written by crun in the sandbox's own netns

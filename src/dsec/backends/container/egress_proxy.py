@@ -1,0 +1,234 @@
+"""The node's egress proxy: TCP 80/443 of sandboxes with domain rules, decided by name.
+
+nftables sends a domain-mode sandbox's TCP 80 and 443 (any address) here (network.py). Per
+connection, the sandbox is known by its source address, the port it asked for by
+SO_ORIGINAL_DST. Then:
+- the original address is allowed by the sandbox's CIDR rules: spliced to it unchanged;
+- else the name is read from the first bytes (TLS ClientHello SNI, or the HTTP Host header),
+  checked against the sandbox's domain patterns, resolved by the node's upstream (never the
+  address the sandbox chose: a raw IP or a lying DNS answer gains nothing) and connected to;
+- anything else is closed (plain HTTP gets a 403 that names the fix).
+Never connected to, whatever a name resolves to: this host's own addresses (a bind() test),
+loopback, link-local, multicast, reserved and the sandbox subnet (other sandboxes).
+Residual risk, documented in docs/decisions.md: domain fronting (an allowed SNI, another Host
+inside TLS) and later requests of a kept-alive HTTP connection reach the allowed name's server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import socket
+import struct
+
+from dsec.backends.container.dns import Lookup, Upstream
+from dsec.security.netpolicy import compile_allows
+from dsec.types.domains import matches
+
+log = logging.getLogger("dsec.backends.container.egress_proxy")
+
+SO_ORIGINAL_DST = 80
+HEAD_MAX = 16384              # bytes read to find the name
+HEAD_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 10.0
+MAX_PER_SOURCE = 256          # open proxied connections per sandbox
+PIPE_CHUNK = 65536
+
+
+def sni_of(data: bytes) -> str | None | bool:
+    """The server name of a TLS ClientHello: the name, None when the hello has none, False while
+    more bytes are needed. Raises ValueError on anything that is not a ClientHello."""
+    if len(data) < 5:
+        return False
+    if data[0] != 0x16:
+        raise ValueError("not a TLS handshake")
+    rec_len = struct.unpack(">H", data[3:5])[0]
+    if len(data) < 5 + rec_len:
+        return False
+    b = data[5:5 + rec_len]
+    if len(b) < 4 or b[0] != 0x01:
+        raise ValueError("not a ClientHello")
+    hs_len = int.from_bytes(b[1:4], "big")
+    if hs_len > len(b) - 4:
+        raise ValueError("ClientHello spans records")   # real clients send it in one record
+    p = 4 + 2 + 32
+    p += 1 + b[p]                                        # session id
+    p += 2 + struct.unpack(">H", b[p:p + 2])[0]          # cipher suites
+    p += 1 + b[p]                                        # compression methods
+    if p + 2 > len(b):
+        return None
+    end = min(len(b), p + 2 + struct.unpack(">H", b[p:p + 2])[0])
+    p += 2
+    while p + 4 <= end:
+        etype, elen = struct.unpack(">HH", b[p:p + 4])
+        p += 4
+        if etype == 0:                                   # server_name
+            q = p + 2
+            while q + 3 <= p + elen:
+                ntype, nlen = b[q], struct.unpack(">H", b[q + 1:q + 3])[0]
+                if ntype == 0:
+                    return b[q + 3:q + 3 + nlen].decode("ascii", "strict")
+                q += 3 + nlen
+            return None
+        p += elen
+    return None
+
+
+def host_of(data: bytes) -> str | None | bool:
+    """The Host of an HTTP/1 request head: the name, None if it has none, False if incomplete."""
+    end = data.find(b"\r\n\r\n")
+    if end < 0:
+        return False
+    for line in data[:end].split(b"\r\n")[1:]:
+        k, _, v = line.partition(b":")
+        if k.strip().lower() == b"host":
+            host = v.strip().decode("ascii", "strict")
+            if host.startswith("["):
+                return host   # an IPv6 literal never matches a pattern
+            return host.rsplit(":", 1)[0] if ":" in host else host
+    return None
+
+
+def forbidden(ip: str, subnet: ipaddress.IPv4Network) -> bool:
+    """Addresses the proxy never connects to: the host itself, other sandboxes, special ranges."""
+    a = ipaddress.ip_address(ip)
+    if a.version != 4 or a.is_loopback or a.is_link_local or a.is_multicast or a.is_unspecified \
+            or a.is_reserved or a in subnet or a == ipaddress.IPv4Address("255.255.255.255"):
+        return True
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind((ip, 0))   # succeeds only for an address of this host (network namespace)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+class EgressProxy:
+    def __init__(self, lookup: Lookup, upstream: Upstream, address: str, port: int,
+                 subnet: ipaddress.IPv4Network) -> None:
+        self.lookup, self.upstream = lookup, upstream
+        self.address, self.port, self.subnet = address, port, subnet
+        self._server: asyncio.Server | None = None
+        self._per_source: dict[str, int] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, self.address, self.port, reuse_address=True,
+                                                  backlog=1024)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for t in list(self._tasks):
+            t.cancel()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+        source = writer.get_extra_info("peername")[0]
+        if self._per_source.get(source, 0) >= MAX_PER_SOURCE:
+            writer.close()
+            return
+        self._per_source[source] = self._per_source.get(source, 0) + 1
+        try:
+            await self._handle(source, reader, writer)
+        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError, UnicodeError):
+            pass   # the sandbox's or the upstream's connection ended or was malformed
+        except Exception:   # e.g. a malformed upstream DNS answer: this connection only, never the loop
+            log.warning("egress proxy connection failed", exc_info=True, extra={"source": source})
+        finally:
+            n = self._per_source.get(source, 1) - 1
+            if n > 0:
+                self._per_source[source] = n
+            else:
+                self._per_source.pop(source, None)
+            if not writer.is_closing():
+                writer.close()
+            if task is not None:
+                self._tasks.discard(task)
+
+    async def _handle(self, source: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        view = self.lookup(source)
+        if view is None or not view.domains:
+            return
+        sock = writer.get_extra_info("socket")
+        raw = sock.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)
+        port = struct.unpack(">H", raw[2:4])[0]
+        orig = socket.inet_ntoa(raw[4:8])
+        if _cidr_allows(compile_allows(view.allows), orig, port) and not forbidden(orig, self.subnet):
+            await self._splice(b"", reader, writer, [orig], port)
+            return
+        head, name = b"", None
+        async with asyncio.timeout(HEAD_TIMEOUT_S):
+            while True:
+                chunk = await reader.read(HEAD_MAX - len(head))
+                if not chunk:
+                    return
+                head += chunk
+                found = sni_of(head) if head[:1] == b"\x16" else host_of(head)
+                if found is not False:
+                    name = found
+                    break
+                if len(head) >= HEAD_MAX:
+                    return
+        if not name or not matches(name, view.domains):
+            log.info("egress refused", extra={"sandbox": view.sandbox_id, "host": (name or "")[:253], "port": port})
+            if head[:1] != b"\x16":
+                body = (f"dsec: egress to {name or '(no Host)'!s:.253} is not allowed for this sandbox; "
+                        "add the name to its network policy's domains\n").encode()
+                writer.write(b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\nConnection: close\r\n"
+                             b"Content-Length: %d\r\n\r\n" % len(body) + body)
+                await writer.drain()
+            return
+        addrs = [a for a in await self.upstream.resolve4(name) if not forbidden(a, self.subnet)]
+        if not addrs:
+            log.info("egress name has no permitted address", extra={"sandbox": view.sandbox_id, "host": name})
+            return
+        await self._splice(head, reader, writer, addrs, port)
+
+    async def _splice(self, head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      addrs: list[str], port: int) -> None:
+        up_r = up_w = None
+        for a in addrs[:4]:
+            try:
+                up_r, up_w = await asyncio.wait_for(asyncio.open_connection(a, port), CONNECT_TIMEOUT_S)
+                break
+            except (OSError, asyncio.TimeoutError):
+                continue
+        if up_w is None or up_r is None:
+            return
+        try:
+            if head:
+                up_w.write(head)
+            await asyncio.gather(_pipe(reader, up_w), _pipe(up_r, writer))
+        finally:
+            up_w.close()
+
+
+async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+    try:
+        while True:
+            data = await src.read(PIPE_CHUNK)
+            if not data:
+                break
+            dst.write(data)
+            await dst.drain()
+        if dst.can_write_eof():
+            dst.write_eof()
+    except (OSError, RuntimeError):
+        dst.close()
+
+
+def _cidr_allows(entries: dict, ip: str, port: int) -> bool:
+    """Longest-prefix match over compiled entries, as the BPF program does (TCP)."""
+    a = ipaddress.IPv4Address(ip)
+    best = None
+    for net, ranges in entries.items():
+        if net.version == 4 and a in net and (best is None or net.prefixlen > best[0].prefixlen):
+            best = (net, ranges)
+    return best is not None and any(lo <= port <= hi and bits & 1 for lo, hi, bits in best[1])

@@ -1,0 +1,126 @@
+"""Sandboxes see their own size (D50): nproc, os.cpu_count(), /proc/meminfo and `free` say the
+sandbox's CPU and memory limits, not the host's (a cpuset of ceil(cpu_cores) CPUs, lxcfs's
+/proc files bound over the sandbox's own). Real containers, a real lxcfs daemon."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from dsec.backends.container.hibernate import on_disk
+from dsec.backends.container.lxcfs import Lxcfs
+from dsec.testing.waiting import wait_until
+
+# what each reader says: coreutils nproc (sched_getaffinity), Python (glibc: sys/.../cpu/online),
+# the affinity itself, /proc/cpuinfo, /proc/meminfo and procps `free -m`
+SIZE = r"""python3 - <<'EOF'
+import json, os, subprocess
+mem = {l.split(':')[0]: int(l.split()[1]) for l in open('/proc/meminfo')}
+free = subprocess.run(['free', '-m'], capture_output=True, text=True).stdout.split('\n')[1].split()
+print(json.dumps({
+    'nproc': int(subprocess.run(['nproc'], capture_output=True, text=True).stdout),
+    'cpu_count': os.cpu_count(), 'affinity': len(os.sched_getaffinity(0)),
+    'cpuinfo': sum(l.startswith('processor') for l in open('/proc/cpuinfo')),
+    'mem_total_kb': mem['MemTotal'], 'mem_available_kb': mem['MemAvailable'],
+    'free_total_mb': int(free[1])}))
+EOF"""
+
+
+async def size_of(sb) -> dict:
+    r = await sb.run(SIZE)
+    assert r.exit_code == 0, r
+    return json.loads(r.stdout)
+
+
+def assert_size(seen: dict, cpus: int, memory_mb: int) -> None:
+    host = len(os.sched_getaffinity(0))
+    want_cpus = min(cpus, host)
+    assert (seen["nproc"], seen["cpu_count"], seen["affinity"], seen["cpuinfo"]) == (want_cpus,) * 4, seen
+    assert seen["mem_total_kb"] == memory_mb * 1024, seen
+    assert 0 < seen["mem_available_kb"] <= seen["mem_total_kb"], seen
+    assert seen["free_total_mb"] == memory_mb, seen
+
+
+async def test_one_core_512(client):
+    sb = await client.create_container(image="debian-python", cpu_cores=1, memory_mb=512)
+    try:
+        assert_size(await size_of(sb), 1, 512)
+    finally:
+        await sb.stop()
+
+
+async def test_two_cores_1024_and_half_core(client):
+    sb = await client.create_container(image="debian-python", cpu_cores=2, memory_mb=1024)
+    half = await client.create_container(image="debian-python", cpu_cores=0.5, memory_mb=256)
+    try:
+        assert_size(await size_of(sb), 2, 1024)
+        assert_size(await size_of(half), 1, 256)      # fractional cores count as one CPU
+    finally:
+        await sb.stop()
+        await half.stop()
+
+
+async def test_size_after_suspend_in_memory_and_to_disk(client, server):
+    sb = await client.create_container(image="debian-python", cpu_cores=1, memory_mb=512)
+    run = server.paths.sandboxes / sb.id / "run"
+    try:
+        bg = await sb.start("sleep 600")           # a process kept: parked in memory (frozen)
+        await sb.suspend()
+        assert not on_disk(run)
+        await sb.resume()
+        assert_size(await size_of(sb), 1, 512)
+        await sb.signal(bg.exec_id, 9)
+        await sb.attach(bg.exec_id)
+        await sb.suspend()                          # quiescent: parked to disk, started again
+        assert on_disk(run)
+        await sb.resume()
+        assert not on_disk(run)
+        assert_size(await size_of(sb), 1, 512)
+    finally:
+        await sb.stop()
+
+
+async def test_lxcfs_killed_is_started_again_and_views_repaired(client, server):
+    """kill -9 of the node's lxcfs: its binds read ENOTCONN for good, so the edge starts a new
+    daemon and moves fresh binds into every running sandbox (a parked, frozen one too)."""
+    lx = Lxcfs(server.paths.home / "lxcfs")
+    sb = await client.create_container(image="debian-python", cpu_cores=1, memory_mb=512)
+    frozen = await client.create_container(image="debian-python", cpu_cores=2, memory_mb=1024)
+    try:
+        await frozen.start("sleep 600")
+        await frozen.suspend()                      # in memory: frozen while the daemon dies
+        old = lx.pid()
+        assert old is not None
+        os.kill(old, 9)
+
+        async def repaired() -> dict | None:
+            new = lx.pid()
+            if new is None or new == old:
+                return None
+            r = await sb.run("head -1 /proc/meminfo")
+            return await size_of(sb) if r.exit_code == 0 else None
+        assert_size(await wait_until(repaired, timeout_s=30, what="lxcfs restarted and views repaired"), 1, 512)
+        await frozen.resume()
+        assert_size(await size_of(frozen), 2, 1024)
+        # and a sandbox created after it
+        again = await client.create_container(image="debian-python", cpu_cores=1, memory_mb=256)
+        try:
+            assert_size(await size_of(again), 1, 256)
+        finally:
+            await again.stop()
+    finally:
+        await sb.stop()
+        await frozen.stop()
+
+
+async def test_microvm_sees_its_own_size_from_its_kernel(vm_client):
+    """VMs need no view: the guest kernel has only the vcpus and memory it was given (its own
+    reserved memory off MemTotal)."""
+    sb = await vm_client.create_microvm(image="busybox", vcpus=2, memory_mb=384)
+    try:
+        r = await sb.run("nproc; grep -c ^processor /proc/cpuinfo; head -1 /proc/meminfo")
+        nproc, cpuinfo, _, kb, _ = r.stdout.split()
+        assert (nproc, cpuinfo) == ("2", "2"), r
+        assert 300 << 10 < int(kb) <= 384 << 10, r
+    finally:
+        await sb.stop()

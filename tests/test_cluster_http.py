@@ -123,6 +123,9 @@ async def test_sandbox_lifecycle_through_http_edge(split):
     assert await sb.files.read("/tmp/blob") == blob
     assert "blob" in [e.name for e in await sb.files.list("/tmp")]
     await sb.files.remove("/tmp/blob")
+    # a file call's user crosses to the edge (issue 24, item 4)
+    await sb.files.write("/root/over-http", b"r", user="root")
+    assert (await sb.run("stat -c %u:%g /root/over-http", user="root")).stdout == "0:0\n"
     with pytest.raises(NotFound) as e:
         await sb.files.read("/tmp/blob")
     assert e.value.field == "path"

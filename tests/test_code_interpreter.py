@@ -306,6 +306,14 @@ def test_e2b_run_code(e2b_sbx):
     assert time.monotonic() - t0 < 15
 
 
+def test_e2b_kernel_runs_as_user_in_its_home(e2b_sbx):
+    """E2B's layout (issue 24, item 3): the kernel's cwd and HOME are /home/user, its user `user`."""
+    code = "import getpass, os; (os.getcwd(), os.environ['HOME'], getpass.getuser(), os.getuid())"
+    assert e2b_sbx.run_code(code).text == "('/home/user', '/home/user', 'user', 1000)"
+    e2b_sbx.run_code("open('from-kernel.txt', 'w').write('k')")
+    assert e2b_sbx.files.read("from-kernel.txt") == "k"          # relative: the same home
+
+
 def test_e2b_code_contexts(e2b_sbx):
     sbx = e2b_sbx
     # the context calls send only E2B-Traffic-Access-Token (run_code sends X-Access-Token too)

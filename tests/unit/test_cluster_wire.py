@@ -101,3 +101,13 @@ async def test_unreachable_says_whether_the_request_was_delivered():
     finally:
         await edge.aclose()
         server.close()
+
+
+def test_file_calls_carry_their_user():
+    """read/write/list/remove take `user` (issue 24, item 4); left out, it is the sandbox's user."""
+    for name in ("read_file", "write_file", "list_dir", "remove_file"):
+        params = specs(EdgeHandle)[name].params
+        assert params.model_fields["user"].default is None, name
+    spec = specs(EdgeHandle)["read_file"]
+    body = spec.params(sandbox_id="sb-n1.0123456789ab", path="/root/x", maxlen=10, user="root").model_dump_json()
+    assert spec.params.model_validate_json(body).user == "root"

@@ -13,7 +13,7 @@ from dsec.apiserver.context import ApiContext, EdgeHandle
 from dsec.apiserver.index import keeper
 from dsec.apiserver.tenancy import check_usable, check_usable_on
 from dsec.iam import Principal
-from dsec.iam.policy import check_create, check_network, is_root
+from dsec.iam.policy import check_create, check_network, check_root, is_root
 from dsec.types import (CapacityExceeded, DsecError, ExecRequest, NetworkPolicy, NodeUnreachable, NotFound, SandboxArgs,
                         SandboxInfo, node_of_snapshot)
 
@@ -148,6 +148,18 @@ def check_exec_in(ctx: ApiContext, project: str, req: ExecRequest) -> None:
     """Per-command loosening is bounded by the project's policy, like create."""
     if loosens(req):
         check_create(ctx.iam.effective_policy(project), req, project)
+
+
+def check_file_user_in(ctx: ApiContext, project: str, user: str | None) -> None:
+    """A file call as root is bounded by the project's policy (allow_root), as a root command is."""
+    if is_root(user):
+        check_root(ctx.iam.effective_policy(project), user, project, what="file calls")
+
+
+async def check_file_user(ctx: ApiContext, edge: EdgeHandle, sandbox_id: str, user: str | None) -> None:
+    """check_file_user_in, the project looked up only for root (plain calls cost no IAM query)."""
+    if is_root(user):
+        check_file_user_in(ctx, (await edge.get(sandbox_id)).project, user)
 
 
 async def check_exec(ctx: ApiContext, edge: EdgeHandle, sandbox_id: str, req: ExecRequest) -> None:

@@ -68,7 +68,9 @@ def specs(protocol: type) -> dict[str, MethodSpec]:
             continue
         hints = typing.get_type_hints(fn)
         kind, item = _kind(hints.get("return", type(None)))
-        fields: dict[str, Any] = {p: (hints[p], ...) for p in inspect.signature(fn).parameters if p != "self"}
+        # a parameter the protocol gives a real default (not `...`) may be left out on the wire
+        fields: dict[str, Any] = {p: (hints[p], ... if v.default in (inspect.Parameter.empty, Ellipsis) else v.default)
+                                  for p, v in inspect.signature(fn).parameters.items() if p != "self"}
         params = create_model(f"{name}_args", __config__=_WIRE, **fields)
         result = create_model(f"{name}_result", __config__=_WIRE, result=(item, ...))
         out[name] = MethodSpec(name, kind, params, result)

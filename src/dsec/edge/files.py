@@ -1,4 +1,6 @@
-"""Files: read, write, list, remove, watch, through the agent as the sandbox user.
+"""Files: read, write, list, remove, watch, through the agent as the sandbox user or the user a
+call names (root, 'sandbox', UID[:GID]): the agent sets its filesystem ids to that user's for
+the call, so permission checks and the owner of created files are that user's.
 """
 
 from __future__ import annotations
@@ -8,43 +10,53 @@ from collections.abc import AsyncIterator
 
 from dsec.agent.client import AgentError, DirEntry
 from dsec.edge.agent_errors import check_path, map_agent_error, watch_error
+from dsec.edge.live import LiveSandbox
 from dsec.security.users import resolve_user
 from dsec.types import CapacityExceeded, FileEntry, FsEvent
 from dsec.edge.core import MAX_WATCHES_PER_PROJECT, EdgeCore
 
 
+def _ids(live: LiveSandbox, user: str | None) -> tuple[int, int]:
+    """The uid/gid a file call acts as: the named user's, else the sandbox's own."""
+    return resolve_user(user) if user else (live.rec.uid, live.rec.gid)
+
+
 class Files(EdgeCore):
-    async def read_file(self, sandbox_id: str, path: str, maxlen: int = 64 << 20) -> bytes:
+    async def read_file(self, sandbox_id: str, path: str, maxlen: int = 64 << 20, user: str | None = None) -> bytes:
         check_path(path)
         async with self._use(sandbox_id) as (live, agent):
+            uid, gid = _ids(live, user)
             try:
-                return await agent.read_file(path, uid=live.rec.uid, gid=live.rec.gid, maxlen=maxlen)
+                return await agent.read_file(path, uid=uid, gid=gid, maxlen=maxlen)
             except AgentError as e:
                 raise map_agent_error(e, "path") from e
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644,
-                         mkdirs: bool = True) -> None:
+                         mkdirs: bool = True, user: str | None = None) -> None:
         check_path(path)
         async with self._use(sandbox_id) as (live, agent):
+            uid, gid = _ids(live, user)
             try:
-                await agent.write_file(path, data, uid=live.rec.uid, gid=live.rec.gid, mode=mode, mkdirs=mkdirs)
+                await agent.write_file(path, data, uid=uid, gid=gid, mode=mode, mkdirs=mkdirs)
             except AgentError as e:
                 raise map_agent_error(e, "path") from e
 
-    async def list_dir(self, sandbox_id: str, path: str) -> builtins.list[FileEntry]:
+    async def list_dir(self, sandbox_id: str, path: str, user: str | None = None) -> builtins.list[FileEntry]:
         check_path(path)
         async with self._use(sandbox_id) as (live, agent):
+            uid, gid = _ids(live, user)
             try:
-                entries: builtins.list[DirEntry] = await agent.list_dir(path, uid=live.rec.uid, gid=live.rec.gid)
+                entries: builtins.list[DirEntry] = await agent.list_dir(path, uid=uid, gid=gid)
             except AgentError as e:
                 raise map_agent_error(e, "path") from e
         return [FileEntry(name=e.name, type=e.kind, size=e.size, mode=e.mode, mtime=e.mtime) for e in entries]
 
-    async def remove_file(self, sandbox_id: str, path: str) -> None:
+    async def remove_file(self, sandbox_id: str, path: str, user: str | None = None) -> None:
         check_path(path)
         async with self._use(sandbox_id) as (live, agent):
+            uid, gid = _ids(live, user)
             try:
-                await agent.remove(path, uid=live.rec.uid, gid=live.rec.gid)
+                await agent.remove(path, uid=uid, gid=gid)
             except AgentError as e:
                 raise map_agent_error(e, "path") from e
 
@@ -59,7 +71,7 @@ class Files(EdgeCore):
             if self._watches[project] >= MAX_WATCHES_PER_PROJECT:     # the agent caps each sandbox
                 raise CapacityExceeded(f"project {project} already has {MAX_WATCHES_PER_PROJECT} open directory "
                                        "watches on this node", field="path", fix="stop some of its watches first")
-            uid, gid = resolve_user(user) if user else (live.rec.uid, live.rec.gid)
+            uid, gid = _ids(live, user)
             try:
                 changes = await agent.watch(path, uid=uid, gid=gid, recursive=recursive)
             except AgentError as e:

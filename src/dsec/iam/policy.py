@@ -139,6 +139,13 @@ def is_root(user: str | None) -> bool:
     return user == "root" or (uid.isdigit() and int(uid) == 0)   # "00" is uid 0 too
 
 
+def check_root(policy: SandboxPolicy, user: str | None, project_id: str, what: str = "sandboxes running") -> None:
+    """Refuse acting as root (a sandbox, a command, a file call) where the policy forbids it."""
+    if policy.allow_root is False and is_root(user):
+        raise Forbidden(f"project {project_id} does not allow {what} as root (its policy has allow_root=false)",
+                        field="user", fix=_fix(project_id, "leave user unset (uid 1000)"))
+
+
 def check_create(policy: SandboxPolicy, args: object, project_id: str) -> None:
     """Refuse sandbox arguments beyond the project's effective policy (403 naming the field)."""
     for f, arg in LIMITS.items():
@@ -146,9 +153,7 @@ def check_create(policy: SandboxPolicy, args: object, project_id: str) -> None:
         if bound is not None and value is not None and value > bound:
             raise Forbidden(f"{arg}={value} exceeds project {project_id}'s {f}={bound}", field=arg,
                             fix=_fix(project_id, f"ask for at most {arg}={bound}"))
-    if policy.allow_root is False and is_root(getattr(args, "user", None)):
-        raise Forbidden(f"project {project_id} does not allow sandboxes running as root", field="user",
-                        fix=_fix(project_id, "leave user unset (uid 1000)"))
+    check_root(policy, getattr(args, "user", None), project_id)
     net = getattr(args, "network", None)
     if isinstance(net, NetworkPolicy):
         check_network(policy, net, project_id)

@@ -745,7 +745,9 @@ class Pty:
 
 
 class Files:
-    """sb.files: read, write, list and remove files inside the sandbox, as the sandbox user."""
+    """sb.files: read, write, list and remove files inside the sandbox, as the sandbox user or
+    as `user` ('root', 'sandbox', 'UID[:GID]': its permissions, and the owner of what it creates;
+    root only where the project's policy allows it)."""
 
     def __init__(self, sandbox: Sandbox):
         self._sb = sandbox
@@ -754,32 +756,37 @@ class Files:
     def _url(self) -> str:
         return f"/v1/sandboxes/{self._sb.id}/files"
 
-    async def read(self, path: str) -> bytes:
-        return (await self._sb._c._request("GET", self._url, params={"path": path})).content
+    @staticmethod
+    def _params(path: str, user: str | None, **more: Any) -> dict[str, Any]:
+        return {"path": path, **more, **({"user": user} if user is not None else {})}
 
-    async def read_text(self, path: str, encoding: str = "utf-8") -> str:
-        return (await self.read(path)).decode(encoding)
+    async def read(self, path: str, *, user: str | None = None) -> bytes:
+        return (await self._sb._c._request("GET", self._url, params=self._params(path, user))).content
 
-    async def write(self, path: str, data: bytes | str, *, mode: int = 0o644, mkdirs: bool = True) -> None:
+    async def read_text(self, path: str, encoding: str = "utf-8", *, user: str | None = None) -> str:
+        return (await self.read(path, user=user)).decode(encoding)
+
+    async def write(self, path: str, data: bytes | str, *, mode: int = 0o644, mkdirs: bool = True,
+                    user: str | None = None) -> None:
         body = data.encode() if isinstance(data, str) else data
-        await self._sb._c._request("PUT", self._url, params={"path": path, "mode": mode, "mkdirs": mkdirs},
+        await self._sb._c._request("PUT", self._url, params=self._params(path, user, mode=mode, mkdirs=mkdirs),
                                    content=body, headers=OCTETS)
 
-    async def list(self, path: str = ".") -> list[FileEntry]:
-        resp = await self._sb._c._request("GET", f"{self._url}/list", params={"path": path})
+    async def list(self, path: str = ".", *, user: str | None = None) -> list[FileEntry]:
+        resp = await self._sb._c._request("GET", f"{self._url}/list", params=self._params(path, user))
         return FileList.model_validate_json(resp.content).entries
 
-    async def remove(self, path: str) -> None:
-        await self._sb._c._request("DELETE", self._url, params={"path": path})
+    async def remove(self, path: str, *, user: str | None = None) -> None:
+        await self._sb._c._request("DELETE", self._url, params=self._params(path, user))
 
-    async def watch(self, path: str, *, recursive: bool = False) -> AsyncIterator[FsEvent]:
+    async def watch(self, path: str, *, recursive: bool = False, user: str | None = None) -> AsyncIterator[FsEvent]:
         """Changes below directory `path` as they happen (its whole tree with recursive=True):
         first `start` (the watch is in place: later changes are seen), then create, write,
         remove, rename, chmod with the name relative to `path` (`overflow`: events were lost,
         list again). Until you stop iterating; NotFound if the directory is removed."""
         c = self._sb._c
         await c._ensure_ready()
-        params = {"path": path, "recursive": "true" if recursive else "false"}
+        params = self._params(path, user, recursive="true" if recursive else "false")
         async with c._http.stream("GET", f"{self._url}/watch", params=params, timeout=httpx.Timeout(30.0, read=None)) as resp:
             if resp.status_code >= 400:
                 _raise_for(resp, await resp.aread())

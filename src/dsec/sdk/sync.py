@@ -404,34 +404,38 @@ class SyncSandbox(_sync.Synchronized):
 
 @_sync.register(Files)
 class SyncFiles(_sync.Synchronized):
-    """sb.files: read, write, list and remove files inside the sandbox, as the sandbox user."""
+    """sb.files: read, write, list and remove files inside the sandbox, as the sandbox user or
+    as `user` ('root', 'sandbox', 'UID[:GID]': its permissions, and the owner of what it creates;
+    root only where the project's policy allows it).
+    """
     __slots__ = ()
 
     def __init__(self, sandbox: SyncSandbox) -> None:
         _sync.construct(self, sandbox)
 
-    def read(self, path: str) -> bytes:
-        return cast("bytes", _sync.call(self, "read", path))
+    def read(self, path: str, *, user: str | None = None) -> bytes:
+        return cast("bytes", _sync.call(self, "read", path, user=user))
 
-    def read_text(self, path: str, encoding: str = "utf-8") -> str:
-        return cast("str", _sync.call(self, "read_text", path, encoding))
+    def read_text(self, path: str, encoding: str = "utf-8", *, user: str | None = None) -> str:
+        return cast("str", _sync.call(self, "read_text", path, encoding, user=user))
 
-    def write(self, path: str, data: bytes | str, *, mode: int = 0o644, mkdirs: bool = True) -> None:
-        _sync.call(self, "write", path, data, mode=mode, mkdirs=mkdirs)
+    def write(self, path: str, data: bytes | str, *, mode: int = 0o644, mkdirs: bool = True,
+              user: str | None = None) -> None:
+        _sync.call(self, "write", path, data, mode=mode, mkdirs=mkdirs, user=user)
 
-    def list(self, path: str = ".") -> builtins.list[FileEntry]:
-        return cast("builtins.list[FileEntry]", _sync.call(self, "list", path))
+    def list(self, path: str = ".", *, user: str | None = None) -> builtins.list[FileEntry]:
+        return cast("builtins.list[FileEntry]", _sync.call(self, "list", path, user=user))
 
-    def remove(self, path: str) -> None:
-        _sync.call(self, "remove", path)
+    def remove(self, path: str, *, user: str | None = None) -> None:
+        _sync.call(self, "remove", path, user=user)
 
-    def watch(self, path: str, *, recursive: bool = False) -> Iterator[FsEvent]:
+    def watch(self, path: str, *, recursive: bool = False, user: str | None = None) -> Iterator[FsEvent]:
         """Changes below directory `path` as they happen (its whole tree with recursive=True):
         first `start` (the watch is in place: later changes are seen), then create, write,
         remove, rename, chmod with the name relative to `path` (`overflow`: events were lost,
         list again). Until you stop iterating; NotFound if the directory is removed.
         """
-        return cast("Iterator[FsEvent]", _sync.call(self, "watch", path, recursive=recursive))
+        return cast("Iterator[FsEvent]", _sync.call(self, "watch", path, recursive=recursive, user=user))
 
 
 @_sync.register(Pty)

@@ -7,6 +7,7 @@ import logging
 
 from dsec.apiserver import control
 from dsec.apiserver.context import ApiContext, EdgeHandle
+from dsec.apiserver.e2b.mapping import E2B_USER_ENV
 from dsec.iam import Principal
 from dsec.types import DsecError, ExecRequest, NotFound, SandboxArgs, SandboxInfo
 
@@ -45,7 +46,9 @@ async def start_template_services(ctx: ApiContext, info: SandboxInfo) -> None:
     """Start what E2B templates run by themselves (dsec sandboxes start nothing but their agent).
     A service that fails to start is logged, not fatal: the sandbox itself is fine."""
     try:
-        r = await ctx.edge_for(info.id).run(info.id, ExecRequest(cmd=TEMPLATE_SERVICES, timeout_s=30))
+        # as the default user, in its home (the workdir): the kernel's cwd and HOME are /home/user
+        r = await ctx.edge_for(info.id).run(info.id, ExecRequest(cmd=TEMPLATE_SERVICES, env=E2B_USER_ENV,
+                                                                 timeout_s=30))
     except DsecError as e:
         log.warning("template services did not start", extra={"sandbox": info.id, "error": e.message})
         return

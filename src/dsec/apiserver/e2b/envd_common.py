@@ -15,14 +15,17 @@ from typing import TypeVar
 from dsec.apiserver.context import ApiContext, EdgeHandle
 from dsec.apiserver.e2b.errors import gone
 from dsec.apiserver.e2b.ids import to_dsec
-from dsec.apiserver.e2b.mapping import e2b_state
+from dsec.apiserver.e2b.mapping import E2B_HOME, e2b_state
 from dsec.apiserver.guard import E2B_SANDBOX_HEADER
-from dsec.types import USER_RE, InvalidArgument, NotFound, SandboxInfo
+from dsec.iam.policy import is_root
+from dsec.types import USER_RE, DsecError, InvalidArgument, NotFound, SandboxInfo
 
 ENVD_PORT = 49983
 PORT_HEADER = "e2b-sandbox-port"
 KEEPALIVE_HEADER = "keepalive-ping-interval"   # seconds between keepalives of a server stream
-HOME = "/work"     # relative paths resolve here: the workdir of sandboxes created through E2B
+HOME = E2B_HOME     # the default user's home: the workdir of sandboxes created through E2B
+ROOT_HOME = "/root"
+ACCOUNT_RE = r"^[a-z_][a-z0-9_.-]{0,31}$"     # useradd's user names
 
 
 @dataclass(frozen=True)
@@ -63,21 +66,45 @@ def user_of(headers: Mapping[str, str]) -> str | None:
 
 
 def user_name(name: str | None) -> str | None:
+    """E2B's user name as dsec's user: None for `user` (the default), dsec's own specs as they
+    are, any other account name as given (account() resolves it in the sandbox)."""
     if not name or name == "user":
         return None
-    if not re.match(USER_RE, name):
-        raise InvalidArgument(f"user {name[:40]!r} is not known in dsec sandboxes", field="user",
-                              fix="use 'user' (the sandbox's user) or 'root'")
+    if not (re.match(USER_RE, name) or re.match(ACCOUNT_RE, name)):
+        raise InvalidArgument(f"user {name[:40]!r} is not a user name", field="user",
+                              fix="use 'user' (the default user), 'root' or a user of the sandbox's image")
     return name
 
 
-def abs_path(path: str, field: str = "path") -> str:
-    """envd resolves relative paths against the user's home; dsec against HOME."""
+async def account(t: Target, user: str | None) -> str | None:
+    """`user` as dsec acts as it: a name of the image's own accounts becomes its UID:GID, from
+    the sandbox's /etc/passwd (read inside the sandbox, as root, through the agent)."""
+    if user is None or re.match(USER_RE, user):
+        return user
+    try:
+        text = (await t.edge.read_file(t.sandbox_id, "/etc/passwd", 1 << 20, user="root")).decode("utf-8", "replace")
+    except DsecError:
+        text = ""
+    for line in text.splitlines():
+        p = line.split(":")
+        if len(p) >= 7 and p[0] == user and p[2].isdigit() and p[3].isdigit():
+            return f"{int(p[2])}:{int(p[3])}"
+    raise InvalidArgument(f"user {user!r} does not exist in the sandbox (no entry in its /etc/passwd)",
+                          field="user", fix="use 'user' (the default user), 'root', or create the user first")
+
+
+def home_of(user: str | None) -> str:
+    """The home of a request's user, as envd has it: /root for root, else the default user's."""
+    return ROOT_HOME if is_root(user) else HOME
+
+
+def abs_path(path: str, field: str = "path", user: str | None = None) -> str:
+    """envd resolves relative paths against the acting user's home (home_of)."""
     if not path:
         raise InvalidArgument("path is empty", field=field, fix="pass a file path")
     if "\0" in path:
         raise InvalidArgument("path contains a NUL byte", field=field, fix="pass a plain file path")
-    return posixpath.normpath(posixpath.join(HOME, path))
+    return posixpath.normpath(posixpath.join(home_of(user), path))
 
 
 T = TypeVar("T")

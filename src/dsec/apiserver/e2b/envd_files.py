@@ -14,10 +14,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from dsec.apiserver.context import ApiContext
-from dsec.apiserver.e2b.envd_common import Target, abs_path, user_name
+from dsec.apiserver.control import check_file_user_in
+from dsec.apiserver.e2b.envd_common import Target, abs_path, account, user_name
 from dsec.apiserver.e2b.errors import Unsupported, e2b_response
 from dsec.apiserver.guard import MAX_FILE_BYTES
-from dsec.types import DsecError, InvalidArgument, PayloadTooLarge
+from dsec.types import DsecError, Forbidden, InvalidArgument, PayloadTooLarge
 
 METADATA_PREFIX = "x-metadata-"
 TARGET_KEY = "e2b_target"      # scope["state"] key the dispatcher puts the Target under
@@ -29,15 +30,33 @@ def target(request: Request) -> Target:
     return t
 
 
-def _user_path(request: Request, path: str | None) -> str:
-    """The absolute path, refusing users dsec file operations cannot act as."""
-    if user_name(request.query_params.get("username")) is not None:
-        raise Unsupported("username: dsec reads and writes files as the sandbox's user only",
-                          field="username", fix="leave user unset, or write as root with "
-                                                "commands.run(..., user='root')")
+async def _user(request: Request, t: Target) -> str | None:
+    """The user a file request acts as (?username=; E2B's "user" is the sandbox's own)."""
+    return await account(t, user_name(request.query_params.get("username")))
+
+
+def _user_path(request: Request, path: str | None, user: str | None) -> str:
+    """The absolute path (a relative one is relative to the user's home, as envd has it)."""
     if not path:
         raise InvalidArgument("path is missing", field="path", fix="pass the file path")
-    return abs_path(path)
+    return abs_path(path, user=user)
+
+
+async def _checked_user(request: Request, t: Target) -> str | None:
+    """The request's user, once the project's policy allows it (root: allow_root)."""
+    user = await _user(request, t)
+    check_file_user_in(request.app.state.ctx, t.info.project, user)
+    return user
+
+
+def denied(e: DsecError, user: str | None, path: str) -> DsecError:
+    """EACCES from the agent as envd answers it: permission denied for that user (403)."""
+    if isinstance(e, InvalidArgument) and e.message.endswith("(Permission denied)"):
+        who = user or "user"
+        return Forbidden(f"permission denied: user '{who}' may not access {path}: {e.message}", field="path",
+                         fix="act as a user allowed to (user='root' where the project allows root), or change "
+                             "the file's permissions")
+    return e
 
 
 async def health(request: Request) -> Response:
@@ -46,8 +65,12 @@ async def health(request: Request) -> Response:
 
 async def download(request: Request) -> Response:
     t = target(request)
-    path = _user_path(request, request.query_params.get("path"))
-    data = await t.edge.read_file(t.sandbox_id, path, MAX_FILE_BYTES)
+    user = await _checked_user(request, t)
+    path = _user_path(request, request.query_params.get("path"), user)
+    try:
+        data = await t.edge.read_file(t.sandbox_id, path, MAX_FILE_BYTES, user=user)
+    except DsecError as e:
+        raise denied(e, user, path) from None
     name = posixpath.basename(path)
     return Response(data, media_type="application/octet-stream",
                     headers={"content-disposition": f'inline; filename="{name}"'})
@@ -82,6 +105,7 @@ async def _body(request: Request) -> bytes:
 async def upload(request: Request) -> Response:
     t = target(request)
     _check_no_metadata(request)
+    user = await _checked_user(request, t)
     ctype = request.headers.get("content-type", "")
     written: list[tuple[str, bytes]] = []
     if ctype.startswith("multipart/form-data"):
@@ -90,13 +114,16 @@ async def upload(request: Request) -> Response:
         for value in files:
             # multi-file uploads name each file by its path; a single one may use ?path=
             raw = request.query_params.get("path") if len(files) == 1 else None
-            written.append((_user_path(request, raw or value.filename), await value.read()))
+            written.append((_user_path(request, raw or value.filename, user), await value.read()))
     else:
-        written.append((_user_path(request, request.query_params.get("path")), await _body(request)))
+        written.append((_user_path(request, request.query_params.get("path"), user), await _body(request)))
     if not written:
         raise InvalidArgument("no file in the upload", field="file", fix="send the file as multipart field 'file'")
     for path, data in written:
-        await t.edge.write_file(t.sandbox_id, path, data, 0o644, True)
+        try:
+            await t.edge.write_file(t.sandbox_id, path, data, 0o644, True, user=user)
+        except DsecError as e:
+            raise denied(e, user, path) from None
     return JSONResponse([{"name": posixpath.basename(p), "type": "file", "path": p} for p, _ in written])
 
 
@@ -107,7 +134,9 @@ async def _dsec_error(request: Request, e: Exception) -> Response:
 
 def files_app(ctx: ApiContext) -> Starlette:
     """The envd HTTP routes (the dispatcher resolved and authenticated the sandbox)."""
-    return Starlette(routes=[Route("/health", health, methods=["GET"]),
-                             Route("/files", download, methods=["GET"]),
-                             Route("/files", upload, methods=["POST"])],
-                     exception_handlers={DsecError: _dsec_error})
+    app = Starlette(routes=[Route("/health", health, methods=["GET"]),
+                            Route("/files", download, methods=["GET"]),
+                            Route("/files", upload, methods=["POST"])],
+                    exception_handlers={DsecError: _dsec_error})
+    app.state.ctx = ctx      # the project's policy bounds root file calls
+    return app

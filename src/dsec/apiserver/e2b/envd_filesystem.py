@@ -23,8 +23,11 @@ from e2b.envd.filesystem import filesystem_pb as pb
 from e2b.envd.filesystem.filesystem_connect import FilesystemASGIApplication
 
 from dsec.apiserver.context import ApiContext
+from dsec.apiserver.control import check_file_user_in
 from dsec.apiserver.e2b.control import check_exec
-from dsec.apiserver.e2b.envd_common import Target, abs_path, keepalive_s, target_of, user_of, with_keepalive
+from dsec.apiserver.e2b.envd_common import (Target, abs_path, account, keepalive_s, target_of, user_of,
+                                            with_keepalive)
+from dsec.apiserver.e2b.envd_files import denied
 from dsec.apiserver.e2b.envd_watch import Watchers, fs_event, open_watch
 from dsec.apiserver.e2b.errors import connect_error
 from dsec.types import DsecError, ExecRequest, ExecResult, FileEntry, NotFound
@@ -100,7 +103,8 @@ class FilesystemService:
 
     async def _target(self, rc: RequestContext) -> tuple[Target, str | None]:
         try:
-            return await target_of(self.ctx, rc.request_headers), user_of(rc.request_headers)
+            t = await target_of(self.ctx, rc.request_headers)
+            return t, await account(t, user_of(rc.request_headers))
         except DsecError as e:
             raise connect_error(e) from None
 
@@ -120,11 +124,11 @@ class FilesystemService:
 
     async def stat(self, request: pb.StatRequest, ctx: RequestContext) -> pb.StatResponse:
         t, user = await self._target(ctx)
-        return pb.StatResponse(entry=await self._stat(t, user, _path(request.path)))
+        return pb.StatResponse(entry=await self._stat(t, user, _path(request.path, user=user)))
 
     async def make_dir(self, request: pb.MakeDirRequest, ctx: RequestContext) -> pb.MakeDirResponse:
         t, user = await self._target(ctx)
-        path = _path(request.path)
+        path = _path(request.path, user=user)
         p = shlex.quote(path)
         r = await self._sh(t, user, f"if [ -e {p} ] || [ -L {p} ]; then exit {EXISTS}; fi; mkdir -p -- {p}")
         if r.exit_code == EXISTS:
@@ -135,7 +139,7 @@ class FilesystemService:
 
     async def move(self, request: pb.MoveRequest, ctx: RequestContext) -> pb.MoveResponse:
         t, user = await self._target(ctx)
-        src, dst = _path(request.source, "source"), _path(request.destination, "destination")
+        src, dst = _path(request.source, "source", user), _path(request.destination, "destination", user)
         q_src, q_dst, q_dir = shlex.quote(src), shlex.quote(dst), shlex.quote(posixpath.dirname(dst))
         r = await self._sh(t, user, f"[ -e {q_src} ] || [ -L {q_src} ] || {{ echo 'No such file' >&2; exit 2; }}; "
                                     f"mkdir -p -- {q_dir} && mv -f -- {q_src} {q_dst}")
@@ -145,36 +149,35 @@ class FilesystemService:
 
     async def list_dir(self, request: pb.ListDirRequest, ctx: RequestContext) -> pb.ListDirResponse:
         t, user = await self._target(ctx)
-        if user is not None:
-            raise ConnectError(Code.INVALID_ARGUMENT, f"user {user!r}: dsec lists directories as the sandbox's "
-                                                      "user only; list as root with commands.run('ls -la ...', "
-                                                      "user='root')")
         depth = min(max(request.depth, 1), MAX_DEPTH)
         entries: list[pb.EntryInfo] = []
+        path = _path(request.path, user=user)
         try:
-            await self._walk(t, _path(request.path), depth, entries)
+            check_file_user_in(self.ctx, t.info.project, user)
+            await self._walk(t, user, path, depth, entries)
         except DsecError as e:
-            raise connect_error(e) from None
+            raise connect_error(denied(e, user, path)) from None
         return pb.ListDirResponse(entries=entries)
 
-    async def _walk(self, t: Target, directory: str, depth: int, out: list[pb.EntryInfo]) -> None:
-        # the edge's listing runs as the sandbox's user (a root listing is not available)
-        for f in await t.edge.list_dir(t.sandbox_id, directory):
+    async def _walk(self, t: Target, user: str | None, directory: str, depth: int, out: list[pb.EntryInfo]) -> None:
+        for f in await t.edge.list_dir(t.sandbox_id, directory, user=user):   # as the request's user
             out.append(entry_from_list(directory, f))
             if f.type == "dir" and depth > 1:
-                await self._walk(t, posixpath.join(directory, f.name), depth - 1, out)
+                await self._walk(t, user, posixpath.join(directory, f.name), depth - 1, out)
 
     async def remove(self, request: pb.RemoveRequest, ctx: RequestContext) -> pb.RemoveResponse:
         t, user = await self._target(ctx)
-        path = _path(request.path)
-        if user is None:
-            try:
-                await t.edge.remove_file(t.sandbox_id, path)     # the sandbox's user
-                return pb.RemoveResponse()
-            except NotFound as e:
+        path = _path(request.path, user=user)
+        try:
+            check_file_user_in(self.ctx, t.info.project, user)
+            await t.edge.remove_file(t.sandbox_id, path, user=user)     # as the request's user
+            return pb.RemoveResponse()
+        except NotFound as e:
+            raise connect_error(e) from None
+        except DsecError as e:
+            if e.status == 403:
                 raise connect_error(e) from None
-            except DsecError:
-                pass      # not empty (the edge removes one entry): envd removes a tree
+            # not empty (the edge removes one entry): envd removes a tree
         r = await self._sh(t, user, f"[ -e {shlex.quote(path)} ] || [ -L {shlex.quote(path)} ] || "
                                     f"{{ echo 'No such file' >&2; exit 2; }}; rm -rf -- {shlex.quote(path)}")
         if r.exit_code != 0:
@@ -188,7 +191,7 @@ class FilesystemService:
                          ) -> AsyncIterator[pb.WatchDirResponse]:
         """start once the agent watches the directory, then its changes; keepalives in silences."""
         t, user = await self._target(ctx)
-        events = await open_watch(self.ctx, t, user, _path(request.path), request.recursive)
+        events = await open_watch(self.ctx, t, user, _path(request.path, user=user), request.recursive)
         yield pb.WatchDirResponse(event=Oneof("start", pb.WatchDirResponse.StartEvent()))
         try:
             async for ev in with_keepalive(events, keepalive_s(ctx.request_headers)):
@@ -202,7 +205,7 @@ class FilesystemService:
     async def create_watcher(self, request: pb.CreateWatcherRequest, ctx: RequestContext
                              ) -> pb.CreateWatcherResponse:
         t, user = await self._target(ctx)
-        watcher_id = await self.watchers.create(t, user, _path(request.path), request.recursive)
+        watcher_id = await self.watchers.create(t, user, _path(request.path, user=user), request.recursive)
         return pb.CreateWatcherResponse(watcher_id=watcher_id)
 
     async def get_watcher_events(self, request: pb.GetWatcherEventsRequest, ctx: RequestContext
@@ -217,9 +220,9 @@ class FilesystemService:
         return pb.RemoveWatcherResponse()
 
 
-def _path(path: str, field: str = "path") -> str:
+def _path(path: str, field: str = "path", user: str | None = None) -> str:
     try:
-        return abs_path(path, field)
+        return abs_path(path, field, user)
     except DsecError as e:
         raise connect_error(e) from None
 

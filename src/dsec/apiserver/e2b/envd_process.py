@@ -23,8 +23,10 @@ from e2b.envd.process.process_connect import ProcessASGIApplication
 
 from dsec.apiserver.context import ApiContext
 from dsec.apiserver.e2b.control import check_exec
-from dsec.apiserver.e2b.envd_common import Target, abs_path, keepalive_s, target_of, user_of, with_keepalive
+from dsec.apiserver.e2b.envd_common import (Target, abs_path, account, keepalive_s, target_of, user_of,
+                                            with_keepalive)
 from dsec.apiserver.e2b.errors import connect_error
+from dsec.apiserver.e2b.mapping import E2B_USER_ENV
 from dsec.types import MAX_EXEC_TIMEOUT_S, DsecError, ExecEvent, ExecInfo, ExecRequest, ExecResult, PtySize
 
 SHELLS = {"/bin/bash", "bash", "/bin/sh", "sh", "/usr/bin/bash", "/bin/ash", "ash"}
@@ -60,22 +62,22 @@ def exec_request(req: pb.StartRequest, user: str | None) -> ExecRequest:
     proc = req.process or pb.ProcessConfig()
     if not proc.cmd:
         raise ConnectError(Code.INVALID_ARGUMENT, "process.cmd is empty")
+    # unset: the sandbox's workdir (/home/user, the default user's home, for E2B's sandboxes)
+    cwd = abs_path(proc.cwd, "cwd", user) if proc.has_field("cwd") and proc.cwd else None
+    env = {**(E2B_USER_ENV if user is None else {}), **proc.envs}
+    tag = req.tag if req.has_field("tag") and req.tag else None
     if req.pty is not None:
         size = pty_size(req.pty)
-        cwd = abs_path(proc.cwd, "cwd") if proc.has_field("cwd") and proc.cwd else None
-        tag = req.tag if req.has_field("tag") and req.tag else None
         try:
-            return ExecRequest(cmd=pty_command(proc.cmd, list(proc.args)), cwd=cwd, env=dict(proc.envs), tag=tag,
+            return ExecRequest(cmd=pty_command(proc.cmd, list(proc.args)), cwd=cwd, env=env, tag=tag,
                                pty=size, user=user, timeout_s=MAX_EXEC_TIMEOUT_S)
         except ValueError as e:
             raise ConnectError(Code.INVALID_ARGUMENT, f"invalid process: {e}") from None
-    cwd = abs_path(proc.cwd, "cwd") if proc.has_field("cwd") and proc.cwd else None
-    tag = req.tag if req.has_field("tag") and req.tag else None
     # stdin unset: older SDKs expect it open (envd's default)
     keep_stdin = req.stdin if req.has_field("stdin") else True
     try:
         # E2B bounds a command only by the client's stream deadline and the sandbox's life
-        return ExecRequest(cmd=shell_command(proc.cmd, list(proc.args)), cwd=cwd, env=dict(proc.envs), tag=tag,
+        return ExecRequest(cmd=shell_command(proc.cmd, list(proc.args)), cwd=cwd, env=env, tag=tag,
                            keep_stdin=keep_stdin, user=user, timeout_s=MAX_EXEC_TIMEOUT_S)
     except ValueError as e:       # pydantic: tag, env names, cwd
         raise ConnectError(Code.INVALID_ARGUMENT, f"invalid process: {e}") from None
@@ -137,7 +139,7 @@ class ProcessService:
     async def _run(self, request: pb.StartRequest, ctx: RequestContext) -> AsyncIterator[pb.StartResponse]:
         t = await self._target(ctx)
         try:
-            req = exec_request(request, user_of(ctx.request_headers))
+            req = exec_request(request, await account(t, user_of(ctx.request_headers)))
             check_exec(self.ctx, t.info.project, req)
             info = await t.edge.exec_start(t.sandbox_id, req)
         except DsecError as e:

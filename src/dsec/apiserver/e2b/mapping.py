@@ -27,6 +27,13 @@ from dsec.types import (IDEMPOTENCY_KEY_RE, MAX_TTL_S, VM_BACKENDS, InvalidArgum
 # by name here), watch options (0.6.x, WatchDir is unimplemented). 0.6.4 lets every call reach
 # dsec, which then serves it or refuses it by name.
 ENVD_VERSION = "0.6.4"
+# E2B's layout: the default user `user` (uid 1000) with home /home/user, the cwd and HOME of
+# commands and the code interpreter: the workdir of every sandbox created here (the agent makes
+# it, owned by uid 1000); layout.py adds the passwd/group entries
+E2B_HOME = "/home/user"
+# what the agent's default environment names `sandbox`, for the default user of E2B's commands
+# (getpass.getuser() reads these before the passwd entry)
+E2B_USER_ENV = {"USER": "user", "LOGNAME": "user"}
 DEFAULT_TIMEOUT_S = 300       # the SDK's documented default sandbox timeout (SandboxBase)
 DSEC_KEYS = {"dsec.backend": "backend", "dsec.cpu_cores": "cpu_cores", "dsec.memory_mb": "memory_mb"}
 ALL_TRAFFIC = ("0.0.0.0/0", "::/0")
@@ -155,7 +162,8 @@ def sandbox_args(body: NewSandbox, idem: str | None) -> Any:
     timeout = body.timeout if body.timeout is not None else DEFAULT_TIMEOUT_S
     raw: dict[str, Any] = {
         "backend": backend, "image": TEMPLATE_ALIASES.get(body.template_id, body.template_id), "lifetime_s": timeout, "ttl_idle_s": MAX_TTL_S,
-        "labels": labels, "env": body.env_vars or {}, "idempotency_key": idempotency_key(idem)}
+        "labels": labels, "env": body.env_vars or {}, "idempotency_key": idempotency_key(idem),
+        "workdir": E2B_HOME}
     if backend in VM_BACKENDS:
         if "cpu_cores" in own:
             raw["vcpus"] = own.pop("cpu_cores")

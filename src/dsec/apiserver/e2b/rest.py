@@ -20,7 +20,7 @@ from dsec.apiserver import listing
 from dsec.apiserver.control import set_network as set_sandbox_network
 from dsec.apiserver.control import stop_sandbox
 from dsec.apiserver.context import ApiContext
-from dsec.apiserver.e2b import control, mapping
+from dsec.apiserver.e2b import control, layout, mapping
 from dsec.apiserver.e2b.auth import AccessTokens
 from dsec.apiserver.e2b.errors import NotImplementedE2B, Unsupported, e2b_response
 from dsec.apiserver.e2b.ids import to_dsec, to_e2b
@@ -75,6 +75,7 @@ def build_rest_app(ctx: ApiContext, tokens: AccessTokens, domain: str | None = N
                      idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None) -> dict:
         args = mapping.sandbox_args(body, idempotency_key)
         info = await control.create(ctx, _who(request), args)
+        await layout.apply(ctx.edge_for(info.id), info)       # before anything runs as `user`
         await control.start_template_services(ctx, info)
         return mapping.created(info, tokens, domain)
 

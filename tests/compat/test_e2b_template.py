@@ -17,7 +17,7 @@ pytest.importorskip("e2b", reason="the e2b SDK is not installed: pip install -e 
 pytestmark = pytest.mark.skipif(shutil.which("buildah") is None, reason="buildah is not installed")
 
 from e2b import AsyncSandbox, AsyncTemplate, Sandbox, Template, wait_for_file
-from e2b.exceptions import BuildException, NotFoundException
+from e2b.exceptions import BuildException, SandboxException
 
 
 def _name(prefix: str) -> str:
@@ -103,20 +103,26 @@ def test_bases_registry_images_and_unknown_steps_are_named(e2b_env, tmp_path):
 
 def test_another_project_cannot_see_use_or_take_a_template(e2b_env, server, tmp_path):
     name = _name("tpl-own")
-    Template.build(Template(file_context_path=tmp_path).from_image("busybox").run_cmd("echo mine > /m"), name)
-    other = stranger_key(server, "tpl")
-    assert Template.exists(name) and not Template.exists(name, api_key=other)
-    with pytest.raises(NotFoundException):
+    mine, other = stranger_key(server, "tpl-a"), stranger_key(server, "tpl-b")   # the root key's are published
+    Template.build(Template(file_context_path=tmp_path).from_image("busybox").run_cmd("echo mine > /m"), name,
+                   api_key=mine)
+    assert Template.exists(name, api_key=mine) and not Template.exists(name, api_key=other)
+    sbx = Sandbox.create(name, api_key=mine, timeout=30)
+    try:
+        assert sbx.commands.run("cat /m").stdout == "mine\n"
+    finally:
+        sbx.kill()
+    with pytest.raises(SandboxException, match="not found"):
         Sandbox.create(name, api_key=other, timeout=30)
     with pytest.raises(Exception) as e:       # names are shared: another project's is not theirs to replace
         Template.build(Template().from_image("busybox"), name, api_key=other)
     assert "another project" in str(e.value), str(e.value)
     with pytest.raises(Exception) as e:       # nor may they build on it
         Template.build(Template().from_template(name), _name("tpl-on"), api_key=other)
-    assert "fromTemplate" in str(e.value) and "not found" in str(e.value).lower(), str(e.value)
+    assert "404" in str(e.value) and "fromTemplate" in str(e.value), str(e.value)
     # a build's status is its project's only
     url = e2b_env
-    h = {"X-API-KEY": server.key}
+    h = {"X-API-KEY": mine}
     r = httpx.post(f"{url}/v3/templates", json={"name": _name("tpl-st")}, headers=h)
     assert r.status_code == 202, r.text
     tid, bid = r.json()["templateID"], r.json()["buildID"]

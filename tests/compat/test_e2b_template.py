@@ -4,7 +4,6 @@ and Sandbox.create(name) starts it (docs/e2b.md)."""
 
 from __future__ import annotations
 
-import os
 import secrets
 import shutil
 from pathlib import Path

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import Body, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
@@ -25,11 +25,25 @@ from dsec.apiserver.context import ApiContext
 from dsec.apiserver.deps import is_admin
 from dsec.apiserver.e2b.errors import Unsupported
 from dsec.apiserver.e2b.template_builds import Build, TemplateBuilds
-from dsec.apiserver.e2b.template_steps import BASE_ALIASES, FILES_DIR, HASH_RE, Plan, base_of, plan
+from dsec.apiserver.e2b.template_steps import (
+    BASE_ALIASES,
+    FILES_DIR,
+    HASH_RE,
+    Plan,
+    base_of,
+    plan,
+)
 from dsec.apiserver.guard import E2B_KEY_HEADER, principal_of, request_key
 from dsec.apiserver.tenancy import unusable, visible
 from dsec.iam import Principal
-from dsec.types import NAME_RE, ImageInfo, InvalidArgument, NotFound, Unauthorized, Unavailable
+from dsec.types import (
+    NAME_RE,
+    ImageInfo,
+    InvalidArgument,
+    NotFound,
+    Unauthorized,
+    Unavailable,
+)
 
 _NAME = re.compile(NAME_RE)
 
@@ -65,7 +79,7 @@ def add_template_routes(app: FastAPI, ctx: ApiContext) -> TemplateBuilds | None:
         return None if is_admin(ctx, who) else who.project_id
 
     @app.post("/v3/templates", status_code=202)
-    async def request_build(request: Request, body: dict[str, Any] = Body(...)) -> dict[str, Any]:
+    async def request_build(request: Request, body: Annotated[dict[str, Any], Body()]) -> dict[str, Any]:
         who = _who(request)
         name = str(body.get("name") or body.get("alias") or "")
         _refuse_extras(body)
@@ -99,7 +113,7 @@ def add_template_routes(app: FastAPI, ctx: ApiContext) -> TemplateBuilds | None:
 
     @app.post("/v2/templates/{template_id}/builds/{build_id}", status_code=202)
     async def start(request: Request, template_id: str, build_id: str,
-                    body: dict[str, Any] = Body(...)) -> Response:
+                    body: Annotated[dict[str, Any], Body()]) -> Response:
         who = _who(request)
         b = builds.get(who.project_id, template_id, build_id)
         if b.status != "waiting":

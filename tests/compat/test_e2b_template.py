@@ -66,13 +66,15 @@ async def test_async_build_with_start_and_ready_commands(e2b_env, tmp_path):
         await sbx.kill()
 
 
-def test_failing_run_reports_the_build_failure_with_its_log(e2b_env, tmp_path):
+def test_failing_run_reports_the_build_failure_with_its_log(e2b_env, server, tmp_path):
     t = Template(file_context_path=tmp_path).from_image("debian-python").run_cmd("echo boom-output; exit 7")
     logs: list[str] = []
     with pytest.raises(BuildException) as e:
         Template.build(t, _name("tpl-fail"), on_build_logs=lambda x: logs.append(x.message))
     assert "boom-output" in str(e.value) and "failed" in str(e.value), str(e.value)
     assert any("boom-output" in line for line in logs)
+    # nothing of the failed build stays behind: its uploads and context are removed
+    assert list((server.paths.home / "build").glob("e2b-template-*")) == []
 
 
 def test_network_inside_a_build_fails_with_the_builds_own_error(e2b_env, tmp_path):

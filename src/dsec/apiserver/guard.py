@@ -47,6 +47,8 @@ FNCALL_BODY_BYTES = 64 * MiB       # FnCallRequest: code, stdin, files, files_b6
 DEFAULT_BODY_BYTES = 1 * MiB       # every other route: sandbox args, policies, pack_diff
 IMAGE_BODY_BYTES = 16 * 1024 * MiB  # build context / image tar: the default of DSEC_IMAGE_UPLOAD_MAX_BYTES
 IMAGE_PATHS = re.compile(r"^/v1/images/(build|import)$")
+# E2B template builds: the tar of each COPY step (apiserver/e2b/templates.py), bounded as image uploads
+E2B_TEMPLATE_FILES = re.compile(r"^/e2b/templates/[^/]+/files/[0-9a-f]{64}$")
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,8 @@ BODY_LIMITS = (
               "send fewer calls per batch, or smaller code, stdin and files per call"),
     BodyLimit("POST", IMAGE_PATHS, IMAGE_BODY_BYTES,
               "send a smaller build context (a .dockerignore'd copy) or image; or import on the node"),
+    BodyLimit("PUT", E2B_TEMPLATE_FILES, IMAGE_BODY_BYTES,
+              "copy fewer or smaller files per COPY step (.dockerignore what the template does not need)"),
     # E2B envd: file uploads, and stdin (one message, or a client stream over a command's life)
     BodyLimit("POST", re.compile(r"^/e2b/files$"), MAX_FILE_BYTES,
               "split the file into parts of at most 64 MiB, or fetch or build it from inside the sandbox"),
@@ -103,7 +107,7 @@ def body_limit(method: str, path: str, image_bytes: int = IMAGE_BODY_BYTES) -> t
         return MAX_FILE_BYTES, PORT_FIX
     for lim in BODY_LIMITS:
         if lim.method == method and lim.path.match(path):
-            return image_bytes if lim.path is IMAGE_PATHS else lim.max_bytes, lim.fix
+            return image_bytes if lim.path in (IMAGE_PATHS, E2B_TEMPLATE_FILES) else lim.max_bytes, lim.fix
     return DEFAULT_BODY_BYTES, DEFAULT_FIX
 
 

@@ -73,8 +73,9 @@ def build_rest_app(ctx: ApiContext, tokens: AccessTokens, domain: str | None = N
     @app.post("/v2/sandboxes", status_code=201)
     async def create(request: Request, body: Annotated[NewSandbox, Body()],
                      idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None) -> dict:
-        args = mapping.sandbox_args(body, idempotency_key)
-        info = await control.create(ctx, _who(request), args)
+        who = _who(request)
+        args = await control.with_image_config(ctx, who, mapping.sandbox_args(body, idempotency_key))
+        info = await control.create(ctx, who, args)
         await layout.apply(ctx.edge_for(info.id), info)       # before anything runs as `user`
         await control.start_template_services(ctx, info)
         return mapping.created(info, tokens, domain)
@@ -161,6 +162,9 @@ def build_rest_app(ctx: ApiContext, tokens: AccessTokens, domain: str | None = N
         if body.timeout is not None:
             info = await _grow_timeout(edge, info, _check_timeout(body.timeout))
         return JSONResponse(mapping.created(info, tokens, domain), status_code=status)
+
+    from dsec.apiserver.e2b.templates import add_template_routes
+    add_template_routes(app, ctx)      # before the catch-all below
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     async def not_served(path: str, request: Request) -> Response:

@@ -5,7 +5,7 @@
 #   fncall    the FnCall pool image (python3, gcc, g++, numpy)
 #   polyglot  SandboxFusion's languages for FnCall (go, java, node/ts, rust, C#, php, ruby, lua)
 #   builds    Dockerfile builds and registry pulls (buildah, skopeo)
-#   e2b       E2B's code interpreter image and the server's e2b extra
+#   e2b       the images of E2B's default templates (e2b-base, code-interpreter) and the server's e2b extra
 #   cluster   cluster mode: Ray, PostgreSQL
 #   tests     everything the test suite needs: all of the above, a local registry, the test tools,
 #             the Harbor and verl venvs (DSEC_SKIP_VERL=1 leaves verl's ~6 GB out)
@@ -31,7 +31,7 @@ part_vm() {
 part_fncall() { image fncall-python; }
 part_polyglot() { image fncall-polyglot; }
 part_builds() { apt_get buildah skopeo; }
-part_e2b() { .venv/bin/pip install -q -e '.[server,e2b]'; image code-interpreter; }
+part_e2b() { .venv/bin/pip install -q -e '.[server,e2b]'; image e2b-base; image code-interpreter; }   # E2B's base and code-interpreter-v1
 part_cluster() { apt_get postgresql; .venv/bin/pip install -q -e '.[server,cluster,postgres]'; }
 part_tests() {
   apt_get git python3-botocore docker-registry openssl   # openssl: self-signed certificates of the egress tests

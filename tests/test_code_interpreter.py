@@ -260,7 +260,7 @@ async def test_contexts_are_separate_kernels(ci_sb):
                    execute("'w' in dir()", context_id=cid),
                    {"method": "DELETE", "path": f"/contexts/{cid}"},
                    execute("1", context_id=cid),
-                   execute("1", language="r"))
+                   execute("1", language="java"))
     assert main_text(r[0]) == "'/tmp'" and main_text(r[1]) == "False"
     listed = {c["id"]: c for c in json.loads(r[2]["text"])}
     assert listed[cid] == ctx and listed["python"]["language"] == "python"

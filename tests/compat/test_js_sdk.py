@@ -29,8 +29,15 @@ if not (JS / "node_modules" / "e2b").is_dir():
     pytest.skip(f"the npm packages are not installed: cd {JS} && npm ci", allow_module_level=True)
 
 
+# scripts that need a built-in image besides the session's (built here, from the node's cache)
+SCRIPT_IMAGES = {"code_interpreter.mjs": ("code-interpreter",)}
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_js_sdk(script, e2b_env, server):
+def test_js_sdk(script, e2b_env, server, images):
+    from dsec.images.builtin import ensure_builtin
+    for name in SCRIPT_IMAGES.get(script, ()):
+        ensure_builtin(images, name)
     # DSEC_SERVER_URL / DSEC_E2B_DOMAIN: for scripts that reach the server by a sandbox's name
     env = {**os.environ, "NODE_NO_WARNINGS": "1", "DSEC_SERVER_URL": server.url,
            "DSEC_E2B_DOMAIN": E2B_TEST_DOMAIN}

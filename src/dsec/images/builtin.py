@@ -8,9 +8,13 @@ debian-python  debootstrap --variant=minbase bookworm + python3, plus the `sandb
                `remove` takes seconds and gives the same digest.
 fncall-python  debian-python + gcc, g++ and numpy: the FnCall backend's pool image
                (dsec.fncall); cached the same way.
+e2b-base       debian-python + pip, venv, git, curl, node and npm: E2B's `base` template (the
+               E2B layer's default); cached the same way.
 code-interpreter
-               debian-python + Debian's ipykernel and jupyter_client, plus dsec's E2B
-               code-interpreter server (insandbox/code_interpreter_server.py) as
+               e2b-base + Debian's ipykernel and jupyter_client, the data stack (numpy,
+               pandas, matplotlib, scipy, scikit-learn, seaborn, ...), R with IRkernel, dsec's
+               JavaScript and bash kernels (insandbox/code_interpreter_kernels.py), plus dsec's
+               E2B code-interpreter server (insandbox/code_interpreter_server.py) as
                /usr/local/bin/dsec-code-interpreter; cached the same way. Nothing starts by
                itself: `dsec-code-interpreter --daemon` (an exec) serves port 49999.
 debian-vm      debootstrap minbase bookworm + systemd-sysv, udev and linux-image-cloud-amd64:
@@ -20,6 +24,7 @@ debian-vm      debootstrap minbase bookworm + systemd-sysv, udev and linux-image
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -201,33 +206,108 @@ def _build_fncall_python(service: ImageService, progress: Progress | None) -> Im
 
 
 # ---------------------------------------------------------------------------------------
+# e2b-base: what E2B's `base` template holds (the E2B layer's default template, D4?)
+# ---------------------------------------------------------------------------------------
+
+# python3 with pip and venv, git, curl, node and npm: what agent harnesses expect of E2B's base
+# (SWE-agent needs git; many `pip install` or `npm install` their tools).
+E2B_BASE_TOOLS = ("python3", "python3-pip", "python3-venv", "git", "curl", "ca-certificates",
+                  "nodejs", "npm")
+# debootstrap resolves dependencies by the first alternative and never resolves a virtual
+# package: these are the providers of the virtual packages in npm's closure (node-has:
+# node-function-bind, node-cssesc: node-css-selector-tokenizer, node-types-eslint: eslint, ...),
+# the smallest provider each, as scripts/debootstrap-providers.py computes them from apt's cache
+NPM_PROVIDERS = ("node-function-bind", "node-css-loader", "node-fancy-log",
+                 "node-css-selector-tokenizer", "node-cli-table", "node-ampproject-remapping",
+                 "node-tape", "eslint", "node-jest-debbundle", "node-babel7", "node-json-schema",
+                 "node-read-pkg", "node-npm-run-path", "node-n3")
+E2B_BASE_PACKAGES = E2B_BASE_TOOLS + NPM_PROVIDERS
+
+
+def _build_e2b_base(service: ImageService, progress: Progress | None) -> ImageInfo:
+    return service.build_debootstrap("e2b-base", suite="bookworm", include=E2B_BASE_PACKAGES,
+                                     customize=add_sandbox_user, progress=progress)
+
+
+# ---------------------------------------------------------------------------------------
 # code-interpreter: what e2b_code_interpreter talks to on port 49999 (Jupyter kernels)
 # ---------------------------------------------------------------------------------------
 
-# python3-ipykernel pulls ipython3, jupyter-client, pyzmq, tornado, traitlets, debugpy (and
-# with it gdb), ...; no matplotlib (display_data still works for whatever the code renders).
-# debootstrap does not resolve virtual packages: python3-cffi-backend provides pyzmq's
-# python3-cffi-backend-api-*, libboost-regex1.74.0 gdb's libboost-regex1.74.0-icu72.
-CODE_INTERPRETER_PACKAGES = ("python3", "python3-ipykernel", "python3-jupyter-client",
-                             "python3-cffi-backend", "libboost-regex1.74.0")
+# e2b-base plus: Debian's ipykernel and jupyter_client (python3-ipykernel pulls ipython3, pyzmq,
+# tornado, traitlets, matplotlib-inline, debugpy and with it gdb; debootstrap does not resolve
+# virtual packages: python3-cffi-backend provides pyzmq's python3-cffi-backend-api-*,
+# libboost-regex1.74.0 gdb's libboost-regex1.74.0-icu72); the data stack of E2B's code
+# interpreter as far as Debian has it; R with IRkernel (r-cran-irkernel). JavaScript and bash
+# are dsec's own kernels (insandbox/code_interpreter_kernels.py) over the image's node and bash.
+CODE_INTERPRETER_PACKAGES = E2B_BASE_PACKAGES + (
+    "python3-ipykernel", "python3-jupyter-client", "python3-cffi-backend", "libboost-regex1.74.0",
+    "python3-numpy", "python3-pandas", "python3-matplotlib", "python3-scipy", "python3-sklearn",
+    "python3-seaborn", "python3-requests", "python3-bs4", "python3-openpyxl", "python3-sympy",
+    "python3-xlrd", "python3-tz", "python3-pytest", "r-cran-irkernel")
 CODE_INTERPRETER_BIN = "usr/local/bin/dsec-code-interpreter"
+CODE_INTERPRETER_LIB = "usr/local/lib/dsec-code-interpreter"
+KERNELSPECS = "usr/local/share/jupyter/kernels"
+# IRkernel's kernelspec as IRkernel::installspec() writes it (the Debian package leaves that
+# step to the user); written only when the packages brought none
+IR_KERNELSPEC = {"argv": ["/usr/bin/R", "--slave", "-e", "IRkernel::main()", "--args",
+                          "{connection_file}"],
+                 "display_name": "R", "language": "R"}
+
+
+def _own_kernelspec(language: str) -> dict:
+    return {"argv": ["/usr/bin/python3", f"/{CODE_INTERPRETER_LIB}/code_interpreter_kernels.py",
+                     language, "-f", "{connection_file}"],
+            "display_name": {"javascript": "JavaScript (node)", "bash": "Bash"}[language],
+            "language": language}
+
+
+def _has_kernelspec(root: Path, language: str) -> bool:
+    for d in ("usr/share/jupyter/kernels", KERNELSPECS):
+        for spec in (root / d).glob("*/kernel.json"):
+            try:
+                if str(json.loads(spec.read_text()).get("language", "")).lower() == language:
+                    return True
+            except (OSError, ValueError, AttributeError):
+                continue
+    return False
 
 
 def install_code_interpreter(root: Path) -> None:
     """debian-python's customization plus the server at /usr/local/bin/dsec-code-interpreter,
-    stamped with the mtime of its directory (from the cached tree), so the image digest only
-    changes with the packages or the server's source."""
+    dsec's JavaScript and bash kernels and their kernelspecs (and IRkernel's if missing), each
+    stamped with the mtime of /usr/local/bin (from the cached tree), so the image digest only
+    changes with the packages or dsec's in-sandbox sources."""
     from dsec.insandbox import source
     add_sandbox_user(root)
-    target = root / CODE_INTERPRETER_BIN
-    bindir = target.parent
-    bindir.mkdir(parents=True, exist_ok=True)
-    st = bindir.lstat()
-    target.write_bytes(source("code_interpreter_server.py").read_bytes())
-    os.chown(target, 0, 0)
-    os.chmod(target, 0o755)
-    os.utime(target, ns=(st.st_mtime_ns, st.st_mtime_ns))
-    os.utime(bindir, ns=(st.st_atime_ns, st.st_mtime_ns))
+    stamp = (root / "usr/local/bin").lstat().st_mtime_ns if (root / "usr/local/bin").exists() \
+        else (root / "usr").lstat().st_mtime_ns
+    files: dict[str, tuple[bytes, int]] = {
+        CODE_INTERPRETER_BIN: (source("code_interpreter_server.py").read_bytes(), 0o755),
+        f"{CODE_INTERPRETER_LIB}/code_interpreter_kernels.py":
+            (source("code_interpreter_kernels.py").read_bytes(), 0o755),
+        f"{CODE_INTERPRETER_LIB}/code_interpreter_node.js":
+            (source("code_interpreter_node.js").read_bytes(), 0o644),
+    }
+    for language in ("javascript", "bash"):
+        files[f"{KERNELSPECS}/{language}/kernel.json"] = (
+            json.dumps(_own_kernelspec(language), indent=1).encode(), 0o644)
+    if not _has_kernelspec(root, "r") and (root / "usr/lib/R/site-library/IRkernel").is_dir():
+        files[f"{KERNELSPECS}/ir/kernel.json"] = (json.dumps(IR_KERNELSPEC, indent=1).encode(), 0o644)
+    touched: set[Path] = set()
+    for rel, (data, mode) in files.items():
+        target = root / rel
+        for parent in reversed(target.relative_to(root).parents[:-1]):
+            d = root / parent
+            if not d.exists():
+                d.mkdir(mode=0o755)
+                os.chmod(d, 0o755)
+            touched.add(d)
+        target.write_bytes(data)
+        os.chown(target, 0, 0)
+        os.chmod(target, mode)
+        touched.add(target)
+    for p in sorted(touched, key=lambda p: len(p.parts), reverse=True):
+        os.utime(p, ns=(stamp, stamp), follow_symlinks=False)
 
 
 def _build_code_interpreter(service: ImageService, progress: Progress | None) -> ImageInfo:
@@ -270,6 +350,7 @@ def _build_debian_vm(service: ImageService, progress: Progress | None) -> ImageI
 BUILTIN_IMAGES: dict[str, Callable[[ImageService, Progress | None], ImageInfo]] = {
     "busybox": _build_busybox,
     "debian-python": _build_debian_python,
+    "e2b-base": _build_e2b_base,
     "fncall-python": _build_fncall_python,
     "code-interpreter": _build_code_interpreter,
     "fncall-polyglot": _build_fncall_polyglot,

@@ -57,7 +57,9 @@ import json
 import logging
 import os
 import queue
+import re
 import select
+import shlex
 import signal
 import socket
 import sys
@@ -71,7 +73,12 @@ log = logging.getLogger("dsec-code-interpreter")
 
 PORT = 49999
 DEFAULT_CONTEXT_ID = "python"
-LANGUAGES = {"python": "python3", "python3": "python3"}     # language -> kernel name
+# language -> kernel name: python always (ipykernel); the others as their kernelspecs are found
+# at start (find_languages): r (Debian's IRkernel), javascript and bash (dsec's, see
+# code_interpreter_kernels.py)
+LANGUAGES = {"python": "python3"}
+ALIASES = {"python3": "python", "js": "javascript", "sh": "bash", "R": "r"}
+KERNEL_DIRS = ("/usr/local/share/jupyter/kernels", "/usr/share/jupyter/kernels")
 MAX_CONTEXTS = 32
 MAX_BODY_BYTES = 16 * 1024 * 1024
 KERNEL_READY_S = 60.0            # a kernel that is not answering by then failed to start
@@ -87,11 +94,42 @@ MIME_FIELDS = {
 BASE64_FIELDS = {"png", "jpeg", "pdf"}
 
 # Run silently in the kernel around an execution with env_vars: set them, then put back what
-# was there (kept on the os module, out of the user's namespace).
+# was there (kept out of the user's names: on Python's os module, JavaScript's globalThis,
+# bash's __dsec_old_* variables, R's .dsec_saved_env).
 SET_ENV = ("(lambda o, e: (setattr(o, '_dsec_saved_env', {k: o.environ.get(k) for k in e}), "
            "o.environ.update(e)))(__import__('os'), %r)")
 RESTORE_ENV = ("(lambda o: [o.environ.pop(k, None) if v is None else o.environ.__setitem__(k, v) "
                "for k, v in o.__dict__.pop('_dsec_saved_env', {}).items()])(__import__('os'))")
+BASH_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+def env_code(language: str, env: dict[str, str]) -> tuple[str, str]:
+    """(set, restore): the code that sets env in a kernel of `language`, and the code that puts
+    back what was there."""
+    if language == "python":
+        return SET_ENV % (env,), RESTORE_ENV
+    if language == "javascript":
+        return (f"(e => {{ globalThis.__dsecSavedEnv = Object.fromEntries(Object.keys(e).map(k => "
+                f"[k, process.env[k]])); Object.assign(process.env, e); }})({json.dumps(env)})",
+                "for (const [k, v] of Object.entries(globalThis.__dsecSavedEnv || {})) "
+                "{ if (v === undefined) delete process.env[k]; else process.env[k] = v; } "
+                "delete globalThis.__dsecSavedEnv")
+    if language == "bash":
+        bad = [k for k in env if not BASH_NAME.match(k)]
+        if bad:
+            raise HTTPError(400, f"env_vars: {bad[0]!r} is not a shell variable name (letters, digits, _)")
+        return ("; ".join(f'if [ -n "${{{k}+x}}" ]; then __dsec_old_{k}=${k}; else unset __dsec_old_{k}; fi; '
+                          f"export {k}={shlex.quote(v)}" for k, v in env.items()),
+                "; ".join(f'if [ -n "${{__dsec_old_{k}+x}}" ]; then export {k}="$__dsec_old_{k}"; '
+                          f"else unset {k}; fi; unset __dsec_old_{k}" for k in env))
+    if language == "r":
+        names = ", ".join(json.dumps(k) for k in env)
+        pairs = ", ".join(f"{json.dumps(k)} = {json.dumps(v)}" for k, v in env.items())
+        return (f".dsec_saved_env <- Sys.getenv(c({names}), unset = NA); "
+                f"do.call(Sys.setenv, as.list(c({pairs})))",
+                "for (k in names(.dsec_saved_env)) if (is.na(.dsec_saved_env[[k]])) Sys.unsetenv(k) "
+                "else do.call(Sys.setenv, setNames(list(.dsec_saved_env[[k]]), k)); rm(.dsec_saved_env)")
+    raise HTTPError(400, f"env_vars are not supported in {language} contexts; set them in the code")
 
 
 class HTTPError(Exception):
@@ -279,15 +317,22 @@ class Context:
             log.exception("context %s: kernel did not start", self.id)
             job.events.put(("fail", 500, f"the {self.language} kernel did not start: {type(e).__name__}: {e}"))
             return
+        env = None
+        if job.env_vars:
+            try:
+                env = env_code(self.language, {str(k): str(v) for k, v in job.env_vars.items()})
+            except HTTPError as e:
+                job.events.put(("fail", e.status, e.message))
+                return
         job.events.put(("ready",))
         self._drain_shell()
-        if job.env_vars:
-            self._silent(SET_ENV % ({str(k): str(v) for k, v in job.env_vars.items()},))
+        if env:
+            self._silent(env[0])
         try:
             self._run(job)
         finally:
-            if job.env_vars and self.km is not None and self.km.is_alive():
-                self._silent(RESTORE_ENV)
+            if env and self.km is not None and self.km.is_alive():
+                self._silent(env[1])
 
     def _run(self, job: Job) -> None:
         emit = lambda line: job.events.put(("line", line))
@@ -417,7 +462,7 @@ class Contexts:
         with self.lock:
             ctx = self.by_id.get(cid)
             if ctx is None:
-                ctx = self._new(cid, "python", self.default_cwd)
+                ctx = self._new(cid, language, self.default_cwd)
             return ctx
 
     def create(self, language: str | None, cwd: str | None) -> Context:
@@ -454,9 +499,33 @@ class Contexts:
 
 
 def check_language(language: str) -> str:
-    if language not in LANGUAGES:
-        raise HTTPError(400, f"language {language!r} is not available here: this sandbox runs python kernels only")
-    return "python"
+    """The language's canonical name, or E2B's 400 naming the languages this image has."""
+    name = ALIASES.get(language, ALIASES.get(language.lower(), language.lower()))
+    if name not in LANGUAGES:
+        raise HTTPError(400, f"language {language!r} is not available here: this sandbox has kernels "
+                             f"for {', '.join(LANGUAGES)}")
+    return name
+
+
+def find_languages(dirs: tuple[str, ...] = KERNEL_DIRS) -> dict[str, str]:
+    """language -> kernel name from the kernelspecs installed in the image (a directory scan,
+    so that the start stays free of jupyter_client's slow import). Python is ipykernel's
+    python3, there with or without a kernelspec file."""
+    found = {"python": "python3"}
+    for d in dirs:
+        try:
+            names = sorted(os.listdir(d))
+        except OSError:
+            continue
+        for kernel in names:
+            try:
+                with open(os.path.join(d, kernel, "kernel.json")) as f:
+                    language = str(json.load(f).get("language", "")).lower()
+            except (OSError, ValueError, AttributeError):
+                continue
+            if language and language not in found:
+                found[language] = kernel
+    return found
 
 
 # ---------------------------------------------------------------------------------------
@@ -713,6 +782,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", **where)
 
     STATE_DIR = make_state_dir()
+    LANGUAGES.clear()
+    LANGUAGES.update(find_languages())
     Handler.contexts = contexts = Contexts(cwd)
     Handler.default_timeout = args.timeout
 
@@ -721,7 +792,8 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    log.info("listening on %s:%d (pid %d, cwd %s)", args.host, args.port, os.getpid(), cwd)
+    log.info("listening on %s:%d (pid %d, cwd %s, languages %s)", args.host, args.port, os.getpid(), cwd,
+             ", ".join(LANGUAGES))
     if not args.no_prewarm:
         ctx = contexts.default()
         threading.Thread(target=lambda: _prewarm(ctx), name="prewarm", daemon=True).start()

@@ -151,7 +151,7 @@ def idempotency_key(header: str | None) -> str | None:
 
 
 # E2B's SDKs create from these templates when none is named: the dsec images that play them.
-TEMPLATE_ALIASES = {"base": "debian-python", "code-interpreter-v1": "code-interpreter"}
+TEMPLATE_ALIASES = {"base": "e2b-base", "code-interpreter-v1": "code-interpreter"}
 
 
 def sandbox_args(body: NewSandbox, idem: str | None) -> Any:

@@ -23,9 +23,16 @@ process.on('SIGINT', () => { if (waiting) waiting(new Error('interrupted')); });
 
 function end(msg) { fs.writeSync(ctlFd, JSON.stringify(msg) + '\n'); }
 
+// the user's frames only: this runner's and vm's are noise
+function userStack(stack) {
+  const lines = String(stack).split('\n');
+  const cut = lines.findIndex((l) => l.includes(__filename) || l.includes('node:vm'));
+  return (cut > 0 ? lines.slice(0, cut) : lines).join('\n');
+}
+
 function fail(e) {
   if (e instanceof Error || (e && typeof e === 'object' && 'stack' in e)) {
-    end({ error: { name: e.name || 'Error', value: String(e.message || ''), traceback: String(e.stack || e) } });
+    end({ error: { name: e.name || 'Error', value: String(e.message || ''), traceback: userStack(e.stack || e) } });
   } else {
     end({ error: { name: 'Error', value: util.inspect(e), traceback: 'Uncaught ' + util.inspect(e) } });
   }

@@ -512,7 +512,8 @@ def find_languages(dirs: tuple[str, ...] = KERNEL_DIRS) -> dict[str, str]:
     so that the start stays free of jupyter_client's slow import). Python is ipykernel's
     python3, there with or without a kernelspec file."""
     found = {"python": "python3"}
-    for d in dirs:
+    extra = [os.path.join(p, "kernels") for p in os.environ.get("JUPYTER_PATH", "").split(os.pathsep) if p]
+    for d in (*extra, *dirs):
         try:
             names = sorted(os.listdir(d))
         except OSError:

@@ -247,13 +247,6 @@ CODE_INTERPRETER_PACKAGES = E2B_BASE_PACKAGES + (
 CODE_INTERPRETER_BIN = "usr/local/bin/dsec-code-interpreter"
 CODE_INTERPRETER_LIB = "usr/local/lib/dsec-code-interpreter"
 KERNELSPECS = "usr/local/share/jupyter/kernels"
-# IRkernel's kernelspec as IRkernel::installspec() writes it (the Debian package leaves that
-# step to the user); written only when the packages brought none
-IR_KERNELSPEC = {"argv": ["/usr/bin/R", "--slave", "-e", "IRkernel::main()", "--args",
-                          "{connection_file}"],
-                 "display_name": "R", "language": "R"}
-
-
 def _own_kernelspec(language: str) -> dict:
     return {"argv": ["/usr/bin/python3", f"/{CODE_INTERPRETER_LIB}/code_interpreter_kernels.py",
                      language, "-f", "{connection_file}"],
@@ -261,20 +254,9 @@ def _own_kernelspec(language: str) -> dict:
             "language": language}
 
 
-def _has_kernelspec(root: Path, language: str) -> bool:
-    for d in ("usr/share/jupyter/kernels", KERNELSPECS):
-        for spec in (root / d).glob("*/kernel.json"):
-            try:
-                if str(json.loads(spec.read_text()).get("language", "")).lower() == language:
-                    return True
-            except (OSError, ValueError, AttributeError):
-                continue
-    return False
-
-
 def install_code_interpreter(root: Path) -> None:
     """debian-python's customization plus the server at /usr/local/bin/dsec-code-interpreter,
-    dsec's JavaScript and bash kernels and their kernelspecs (and IRkernel's if missing), each
+    dsec's JavaScript and bash kernels and their kernelspecs (r-cran-irkernel brings R's), each
     stamped with the mtime of /usr/local/bin (from the cached tree), so the image digest only
     changes with the packages or dsec's in-sandbox sources."""
     from dsec.insandbox import source
@@ -291,8 +273,6 @@ def install_code_interpreter(root: Path) -> None:
     for language in ("javascript", "bash"):
         files[f"{KERNELSPECS}/{language}/kernel.json"] = (
             json.dumps(_own_kernelspec(language), indent=1).encode(), 0o644)
-    if not _has_kernelspec(root, "r") and (root / "usr/lib/R/site-library/IRkernel").is_dir():
-        files[f"{KERNELSPECS}/ir/kernel.json"] = (json.dumps(IR_KERNELSPEC, indent=1).encode(), 0o644)
     touched: set[Path] = set()
     for rel, (data, mode) in files.items():
         target = root / rel

@@ -22,8 +22,8 @@ try {
   check(ex.text === "'undefined'", 'javascript context is separate', ex.text)
   ex = await sbx.runCode('echo $((6*7))', { language: 'bash' })
   check(ex.logs.stdout.join('') === '42\n', 'bash', ex.logs)
-  ex = await sbx.runCode('1+1', { language: 'r' })
-  check(ex.text === '[1] 2', 'r 1+1', ex.text)
+  ex = await sbx.runCode('1+1', { language: 'r' })       // IRkernel: display_data, not the main result
+  check(ex.results[0]?.text === '[1] 2', 'r 1+1', ex.results)
   let refused = ''
   try { await sbx.runCode('System.out.println(1);', { language: 'java' }) } catch (e) { refused = String(e.message) }
   // (this SDK shows the body, which names the languages, only with diagnostics on)

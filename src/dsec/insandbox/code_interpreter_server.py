@@ -125,7 +125,7 @@ def env_code(language: str, env: dict[str, str]) -> tuple[str, str]:
     if language == "r":
         names = ", ".join(json.dumps(k) for k in env)
         pairs = ", ".join(f"{json.dumps(k)} = {json.dumps(v)}" for k, v in env.items())
-        return (f".dsec_saved_env <- Sys.getenv(c({names}), unset = NA); "
+        return (f".dsec_saved_env <- Sys.getenv(c({names}), unset = NA, names = TRUE); "
                 f"do.call(Sys.setenv, as.list(c({pairs})))",
                 "for (k in names(.dsec_saved_env)) if (is.na(.dsec_saved_env[[k]])) Sys.unsetenv(k) "
                 "else do.call(Sys.setenv, setNames(list(.dsec_saved_env[[k]]), k)); rm(.dsec_saved_env)")

@@ -336,8 +336,11 @@ class Context:
 
     def _run(self, job: Job) -> None:
         emit = lambda line: job.events.put(("line", line))
+        # stop_on_error=False: this server never queues executions in a kernel (one at a time
+        # per context), and with True ipykernel aborts whatever arrives in a short window after
+        # an error: under load, the next execution (or the silent env_vars code) came back empty
         msg_id = self.kc.execute(job.code, silent=False, store_history=True, allow_stdin=False,
-                                 stop_on_error=True)
+                                 stop_on_error=False)
         deadline = time.monotonic() + job.timeout if job.timeout else None
         interrupted_at = None
         why = None                                      # None, "timeout" or "cancel"

@@ -85,8 +85,10 @@ def test_network_inside_a_build_fails_with_the_builds_own_error(e2b_env, tmp_pat
     assert "unreachable" in str(e.value).lower() or "network" in str(e.value).lower(), str(e.value)
 
 
-def test_bases_registry_images_and_unknown_steps_are_named(e2b_env, tmp_path):
-    # an E2B default (from_base_image: e2bdev/base) plays as debian-python
+def test_bases_registry_images_and_unknown_steps_are_named(e2b_env, images, tmp_path):
+    # an E2B default (from_base_image: e2bdev/base) is dsec's e2b-base, as Sandbox.create("base")
+    from dsec.images.builtin import ensure_builtin
+    ensure_builtin(images, "e2b-base")
     name = _name("tpl-base")
     Template.build(Template(file_context_path=tmp_path).from_base_image().run_cmd("python3 -V > /v"), name)
     sbx = Sandbox.create(name, timeout=60)

@@ -206,7 +206,7 @@ def _build_fncall_python(service: ImageService, progress: Progress | None) -> Im
 
 
 # ---------------------------------------------------------------------------------------
-# e2b-base: what E2B's `base` template holds (the E2B layer's default template, D4?)
+# e2b-base: what E2B's `base` template holds (the E2B layer's default template, D53)
 # ---------------------------------------------------------------------------------------
 
 # python3 with pip and venv, git, curl, node and npm: what agent harnesses expect of E2B's base

@@ -17,14 +17,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsec.apiserver.e2b.errors import Unsupported
+from dsec.apiserver.e2b.mapping import TEMPLATE_ALIASES
 from dsec.types import ENV_KEY_RE, InvalidArgument
 
 HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 FILES_DIR = "files"                       # under the context: files/<hash>/<the SDK's tar>
 SERVICE_DIR = "/etc/dsec-template"        # start.sh / ready.sh of a template (control.py runs them)
 # E2B's default base images (the SDK's from_base_image, Sandbox's default template): dsec's own
-BASE_ALIASES = {"base": "debian-python", "e2bdev/base": "debian-python", "e2bdev/base:latest": "debian-python",
-                "code-interpreter-v1": "code-interpreter"}
+# E2B's default templates as the create path names them (mapping.TEMPLATE_ALIASES), plus the names
+# the SDK's from_base_image() sends
+BASE_ALIASES = {**TEMPLATE_ALIASES, "e2bdev/base": TEMPLATE_ALIASES["base"],
+                "e2bdev/base:latest": TEMPLATE_ALIASES["base"]}
 _USER_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,31})?$")
 _MODE_RE = re.compile(r"^[0-7]{3,4}$")
 

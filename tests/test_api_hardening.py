@@ -249,7 +249,7 @@ async def test_exec_ids_are_validated(server, client):
 
 async def test_second_attach_is_a_conflict(server, client):
     async with await client.create_container(image="busybox") as sb, _http(server) as h:
-        stream = sb.stream("sleep 2; echo done")
+        stream = sb.stream("sleep 5; echo done")
         exec_id = (await anext(stream)).exec_id
         r = await h.get(f"/v1/sandboxes/{sb.id}/execs/{exec_id}")     # its own stream follows it
         assert r.status_code == 409 and _error(r.content)["field"] == "exec_id", r.text

@@ -56,12 +56,15 @@ async def test_agent_killed_by_oom_is_reported_as_out_of_memory(client, server):
     sb = await client.create_container(image="busybox", memory_mb=32)
     try:
         pid = agent_pid(server, sb.id)
-        Path(f"/proc/{pid}/oom_score_adj").write_text("1000")
         # fill the sandbox's memory with tmpfs pages (charged to it, in no process's RSS, not
         # reclaimable without swap): the OOM killer kills the highest score, the agent, and the
-        # sandbox ends with its init
+        # sandbox ends with its init. The command's shell is forked before the agent's score is
+        # raised: commands inherit the agent's oom_score_adj (/proc is read-only inside, D11)
+        run = asyncio.create_task(sb.run("sleep 2; head -c 40000000 /dev/zero > /dev/shm/fill", timeout_s=30))
+        await asyncio.sleep(1)
+        Path(f"/proc/{pid}/oom_score_adj").write_text("1000")
         try:
-            await sb.run("head -c 40000000 /dev/zero > /dev/shm/fill", timeout_s=30)
+            await run
         except Exception as e:      # the channel is lost when the agent dies mid-command
             assert "out of memory" in str(e) and "memory_mb=32" in str(e), e
         for _ in range(100):

@@ -80,10 +80,11 @@ async def test_init_killed_by_oom_is_failed_as_out_of_memory(client, server):
     the agent (made its first choice from the host): GET says failed, out of memory, with the limit."""
     sb = await client.create_container(image="busybox", memory_mb=32)
     try:
-        Path(f"/proc/{agent_pid(server, sb.id)}/oom_score_adj").write_text("1000")
         # tmpfs pages are charged to the sandbox and in no process's RSS: nothing to reclaim
         r = await sb.run("(sleep 1; head -c 40000000 /dev/zero > /dev/shm/fill) >/dev/null 2>&1 &")
         assert r.exit_code == 0, r
+        # raised after the job forked: commands inherit the agent's score (/proc is read-only inside)
+        Path(f"/proc/{agent_pid(server, sb.id)}/oom_score_adj").write_text("1000")
         info = await wait_ended(sb, 10)
         assert info.state.value == "failed", info
         assert "out of memory (memory_mb=32)" in (info.error or ""), info.error

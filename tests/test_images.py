@@ -442,7 +442,7 @@ def test_builtin_debian_python(svc: ImageService, capsys):
     t0 = time.monotonic()
     info = ensure_builtin(svc, "debian-python")
     t_build = time.monotonic() - t0
-    assert info.layers[0].source == "debootstrap:bookworm+python3"
+    assert info.layers[0].source == "debootstrap:bookworm+procps,python3"
     t0 = time.monotonic()
     [root] = svc.mount_image("debian-python")
     t_mount = time.monotonic() - t0

@@ -446,7 +446,10 @@ def resolve_bases(svc: ImageService, bases: list[BaseRef],
             if usable is not None and not usable(info):
                 raise NotFound(b.name)
         except NotFound:
-            names = [i.name for i in svc.list() if i.kind == "image" and (usable is None or usable(i))][:8]
+            from dsec.images.builtin import BUILTIN_IMAGES
+            # dsec's built-in images first (the usual bases), then others, at most 8
+            names = sorted((i.name for i in svc.list() if i.kind == "image" and (usable is None or usable(i))),
+                           key=lambda n: (n not in BUILTIN_IMAGES, n))[:8]
             raise NotFound(
                 f"Dockerfile line {b.line}: FROM {b.name}: no dsec image {b.name!r} on this node, and "
                 "builds cannot pull from registries", field="dockerfile",

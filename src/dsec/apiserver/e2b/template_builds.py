@@ -142,6 +142,11 @@ class TemplateBuilds:
         finally:
             self._release(b)
 
+    def refuse(self, b: Build, message: str) -> None:
+        """End a build whose start was refused: failed, its files and upload hold released."""
+        self._fail(b, message)
+        self._release(b)
+
     def _fail(self, b: Build, message: str) -> None:
         b.log(message, "error")
         b.status = "error"

@@ -38,6 +38,7 @@ from dsec.apiserver.tenancy import unusable, visible
 from dsec.iam import Principal
 from dsec.types import (
     NAME_RE,
+    DsecError,
     ImageInfo,
     InvalidArgument,
     NotFound,
@@ -119,14 +120,18 @@ def add_template_routes(app: FastAPI, ctx: ApiContext) -> TemplateBuilds | None:
         if b.status != "waiting":
             raise InvalidArgument(f"build {build_id} was started already", field="buildID",
                                   fix="request a new build (Template.build does)")
-        where = "fromImage" if body.get("fromImage") else "fromTemplate"
-        p = plan(body, await _base_user(who, base_of(body), where))
-        missing = [h for h in p.hashes if h not in b.uploaded]
-        if missing:
-            raise InvalidArgument(f"the files of COPY step(s) with filesHash {missing[0][:12]}... were not uploaded",
-                                  field="steps.filesHash", fix="upload them first (Template.build does)")
-        from dsec.apiserver.image_routes import build_memory
-        memory_mb = build_memory(ctx, who, None)
+        try:
+            where = "fromImage" if body.get("fromImage") else "fromTemplate"
+            p = plan(body, await _base_user(who, base_of(body), where))
+            missing = [h for h in p.hashes if h not in b.uploaded]
+            if missing:
+                raise InvalidArgument(f"the files of COPY step(s) with filesHash {missing[0][:12]}... were not "
+                                      "uploaded", field="steps.filesHash", fix="upload them first (Template.build does)")
+            from dsec.apiserver.image_routes import build_memory
+            memory_mb = build_memory(ctx, who, None)
+        except DsecError as e:          # refused: the build ends here, its work dir and upload hold go
+            builds.refuse(b, e.message)
+            raise
         b.log(f"building {b.name} from {p.base} ({len(p.dockerfile.splitlines())} Dockerfile lines)")
         builds.start(b, lambda build: _run(ctx, who, owner_of(who), build, p, memory_mb))
         return Response(status_code=202)

@@ -485,3 +485,30 @@ def test_tarball_names_beyond_ascii_survive(svc: ImageService, tmp_path):
         [mnt] = svc.mount_image(f"names-{fmt}")
         assert set(os.listdir(os.fsencode(mnt))) >= {*names, "lnk-é".encode()}
         assert os.readlink(mnt / "lnk-é") == "café.txt"
+
+
+def test_a_builtin_image_of_another_recipe_is_built_again(paths: Paths, tmp_path):
+    """A built-in name registered by an older dsec (or another recipe) is rebuilt by
+    ensure_builtin (`dsec image build NAME --builtin`, install-extras), not returned as it is:
+    before, a home upgraded from a dsec whose debian-python had no procps kept serving it."""
+    from conftest import link_downloads
+
+    from dsec.images import builtin
+    paths.home.mkdir(parents=True, exist_ok=True)
+    link_downloads(paths.home)
+    paths.ensure()
+    svc = ImageService(paths)
+    old = svc.build_from_dir("debian-python", make_tree(tmp_path / "older"), source="dir:older-dsec")
+    info = builtin.ensure_builtin(svc, "debian-python")
+    assert info.digest != old.digest and info.layers[0].source.startswith("debootstrap:bookworm+")
+    assert "procps" in info.layers[0].source
+    assert builtin.ensure_builtin(svc, "debian-python").digest == info.digest     # current: kept
+    # the recipe changes (a new revision): built again under the same name
+    before = builtin.RECIPE_REVISION
+    builtin.RECIPE_REVISION = before + 1
+    try:
+        again = builtin.ensure_builtin(svc, "debian-python")
+        record = (paths.home / "builtin" / "debian-python.recipe").read_text().split()
+        assert record == [builtin.recipe_fingerprint("debian-python"), again.digest]
+    finally:
+        builtin.RECIPE_REVISION = before

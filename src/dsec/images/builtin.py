@@ -24,6 +24,7 @@ debian-vm      debootstrap minbase bookworm + systemd-sysv, udev and linux-image
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -52,21 +53,72 @@ def _no_builtin(name: str) -> NotFound:
 
 def ensure_builtin(service: ImageService, name: str, *,
                    progress: Progress | None = None) -> ImageInfo:
-    """Return the built-in image `name`, building and registering it first if needed."""
+    """Return the built-in image `name`, building and registering it first if needed, and
+    building it again (same name, replace) when its recipe changed since it was built: an image
+    registered by an older dsec, or under another recipe, is not what this dsec documents."""
     if name not in BUILTIN_IMAGES:
         raise _no_builtin(name)
-    try:
-        return service.get(name)
-    except NotFound:
-        pass
+    fingerprint = recipe_fingerprint(name)
+    current = _current(service, name, fingerprint)
+    if current is not None:
+        return current
     # one builder per node; the others wait and then find it registered
     with FileLock(service.paths.home / "cache" / f".builtin-{name}.lock"):
+        current = _current(service, name, fingerprint)
+        if current is not None:
+            return current
         try:
-            return service.get(name)
+            service.get(name)
+            stale = True
         except NotFound:
-            pass
-        report(progress, f"building built-in image {name}", None, level=logging.INFO)
-        return BUILTIN_IMAGES[name](service, progress)
+            stale = False
+        report(progress, f"{'rebuilding' if stale else 'building'} built-in image {name}"
+               + (" (its recipe changed)" if stale else ""), None, level=logging.INFO)
+        info = BUILTIN_IMAGES[name](service, progress, stale)
+        _record_path(service, name).write_text(f"{fingerprint} {info.digest}\n")
+        return info
+
+
+# What a built-in image is made of, beyond its package list: bump when a customization
+# (make_busybox_rootfs, add_sandbox_user, install_code_interpreter) changes what it writes.
+RECIPE_REVISION = 1
+# dsec's own files copied into an image: their content is part of its recipe
+RECIPE_FILES: dict[str, tuple[str, ...]] = {
+    "code-interpreter": ("code_interpreter_server.py", "code_interpreter_kernels.py",
+                         "code_interpreter_node.js"),
+}
+
+
+def recipe_fingerprint(name: str) -> str:
+    """A digest of what builds `name`: the recipe revision, its packages, dsec's files in it."""
+    from dsec.insandbox import source
+    packages = {"debian-python": DEBIAN_PYTHON_PACKAGES, "fncall-python": FNCALL_PYTHON_PACKAGES,
+                "e2b-base": E2B_BASE_PACKAGES, "code-interpreter": CODE_INTERPRETER_PACKAGES,
+                "fncall-polyglot": FNCALL_POLYGLOT_PACKAGES, "debian-vm": DEBIAN_VM_PACKAGES}.get(name, ())
+    h = hashlib.sha256(f"{name}\0{RECIPE_REVISION}\0{','.join(packages)}".encode())
+    for f in RECIPE_FILES.get(name, ()):
+        h.update(b"\0" + hashlib.sha256(source(f).read_bytes()).digest())
+    return h.hexdigest()[:32]
+
+
+def _record_path(service: ImageService, name: str) -> Path:
+    """Beside the home's image registry (not in cache/, which test homes share with the node)."""
+    d = service.paths.home / "builtin"
+    d.mkdir(exist_ok=True)
+    return d / f"{name}.recipe"
+
+
+def _current(service: ImageService, name: str, fingerprint: str) -> ImageInfo | None:
+    """The registered image `name` if it was built from this recipe (the record names both)."""
+    try:
+        info = service.get(name)
+    except NotFound:
+        return None
+    try:
+        recorded = _record_path(service, name).read_text().split()
+    except OSError:
+        return None
+    return info if recorded == [fingerprint, info.digest] else None
 
 
 # ---------------------------------------------------------------------------------------
@@ -135,11 +187,11 @@ def make_busybox_rootfs(root: Path, busybox: Path = BUSYBOX_PATH) -> None:
     os.utime(root, (stamp, stamp))
 
 
-def _build_busybox(service: ImageService, progress: Progress | None) -> ImageInfo:
+def _build_busybox(service: ImageService, progress: Progress | None, replace: bool) -> ImageInfo:
     with scratch_dir(service.paths, "busybox") as work:
         root = work / "rootfs"
         make_busybox_rootfs(root)
-        return service.build_from_dir("busybox", root, source="builtin:busybox",
+        return service.build_from_dir("busybox", root, source="builtin:busybox", replace=replace,
                                       progress=progress)
 
 
@@ -188,9 +240,12 @@ def add_sandbox_user(root: Path, *, shell: str = "/bin/bash") -> None:
         os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
 
 
-def _build_debian_python(service: ImageService, progress: Progress | None) -> ImageInfo:
-    return service.build_debootstrap("debian-python", suite="bookworm", include=["python3", "procps"],
-                                     customize=add_sandbox_user, progress=progress)
+DEBIAN_PYTHON_PACKAGES = ("python3", "procps")
+
+
+def _build_debian_python(service: ImageService, progress: Progress | None, replace: bool) -> ImageInfo:
+    return service.build_debootstrap("debian-python", suite="bookworm", include=DEBIAN_PYTHON_PACKAGES,
+                                     replace=replace, customize=add_sandbox_user, progress=progress)
 
 
 # ---------------------------------------------------------------------------------------
@@ -200,9 +255,9 @@ def _build_debian_python(service: ImageService, progress: Progress | None) -> Im
 FNCALL_PYTHON_PACKAGES = ("python3", "python3-numpy", "gcc", "g++", "libc6-dev")
 
 
-def _build_fncall_python(service: ImageService, progress: Progress | None) -> ImageInfo:
+def _build_fncall_python(service: ImageService, progress: Progress | None, replace: bool) -> ImageInfo:
     return service.build_debootstrap("fncall-python", suite="bookworm", include=FNCALL_PYTHON_PACKAGES,
-                                     customize=add_sandbox_user, progress=progress)
+                                     replace=replace, customize=add_sandbox_user, progress=progress)
 
 
 # ---------------------------------------------------------------------------------------
@@ -224,9 +279,9 @@ NPM_PROVIDERS = ("node-function-bind", "node-css-loader", "node-fancy-log",
 E2B_BASE_PACKAGES = E2B_BASE_TOOLS + NPM_PROVIDERS
 
 
-def _build_e2b_base(service: ImageService, progress: Progress | None) -> ImageInfo:
+def _build_e2b_base(service: ImageService, progress: Progress | None, replace: bool) -> ImageInfo:
     return service.build_debootstrap("e2b-base", suite="bookworm", include=E2B_BASE_PACKAGES,
-                                     customize=add_sandbox_user, progress=progress)
+                                     replace=replace, customize=add_sandbox_user, progress=progress)
 
 
 # ---------------------------------------------------------------------------------------
@@ -290,9 +345,9 @@ def install_code_interpreter(root: Path) -> None:
         os.utime(p, ns=(stamp, stamp), follow_symlinks=False)
 
 
-def _build_code_interpreter(service: ImageService, progress: Progress | None) -> ImageInfo:
+def _build_code_interpreter(service: ImageService, progress: Progress | None, replace: bool) -> ImageInfo:
     return service.build_debootstrap("code-interpreter", suite="bookworm", include=CODE_INTERPRETER_PACKAGES,
-                                     customize=install_code_interpreter, progress=progress)
+                                     replace=replace, customize=install_code_interpreter, progress=progress)
 
 
 # ---------------------------------------------------------------------------------------
@@ -308,9 +363,9 @@ FNCALL_POLYGLOT_PACKAGES = FNCALL_PYTHON_PACKAGES + (
     "rustc", "mono-mcs", "php-cli", "ruby", "lua5.4")
 
 
-def _build_fncall_polyglot(service: ImageService, progress: Progress | None) -> ImageInfo:
+def _build_fncall_polyglot(service: ImageService, progress: Progress | None, replace: bool) -> ImageInfo:
     return service.build_debootstrap("fncall-polyglot", suite="bookworm", include=FNCALL_POLYGLOT_PACKAGES,
-                                     customize=add_sandbox_user, progress=progress)
+                                     replace=replace, customize=add_sandbox_user, progress=progress)
 
 
 # ---------------------------------------------------------------------------------------
@@ -322,12 +377,12 @@ def _build_fncall_polyglot(service: ImageService, progress: Progress | None) -> 
 DEBIAN_VM_PACKAGES = ("systemd-sysv", "udev", "linux-image-cloud-amd64")
 
 
-def _build_debian_vm(service: ImageService, progress: Progress | None) -> ImageInfo:
+def _build_debian_vm(service: ImageService, progress: Progress | None, replace: bool) -> ImageInfo:
     return service.build_debootstrap("debian-vm", suite="bookworm", include=DEBIAN_VM_PACKAGES,
-                                     customize=add_sandbox_user, progress=progress)
+                                     replace=replace, customize=add_sandbox_user, progress=progress)
 
 
-BUILTIN_IMAGES: dict[str, Callable[[ImageService, Progress | None], ImageInfo]] = {
+BUILTIN_IMAGES: dict[str, Callable[[ImageService, Progress | None, bool], ImageInfo]] = {
     "busybox": _build_busybox,
     "debian-python": _build_debian_python,
     "e2b-base": _build_e2b_base,

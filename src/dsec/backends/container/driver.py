@@ -30,8 +30,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dsec.backends.base import (PARKED, RUNNING, Backend, Egress, Hibernation, ImageStacks, LayerDiff, MemoryUsage,
-                                Parking, PortIngress, Prepared, Reclaim, UpperView)
+                                Parking, PortIngress, Prepared, RawUsage, Reclaim, UpperView, UsageStats)
 from dsec.backends.container import cgroups, hibernate, qos
+from dsec.backends.container import usage as usage_reader
 from dsec.backends.container import claim as warm_claim
 from dsec.backends.container.cpusets import CpuSets
 from dsec.backends.container.disk import open_quotas
@@ -79,7 +80,7 @@ class _ExitWatch:
     status: int | None = None     # wait status once it exited (None: unknown)
 
 
-class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernation, MemoryUsage, Reclaim,
+class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernation, MemoryUsage, UsageStats, Reclaim,
                       WarmClaim):
     kinds = ("container",)
     instead = {"snapshot": "use pack_diff to save a container's changes as a layer",
@@ -600,6 +601,16 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
         try:
             return self.parking.memory(cgroup_path(sandbox_id)).resident
         except (OSError, ValueError):
+            return None
+
+    def usage(self, sandbox_id: str) -> RawUsage | None:
+        if hibernate.on_disk(self.sandbox_dir(sandbox_id) / "run"):
+            return None
+        try:
+            raw = usage_reader.read(cgroup_path(sandbox_id), sandbox_id, self.cgroup_v2)
+            # a walk of the writable layer (~10 us a file): the sampler reads it every 5-60 s
+            return replace(raw, disk_bytes=self.disk.usage(self.sandbox_dir(sandbox_id) / "upper"))
+        except (OSError, ValueError, KeyError):
             return None
 
     def swapped(self, sandbox_id: str) -> int | None:

@@ -144,3 +144,15 @@ async def test_sandbox_top_once(server, client):
         assert sb.id in r.stdout and "cpu %" in r.stdout and "mem limit" in r.stdout
     finally:
         await sb.stop()
+
+
+async def test_vm_usage(vm_client):
+    """VM sandboxes: their QEMU's CPU time and resident memory, the limit, the disk files."""
+    sb = await vm_client.create_microvm(image="busybox", memory_mb=256)
+    try:
+        await sb.run("sh -c 'while true; do :; done' >/dev/null 2>&1 &", timeout_s=30)
+        await asyncio.sleep(1.5)
+        s = (await sb.metrics())[-1]
+        assert s.cpu_used_pct > 20 and s.mem_total == 256 << 20 and 0 < s.mem_used, s
+    finally:
+        await sb.stop()

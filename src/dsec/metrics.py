@@ -11,7 +11,7 @@ by the projects an admin made; every other label takes values from a fixed vocab
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
@@ -69,76 +69,82 @@ def refusal_reason(e: DsecError) -> str:
 
 
 class EdgeCollector(Collector):
-    """An edge's gauges, read from its running totals at scrape time (O(sandboxes) for the
-    by-state count, no I/O but the pressure file the admission already reads)."""
+    """The gauges of every edge in this process (a cluster test may run several), read from
+    their running totals at scrape time (O(sandboxes) for the by-state count, no I/O but the
+    PSI files the admission already reads). One collector: a registry refuses two that
+    yield the same names."""
 
-    def __init__(self, edge: "EdgeCore"):
-        self.edge = edge
+    def __init__(self) -> None:
+        self.edges: dict[int, "EdgeCore"] = {}
 
     def collect(self) -> Iterator[Metric]:
-        e, node = self.edge, self.edge.node_id
-        by = GaugeMetricFamily("dsec_sandboxes", "sandboxes on the node by state, backend and project; parked "
-                               "ones (state suspended) by where their memory is: memory or disk",
-                               labels=["node", "state", "backend", "project", "parked"])
+        fams: dict[str, GaugeMetricFamily] = {}
+
+        def fam(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
+            if name not in fams:
+                fams[name] = GaugeMetricFamily(name, doc, labels=labels)
+            return fams[name]
+
+        for e in list(self.edges.values()):
+            self._edge(e, fam)
+        yield from fams.values()
+
+    @staticmethod
+    def _edge(e: "EdgeCore", fam: "Callable[[str, str, list[str]], GaugeMetricFamily]") -> None:
+        node = e.node_id
+        by = fam("dsec_sandboxes", "sandboxes on the node by state, backend and project; parked ones "
+                 "(state suspended) by where their memory is: memory or disk",
+                 ["node", "state", "backend", "project", "parked"])
         counts: dict[tuple[str, str, str, str], int] = {}
         for live in list(e._live.values()):
             r = live.rec
-            parked = "" if r.state != SandboxState.suspended else live.parked_where
+            parked = live.parked_where if r.state == SandboxState.suspended else ""
             k = (r.state.value, r.backend, r.project, parked)
             counts[k] = counts.get(k, 0) + 1
         for (state, backend, project, parked), n in counts.items():
             by.add_metric([node, state, backend, project, parked], n)
-        yield by
-        load = e._load
-        yield _gauge("dsec_node_committed_cpu_cores", "CPU limits of the live sandboxes", node, load.cpu_cores)
-        yield _gauge("dsec_node_committed_memory_mb", "memory limits of the live sandboxes (MiB)", node, load.memory_mb)
-        yield _gauge("dsec_node_capacity_sandboxes", "sandboxes the node admits at most", node,
-                     e.admission.capacity.max_sandboxes)
-        psi = GaugeMetricFamily("dsec_node_pressure_avg10", "the host's PSI avg10 (percent of time stalled) per "
-                                "resource (cpu, memory, io) and kind (some, full)", labels=["node", "resource", "kind"])
+        one = ["node"]
+        fam("dsec_node_committed_cpu_cores", "CPU limits of the live sandboxes", one).add_metric([node], e._load.cpu_cores)
+        fam("dsec_node_committed_memory_mb", "memory limits of the live sandboxes (MiB)", one).add_metric(
+            [node], e._load.memory_mb)
+        fam("dsec_node_capacity_sandboxes", "sandboxes the node admits at most", one).add_metric(
+            [node], e.admission.capacity.max_sandboxes)
+        psi = fam("dsec_node_pressure_avg10", "the host's PSI avg10 (percent of time stalled) per resource "
+                  "(cpu, memory, io) and kind (some, full)", ["node", "resource", "kind"])
         try:
             reading = e.admission.probe.read()
             for key, value in sorted(reading.psi.items()):
                 resource, _, kind = key.partition(" ")
                 psi.add_metric([node, resource, kind], value)
-            avail = reading.mem_available_mb
+            if reading.mem_available_mb is not None:
+                fam("dsec_node_memory_available_mb", "MemAvailable of the host (MiB)", one).add_metric(
+                    [node], reading.mem_available_mb)
         except OSError:
-            avail = None
-        yield psi
-        if avail is not None:
-            yield _gauge("dsec_node_memory_available_mb", "MemAvailable of the host (MiB)", node, avail)
+            pass
         pools = e._pools.status()
-        idle = GaugeMetricFamily("dsec_warm_pool_idle", "idle warm-pool sandboxes waiting per image, and the "
-                                 "pool's target size", labels=["node", "image", "of"])
+        idle = fam("dsec_warm_pool_idle", "idle warm-pool sandboxes waiting per image, and the pool's target size",
+                   ["node", "image", "of"])
         for image, p in pools["pools"].items():     # type: ignore[union-attr]
             idle.add_metric([node, image, "idle"], p["idle"])
             idle.add_metric([node, image, "target"], p["size"])
-        yield idle
-        claims = GaugeMetricFamily("dsec_warm_pool_lookups", "creates that matched a warm pool: claimed one "
-                                   "(hit) or found it empty (miss), since the edge started",
-                                   labels=["node", "result"])
+        claims = fam("dsec_warm_pool_lookups", "creates that matched a warm pool: claimed one (hit) or found it "
+                     "empty (miss), since the edge started", ["node", "result"])
         claims.add_metric([node, "hit"], float(pools["claims"]))    # type: ignore[arg-type]
         claims.add_metric([node, "miss"], float(pools["misses"]))   # type: ignore[arg-type]
-        yield claims
-        yield _gauge("dsec_usage_watched_sandboxes", "sandboxes sampled every 5 s (asked for in the last 60 s)",
-                     node, e._usage.watched_count())
+        fam("dsec_usage_watched_sandboxes", "sandboxes sampled every 5 s (asked for in the last 60 s)", one).add_metric(
+            [node], e._usage.watched_count())
 
 
-def _gauge(name: str, doc: str, node: str, value: float) -> GaugeMetricFamily:
-    g = GaugeMetricFamily(name, doc, labels=["node"])
-    g.add_metric([node], value)
-    return g
+EDGES = EdgeCollector()
+REGISTRY.register(EDGES)
 
 
-def register(c: Collector) -> None:
-    REGISTRY.register(c)
+def add_edge(edge: "EdgeCore") -> None:
+    EDGES.edges[id(edge)] = edge
 
 
-def unregister(c: Collector) -> None:
-    try:
-        REGISTRY.unregister(c)
-    except KeyError:
-        pass
+def remove_edge(edge: "EdgeCore") -> None:
+    EDGES.edges.pop(id(edge), None)
 
 
 class _OneProject(Collector):

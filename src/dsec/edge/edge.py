@@ -86,19 +86,18 @@ class Edge(Lifecycle, WarmHooks, ParkingVerbs, CapabilityVerbs, AgentChannel, Ex
                                 self._warm_drop, self.conf.edge.warm_pool_parallel)
         self._usage = UsageBook()
         self._sampler: asyncio.Task[None] | None = None
-        self._collector = metrics.EdgeCollector(self)     # its gauges in the process's /metrics
 
     async def start(self) -> None:
         await self._recover()
         self._reaper = asyncio.create_task(self._reap_loop(), name="edge-reaper")
         self._pools.start()     # after recovery: the pool containers of an edge that died are gone
         self._sampler = asyncio.create_task(self._sample_loop(), name="edge-usage-sampler")
-        metrics.register(self._collector)
+        metrics.add_edge(self)     # its gauges in the process's /metrics
         log.info("edge started", extra={"node": self.node_id, "sandboxes": len(self._live)})
 
     async def close(self) -> None:
         """Stop serving. Sandboxes keep running; a restarted edge picks them up again."""
-        metrics.unregister(self._collector)
+        metrics.remove_edge(self)
         for task in (self._reaper, self._sampler):
             if task:
                 task.cancel()

@@ -156,3 +156,22 @@ async def test_vm_usage(vm_client):
         assert s.cpu_used_pct > 20 and s.mem_total == 256 << 20 and 0 < s.mem_used, s
     finally:
         await sb.stop()
+
+
+async def test_parked_sandboxes_by_where(server, client):
+    """Parked sandboxes count as suspended, by where: on disk (only its agent ran: hibernated),
+    in memory (a process of its own ran on: frozen in place)."""
+    idle = await client.create_container(image="busybox")
+    busy = await client.create_container(image="busybox")
+    try:
+        await busy.run("sleep 600 >/dev/null 2>&1 &")
+        before = scrape(server, server.key).text
+        await idle.suspend()
+        await busy.suspend()
+        text = scrape(server, server.key).text
+        for where in ("disk", "memory"):
+            assert total(text, "dsec_sandboxes", state="suspended", parked=where) == \
+                total(before, "dsec_sandboxes", state="suspended", parked=where) + 1, (where, text)
+    finally:
+        await idle.stop()
+        await busy.stop()

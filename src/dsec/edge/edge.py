@@ -84,7 +84,7 @@ class Edge(Lifecycle, WarmHooks, ParkingVerbs, CapabilityVerbs, AgentChannel, Ex
         # warm pools of idle containers per environment, claimed by creates (warm_pool.py)
         self._pools = WarmPools(parse_targets(self.conf.edge.warm_pool), self._warm_start, self._warm_key_of,
                                 self._warm_drop, self.conf.edge.warm_pool_parallel)
-        self._usage = UsageBook()
+        self._usage = UsageBook(self.conf.edge.usage_watched_s, self.conf.edge.usage_idle_s)
         self._sampler: asyncio.Task[None] | None = None
 
     async def start(self) -> None:

@@ -2,8 +2,8 @@
 bounded ring per sandbox for its life, served by the `usage` verb (sb.metrics(), `dsec
 sandbox top`, E2B's get_metrics).
 
-Sampling rate: every WATCHED_EVERY_S for a sandbox whose usage was asked for in the last
-WATCH_FOR_S, else every IDLE_EVERY_S (one cgroup-v1 sample costs tens of microseconds: 3,200
+Sampling rate: every DSEC_USAGE_WATCHED_S (5 s) for a sandbox whose usage was asked for in the
+last WATCH_FOR_S, else every DSEC_USAGE_IDLE_S (60 s; 0: never) (one cgroup-v1 sample costs tens of microseconds: 3,200
 sandboxes at 60 s is ~1 ms of CPU a second; docs/benchmarks.md). Parked sandboxes are not
 sampled (nothing of theirs runs).
 """
@@ -23,7 +23,7 @@ from dsec.backends.base import RawUsage, UsageStats
 from dsec.edge.core import EdgeCore, log
 from dsec.types import SandboxState, UsageSample
 
-WATCHED_EVERY_S = 5.0
+WATCHED_EVERY_S = 5.0     # defaults of DSEC_USAGE_WATCHED_S / DSEC_USAGE_IDLE_S
 IDLE_EVERY_S = 60.0
 WATCH_FOR_S = 60.0
 TICK_S = 1.0
@@ -43,8 +43,10 @@ class _Track:
 class UsageBook:
     """The rings of the node's sandboxes and who is due a sample."""
 
-    def __init__(self) -> None:
+    def __init__(self, watched_every_s: float = WATCHED_EVERY_S, idle_every_s: float = IDLE_EVERY_S) -> None:
         self._tracks: dict[str, _Track] = {}
+        self.watched_every_s = watched_every_s
+        self.idle_every_s = idle_every_s      # 0: not sampled unless watched
 
     def track(self, sandbox_id: str) -> _Track:
         t = self._tracks.get(sandbox_id)
@@ -60,10 +62,12 @@ class UsageBook:
 
     def due(self, sandbox_id: str, now: float) -> bool:
         t = self._tracks.get(sandbox_id)
+        watched = t is not None and t.watched_until > now
+        if not watched and not self.idle_every_s:
+            return False
         if t is None:
             return True
-        every = WATCHED_EVERY_S if t.watched_until > now else IDLE_EVERY_S
-        return now - t.last_at >= every
+        return now - t.last_at >= (self.watched_every_s if watched else self.idle_every_s)
 
     def watched_count(self) -> int:
         now = time.monotonic()

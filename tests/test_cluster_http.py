@@ -226,3 +226,18 @@ async def test_a_stopped_edge_is_unavailable_and_unhealthy(split):
         await dead.status()
     assert e.value.status == 503 and NODE in e.value.message
     await dead.aclose()
+
+
+async def test_node_metrics_and_usage_through_http_edge(split):
+    """Each edge's metrics are reachable through the apiserver at /v1/nodes/{node}/metrics
+    (the metrics_text verb over the wire); a sandbox's usage crosses it too."""
+    client, *_ = split
+    sb = await client.create_container(image="busybox")
+    try:
+        await sb.run("true")
+        assert (await sb.metrics())[-1].mem_total == sb.info.memory_mb << 20
+        r = await client._request("GET", f"/v1/nodes/{NODE}/metrics")
+        assert f'dsec_sandboxes{{backend="container",node="{NODE}"' in r.text
+        assert "dsec_sandbox_create_seconds_bucket" in r.text
+    finally:
+        await sb.stop()

@@ -116,7 +116,7 @@ class AdmissionSettings(Group):
 
 
 class EdgeEnvSettings(Group):
-    title = "Edge: warm pools and idle reclaim (edge/warm_pool.py, edge/reclaim.py)"
+    title = "Edge: warm pools, idle reclaim, usage sampling (edge/warm_pool.py, edge/reclaim.py, edge/usage.py)"
     warm_pool: str = env("", "DSEC_WARM_POOL", "warm pools to keep, image:size,... e.g. "
                          "debian-python:8,busybox:4")
     warm_pool_parallel: int = env(2, "DSEC_WARM_POOL_PARALLEL", "warm containers started at a time (1..64)",
@@ -129,6 +129,10 @@ class EdgeEnvSettings(Group):
     reclaim_psi: float = env(5.0, "DSEC_RECLAIM_PSI", "memory some avg10 (%) above which the node counts "
                              "as pressed")
     reclaim_per_tick: int = env(4, "DSEC_RECLAIM_PER_TICK", "sandboxes reclaimed at a time")
+    usage_idle_s: float = env(60.0, "DSEC_USAGE_IDLE_S", "each running sandbox's usage is sampled this often "
+                              "(0: only sandboxes whose usage was asked for)", ge=0)
+    usage_watched_s: float = env(5.0, "DSEC_USAGE_WATCHED_S", "... and this often for a minute after its usage "
+                                 "was asked for (sb.metrics, dsec sandbox top, E2B get_metrics)", ge=1)
 
 
 class StorageSettings(Group):

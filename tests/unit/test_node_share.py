@@ -238,3 +238,18 @@ async def test_without_a_registry_of_its_own_the_apiserver_checks_owners_on_the_
     with pytest.raises(NotFound) as e:          # missing on the node: the node's own answer, naming the field
         await control.create_sandbox(two.ctx, two.who(a.id), ContainerArgs(image="busybox", workspace="nope@1"))
     assert e.value.field == "workspace" and "on this node" in e.value.message
+
+
+async def test_two_edges_in_one_process_share_one_metrics_registry(two: Two) -> None:
+    """Both nodes' gauges in the process's exposition (one collector for every edge: a registry
+    refuses two that yield the same names), and a refusal counted by what was short."""
+    from dsec import metrics
+    before = metrics.REFUSED.labels("cpu")._value.get()
+    with pytest.raises(CapacityExceeded):
+        await two.edges["n1"].create("p", ContainerArgs(image="busybox", cpu_cores=3, memory_mb=64))
+    assert metrics.REFUSED.labels("cpu")._value.get() == before + 1
+    text = await two.edges["n2"].metrics_text()
+    for node in ("n1", "n2"):
+        assert f'dsec_node_capacity_sandboxes{{node="{node}"}}' in text
+    assert 'dsec_sandbox_creates_total{backend="container",outcome="refused",project="p"}' in text \
+        or 'dsec_sandbox_creates_total{project="p",backend="container",outcome="refused"}' in text

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 
+from dsec import metrics
 from dsec.apiserver import idempotent, quotas
 from dsec.apiserver.context import ApiContext, EdgeHandle
 from dsec.apiserver.index import keeper
@@ -112,6 +113,7 @@ async def _place(ctx: ApiContext, who: Principal, args: SandboxArgs, image: str 
             node = ctx.placer.choose(ctx.watcher.nodes(), args.backend, args.cpu_cores, args.memory_mb,
                                      exclude=excluded, image=image)
         except DsecError:
+            metrics.PLACEMENTS.labels("none_left").inc()
             if last is not None:   # every node refused: the last edge's reason names what is short
                 raise last from None
             raise
@@ -120,11 +122,13 @@ async def _place(ctx: ApiContext, who: Principal, args: SandboxArgs, image: str 
                 await check_usable_on(ctx.iam, ctx.edges[node], who, args)
             info = await ctx.edges[node].create(who.project_id, args)
             ctx.placer.landed(node, args.cpu_cores, args.memory_mb, ctx.watcher.interval_s)
+            metrics.PLACEMENTS.labels("placed").inc()
             return info
         except CapacityExceeded as e:   # the edge's own final check: place elsewhere
             ctx.placer.release(node, args.cpu_cores, args.memory_mb)
             excluded.add(node)
             last = e
+            metrics.PLACEMENTS.labels("retried").inc()
         except NodeUnreachable as e:
             ctx.placer.release(node, args.cpu_cores, args.memory_mb)
             if e.delivered:         # it may exist there: a second one elsewhere would be a duplicate
@@ -132,6 +136,7 @@ async def _place(ctx: ApiContext, who: Principal, args: SandboxArgs, image: str 
             log.warning("node unreachable at create, placing elsewhere", extra={"node": node})
             excluded.add(node)      # gone since the watcher's last poll: the next node
             last = e
+            metrics.PLACEMENTS.labels("retried").inc()
         except BaseException:
             ctx.placer.release(node, args.cpu_cores, args.memory_mb)
             raise

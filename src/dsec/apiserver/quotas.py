@@ -17,6 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from dsec import metrics
 from dsec.apiserver.context import ApiContext
 from dsec.apiserver.fanout import fan_out
 from dsec.iam import QuotaExceeded
@@ -42,7 +43,11 @@ async def reserve(ctx: ApiContext, project: str, args: Any) -> str:
 async def with_quota(ctx: ApiContext, project: str, args: Any,
                      create: Callable[[], Awaitable[SandboxInfo]]) -> SandboxInfo:
     """Run `create` holding the project's quota for it; a failed creation gives it back."""
-    rid = await reserve(ctx, project, args)
+    try:
+        rid = await reserve(ctx, project, args)
+    except QuotaExceeded:
+        metrics.REFUSED.labels("quota").inc()
+        raise
     try:
         info = await create()
     except BaseException:

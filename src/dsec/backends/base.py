@@ -9,7 +9,7 @@ with the backend's own advice, never a per-verb branch on backend names.
 
     SDK -> apiserver -> Edge -> Backend.prepare/create/wait_agent -> agent (in the sandbox)
                              \-> capabilities: Snapshots, Parking, Reclaim, LayerDiff, Egress,
-                                 Console, MemoryUsage, LivenessWatched
+                                 Console, MemoryUsage, UsageStats, LivenessWatched
 
 The composition root (`dsec.embedded`) is the only place that names concrete backends.
 """
@@ -233,6 +233,27 @@ class MemoryUsage(ABC):
     def swapped(self, sandbox_id: str) -> int | None:
         """Bytes of the sandbox in swap (a parked container's memory), if the backend knows."""
         return None
+
+
+@dataclass(frozen=True)
+class RawUsage:
+    """What a sandbox has used, as its runtime counts it (cumulative CPU; the rest now)."""
+
+    cpu_ns: int                   # CPU time used since it started
+    mem_bytes: int                # memory charged to it, page cache included
+    mem_cache: int                # of which page cache
+    disk_bytes: int | None        # bytes in its writable layer (None: not known cheaply)
+    net_rx: int | None = None     # bytes received / sent (None: no network device)
+    net_tx: int | None = None
+
+
+class UsageStats(ABC):
+    """Usage figures of a running sandbox, cheap enough to sample every few seconds
+    (edge/usage.py): container cgroups, a VM's QEMU process."""
+
+    @abstractmethod
+    def usage(self, sandbox_id: str) -> RawUsage | None:
+        """None when it cannot be read now (parked to disk, gone). Blocking: call in a thread."""
 
 
 class LivenessWatched(ABC):

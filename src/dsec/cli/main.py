@@ -24,6 +24,7 @@ from dsec.cli.bench import bench_app
 from dsec.cli.common import _fail, _run, _settings, console, err_console
 from dsec.cli.images import image_app, layer_app
 from dsec.cli.sandboxes import run, sandbox_app
+from dsec.cli import top as _top  # noqa: F401  (registers `dsec sandbox top`)
 from dsec.cli.tenants import key_app, project_app
 from dsec.cli.vm import vm_app
 from dsec.cluster.cli import cluster_app  # (cluster mode on Ray; imports Ray only when run)

@@ -9,7 +9,7 @@ import builtins
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from dsec.backends.base import Backend
 from dsec.config import Paths
@@ -25,6 +25,9 @@ from dsec.images.stacks import Stacks
 from dsec.placement.locality import CacheSummary
 from dsec.settings import Settings
 from dsec.types import Conflict, InvalidArgument, NotFound, SandboxInfo, SandboxState, Unavailable
+
+if TYPE_CHECKING:
+    from dsec.edge.usage import UsageBook
 
 log = logging.getLogger("dsec.edge")
 
@@ -87,6 +90,7 @@ class EdgeCore:
     _watches: Counter[str]
     _reclaimer: Reclaimer
     _pools: WarmPools
+    _usage: "UsageBook"            # per-sandbox usage rings (usage.py)
 
     @property
     def backends(self) -> builtins.list[str]:

@@ -45,13 +45,15 @@ from dsec.edge.execs import Execs
 from dsec.edge.files import Files
 from dsec.edge.ports import Ports
 from dsec.edge.reaping import Reaping
+from dsec.edge.usage import UsageBook, UsageVerbs
+from dsec import metrics
 
 __all__ = ["Edge", "EdgeSettings", "MAX_WATCHES_PER_PROJECT", "PARTS"]
 
-PARTS = ("core", "lifecycle", "warm", "parking", "verbs", "channel", "execs", "files", "ports", "reaping")   # the modules Edge is made of
+PARTS = ("core", "lifecycle", "warm", "parking", "verbs", "channel", "execs", "files", "ports", "reaping", "usage")   # the modules Edge is made of
 
 
-class Edge(Lifecycle, WarmHooks, ParkingVerbs, CapabilityVerbs, AgentChannel, Execs, Files, Ports, Reaping):
+class Edge(Lifecycle, WarmHooks, ParkingVerbs, CapabilityVerbs, AgentChannel, Execs, Files, Ports, Reaping, UsageVerbs):
     def __init__(self, paths: Paths, images: ImageService, backends: Sequence[Backend],
                  settings: EdgeSettings = EdgeSettings(), admission: Admission | None = None,
                  unavailable: Mapping[str, tuple[str, str | None]] | None = None, conf: Settings | None = None):
@@ -82,18 +84,24 @@ class Edge(Lifecycle, WarmHooks, ParkingVerbs, CapabilityVerbs, AgentChannel, Ex
         # warm pools of idle containers per environment, claimed by creates (warm_pool.py)
         self._pools = WarmPools(parse_targets(self.conf.edge.warm_pool), self._warm_start, self._warm_key_of,
                                 self._warm_drop, self.conf.edge.warm_pool_parallel)
+        self._usage = UsageBook(self.conf.edge.usage_watched_s, self.conf.edge.usage_idle_s)
+        self._sampler: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         await self._recover()
         self._reaper = asyncio.create_task(self._reap_loop(), name="edge-reaper")
         self._pools.start()     # after recovery: the pool containers of an edge that died are gone
+        self._sampler = asyncio.create_task(self._sample_loop(), name="edge-usage-sampler")
+        metrics.add_edge(self)     # its gauges in the process's /metrics
         log.info("edge started", extra={"node": self.node_id, "sandboxes": len(self._live)})
 
     async def close(self) -> None:
         """Stop serving. Sandboxes keep running; a restarted edge picks them up again."""
-        if self._reaper:
-            self._reaper.cancel()
-            await asyncio.gather(self._reaper, return_exceptions=True)
+        metrics.remove_edge(self)
+        for task in (self._reaper, self._sampler):
+            if task:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         await self._reclaimer.close()
         await self._pools.close()    # a cache: idle pool sandboxes are destroyed, not kept
         for live in self._live.values():
@@ -112,6 +120,10 @@ class Edge(Lifecycle, WarmHooks, ParkingVerbs, CapabilityVerbs, AgentChannel, Ex
             await self.stacks.unmount_all()
             for b in self._distinct_backends():
                 await b.release_node()
+
+    async def metrics_text(self, project: str | None = None) -> str:
+        """This process's Prometheus metrics (text format); with `project`, only its series."""
+        return metrics.exposition(project)
 
     async def status(self) -> NodeStatus:
         # parked sandboxes hold no CPU or memory: they do not count against admission

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 from dsec.agent import protocol as P
 from dsec.agent.client import INTERNAL_CHAN_BASE, AgentClient, AgentDisconnected, AgentError, ExecLost
+from dsec import metrics
 from dsec.edge import output_budget
 from dsec.edge.agent_errors import map_agent_error
 from dsec.edge.exec_events import exec_events
@@ -22,9 +23,22 @@ from dsec.edge.core import EdgeCore
 
 
 class Execs(EdgeCore):
+    def _count_exec(self, sandbox_id: str, kind: str) -> str | None:
+        """dsec_execs_total; the sandbox's backend (None: no such sandbox, the verb says so)."""
+        live = self._live.get(sandbox_id)
+        if live is None:
+            return None
+        metrics.EXECS.labels(live.rec.project, live.rec.backend, kind).inc()
+        return live.rec.backend
+
     async def exec_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
         """start, stdout/stderr chunks as they arrive, then exit with the full ExecResult. With an
         idempotency key the edge follows the command itself: a retry follows the same one."""
+        self._count_exec(sandbox_id, "stream")
+        async for ev in self._exec_stream(sandbox_id, req):
+            yield ev
+
+    async def _exec_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
         if req.idempotency_key is not None:
             tracked = await self._start_tracked(sandbox_id, req, detached=False)
             # exec_follow: the tracker, or the agent if the edge let go of it (a park, a restart)
@@ -98,6 +112,14 @@ class Execs(EdgeCore):
                 self._dirty.add(rec.id)
 
     async def run(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+        backend = self._count_exec(sandbox_id, "run")
+        t0 = time.monotonic()
+        result = await self._run(sandbox_id, req)
+        if backend is not None:
+            metrics.EXEC_SECONDS.labels(backend).observe(time.monotonic() - t0)
+        return result
+
+    async def _run(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
         if req.idempotency_key is not None:
             # the tracker's own error (a missing cwd, a busy session ...) as it was raised, not
             # the exit event's text: a keyed run answers as an unkeyed one does
@@ -109,7 +131,7 @@ class Execs(EdgeCore):
                     raise
                 raise SandboxFailed(f"the command ended without a result: {e}", field="cmd",   # let go of (a park)
                                     fix="run it again") from None
-        async for ev in self.exec_stream(sandbox_id, req):
+        async for ev in self._exec_stream(sandbox_id, req):
             if ev.type == "exit":
                 if ev.result is None:     # a followed (idempotent) exec that was lost
                     raise SandboxFailed(f"the command ended without a result: {ev.data}", field="cmd",
@@ -135,6 +157,7 @@ class Execs(EdgeCore):
     async def exec_start(self, sandbox_id: str, req: ExecRequest) -> ExecInfo:
         """Start a command detached: returns its exec id at once; follow it with exec_follow,
         feed it with exec_stdin, signal it, or wait for its result with attach."""
+        self._count_exec(sandbox_id, "start")
         tracked = await self._start_tracked(sandbox_id, req, detached=True)
         return tracked.info.model_copy()
 

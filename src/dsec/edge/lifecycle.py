@@ -12,6 +12,7 @@ import time
 from dsec.backends.base import PARKED, RUNNING, MemoryUsage
 from dsec.backends.warm import WarmClaim
 from dsec.edge.live import LiveSandbox
+from dsec.edge.timing import CreateTimer
 from dsec.edge.records import SandboxRecord
 from dsec.types import (DsecError, ImageInfo,
                         SandboxArgs,
@@ -103,17 +104,40 @@ class Lifecycle(EdgeCore):
         request that matches a warm pool (warm_pool.py) claims one of its idle sandboxes
         instead of starting one: same record, same checks, its limits applied at claim."""
         t0 = time.monotonic()
+        stages = CreateTimer(args.backend, project)
+        try:
+            info = await self._create_timed(project, args, stages)
+        except DsecError:
+            stages.done("refused" if stages.refused else "failed")
+            raise
+        except Exception:
+            stages.done("failed")
+            raise
+        stages.done("ok")
+        log.info("sandbox created", extra={"sandbox": info.id, "backend": args.backend, "image": args.image,
+                                           "project": project, "accel": getattr(args, "accel", None),
+                                           "warm": stages.warm, "ms": round((time.monotonic() - t0) * 1000, 2)})
+        return info
+
+    async def _create_timed(self, project: str, args: SandboxArgs, stages: CreateTimer) -> SandboxInfo:
         backend = self._backend(args.backend)
         prepared = await backend.prepare(args, self.stacks)   # DsecErrors name the field
         args = prepared.args
+        stages.lap("prepare")
         warm = self._take_warm(backend, prepared)
+        stages.warm = warm is not None
         if warm is not None:   # its share of the node passes to this sandbox
             self._load.update(warm.rec, live=False)
         try:
             self.admission.admit(await self.status(), args.cpu_cores, args.memory_mb)
+        except DsecError as e:
+            self._give_back_warm(warm)
+            stages.refuse(e)
+            raise
         except BaseException:
             self._give_back_warm(warm)
             raise
+        stages.lap("admission")
         now = time.time()
         rec = SandboxRecord(id=warm.id if warm else make_sandbox_id(self.node_id), project=project,
                             backend=args.backend,
@@ -136,7 +160,9 @@ class Lifecycle(EdgeCore):
             if warm is None:
                 async with self._create_slots:   # a burst starts a few at a time
                     await backend.create(rec.id, prepared, self.stacks)
+                stages.lap("start")
                 await self._adopt_agent(live)    # ready means the agent answers
+                stages.lap("agent")
             else:
                 # its connected agent, the sandbox's from here (its teardown closes it); no
                 # round trip: nothing ever ran in it (chan 1 is free), and a dead agent shows
@@ -157,9 +183,6 @@ class Lifecycle(EdgeCore):
         self.records.set_state(rec.id, SandboxState.running)
         self._watch_exit(live)
         self._schedule(rec)
-        log.info("sandbox created", extra={"sandbox": rec.id, "backend": args.backend, "image": args.image,
-                                           "project": project, "accel": getattr(args, "accel", None),
-                                           "warm": warm is not None, "ms": round((time.monotonic() - t0) * 1000, 2)})
         return rec.info(self.node_id)
 
     async def _abort_create(self, live: LiveSandbox, error: BaseException) -> None:

@@ -49,6 +49,7 @@ class LiveSandbox:
     ping_misses: int = 0          # unanswered liveness pings in a row (LivenessWatched backends)
     execs: int = 0                # execs running now (exec_slot)
     exec_bytes: int = 0           # output they reserved
+    parked_where: str = "memory"  # a parked one's memory: "memory" (RAM/swap) or "disk" (metrics)
     commands: ExecTable = field(default_factory=ExecTable)   # detached/keyed execs, running execs' metadata
     # one connect at a time; parking/resuming serialised; network policy changes serialised
     agent_lock: asyncio.Lock = field(default_factory=asyncio.Lock)

@@ -89,6 +89,8 @@ class ParkingVerbs(EdgeCore):
             await live.drop_agent()
             try:
                 size = await to_disk.hibernate(live.id) if to_disk is not None else None
+                # where its memory went, for the metrics (a container frozen in place keeps it in RAM/swap)
+                live.parked_where = "disk" if size is not None or not isinstance(live.backend, Hibernation) else "memory"
                 if size is None:
                     size = await parking.park(live.id)
             except BaseException:

@@ -29,7 +29,7 @@ from dsec.sdk.iam_types import (KeyInfo, KeyList, NewKey, ProjectCreate, Project
                                 QuotaUpdate)
 from dsec.types import FnCallBatch, FnCallBatchItem, FnCallRequest, FnCallResult, FnCallStatus
 from dsec.types import BulkItem, BulkResult, ExecInfo, ExecList, PackDiffRequest, PtySize
-from dsec.types import MicroVMArgs, SandboxArgs, SnapshotInfo, SnapshotList, VMArgs
+from dsec.types import MicroVMArgs, SandboxArgs, SnapshotInfo, SnapshotList, UsageList, UsageSample, VMArgs
 from dsec.types import ImageBuildResult, ImageConfig, ImageProgress, ImagePullRequest
 from dsec.types import (ERRORS_BY_CODE, SDK_KEY_PREFIX, ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult, FsEvent,
                         FileEntry, FileList, ImageInfo, ImageList, NetworkPolicy, NodeStatus, SandboxInfo, SandboxList,
@@ -660,6 +660,14 @@ class Sandbox:
         resp = await self._c._request("POST", f"{self._base}/pack_diff",
                                       content=wire(req), headers=JSON)
         return ImageInfo.model_validate_json(resp.content)
+
+    async def metrics(self, start: float | None = None, end: float | None = None) -> builtins.list[UsageSample]:
+        """The sandbox's usage samples (CPU, memory used/limit, disk used/limit, network bytes),
+        oldest first, optionally between `start` and `end` (Unix seconds). Asking makes the node
+        sample it every 5 s for the next minute (else every 60 s); it keeps the last 720."""
+        params = {k: v for k, v in (("start", start), ("end", end)) if v is not None}
+        resp = await self._c._request("GET", f"/v1/sandboxes/{self.id}/metrics", params=params)
+        return UsageList.model_validate_json(resp.content).samples
 
     async def console(self, tail: int = 65536) -> str:
         """VM sandboxes: the end of the guest's serial console (also after it failed)."""

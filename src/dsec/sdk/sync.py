@@ -26,7 +26,7 @@ from dsec.sdk.iam_types import KeyInfo, NewKey, ProjectInfo, QuotaInfo
 from dsec.types import (BulkItem, ContainerArgs, DsecError, ExecEvent, ExecInfo, ExecResult, FileEntry,
                         FnCallRequest, FnCallResult, FsEvent, ImageBuildResult, ImageConfig, ImageInfo,
                         ImageProgress, MicroVMArgs, NetworkPolicy, NodeStatus, SandboxArgs, SandboxInfo,
-                        SandboxList, SnapshotInfo, VMArgs)
+                        SandboxList, SnapshotInfo, UsageSample, VMArgs)
 
 __all__ = ["SyncClient", "SyncCreated", "SyncSandbox", "SyncFiles", "SyncPty"]
 
@@ -377,6 +377,13 @@ class SyncSandbox(_sync.Synchronized):
         left out (default dsec.types.DEFAULT_SCRUB: /tmp, caches, shell history).
         """
         return cast("ImageInfo", _sync.call(self, "pack_diff", name, scrub=scrub, replace=replace))
+
+    def metrics(self, start: float | None = None, end: float | None = None) -> builtins.list[UsageSample]:
+        """The sandbox's usage samples (CPU, memory used/limit, disk used/limit, network bytes),
+        oldest first, optionally between `start` and `end` (Unix seconds). Asking makes the node
+        sample it every 5 s for the next minute (else every 60 s); it keeps the last 720.
+        """
+        return cast("builtins.list[UsageSample]", _sync.call(self, "metrics", start, end))
 
     def console(self, tail: int = 65536) -> str:
         """VM sandboxes: the end of the guest's serial console (also after it failed)."""

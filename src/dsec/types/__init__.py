@@ -26,8 +26,10 @@ from dsec.types.images import (LayerInfo, ImageInfo, ImageList, DEFAULT_SCRUB, P
 from dsec.types.fncall import (FNCALL_MAX_TIMEOUT_S, FNCALL_MAX_BYTES, FNCALL_DEFAULT_IMAGE, FnCallRequest,
                                FnCallStatus, FnCallStep, FnCallResult, FnCallBatch, FnCallBatchItem)
 from dsec.types.builds import (ImageConfig, ImageBuildResult, ImageProgress, ImagePullRequest)
+from dsec.types.usage import (UsageSample, UsageList)
 
 __all__ = [
+    "UsageSample", "UsageList",
     "DsecError", "InvalidArgument", "NotFound", "Unauthorized", "Forbidden", "Conflict", "CapacityExceeded",
     "SandboxFailed", "Unavailable", "NodeUnreachable", "PayloadTooLarge", "BadGateway", "GatewayTimeout",
     "InternalError", "ERRORS_BY_CODE", "ErrorDetail", "ErrorBody", "NODE_ID_RE", "SANDBOX_ID_RE", "make_sandbox_id",

@@ -9,7 +9,7 @@ import hashlib
 import ipaddress
 import math
 import re
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
@@ -20,7 +20,7 @@ from dsec.apiserver.e2b.ids import to_e2b
 from dsec.apiserver.e2b.models import NewSandbox
 from dsec.types.domains import normalize_name, pattern_error
 from dsec.types import (IDEMPOTENCY_KEY_RE, MAX_TTL_S, VM_BACKENDS, InvalidArgument, SandboxArgs, SandboxInfo,
-                        SandboxState)
+                        SandboxState, UsageSample)
 
 # What the SDK gates on envd's version (e2b/envd/versions.py): commands stdin (0.3.0), default
 # user (0.4.0), close stdin (0.5.2), octet-stream upload (0.5.7), file metadata (0.6.2, refused
@@ -232,3 +232,11 @@ def detail(info: SandboxInfo, tokens: AccessTokens, domain: str | None = None) -
     out.update({"envdAccessToken": tokens.token(info.id), "domain": domain,
                 "allowInternetAccess": egress if info.backend not in VM_BACKENDS else False})
     return out
+
+
+def metric(s: UsageSample) -> dict[str, Any]:
+    """A usage sample as E2B's SandboxMetric (GET /sandboxes/{id}/metrics)."""
+    return {"timestamp": datetime.fromtimestamp(s.timestamp, timezone.utc).isoformat().replace("+00:00", "Z"),
+            "timestampUnix": int(s.timestamp), "cpuCount": s.cpu_count, "cpuUsedPct": s.cpu_used_pct,
+            "memUsed": s.mem_used, "memTotal": s.mem_total, "memCache": s.mem_cache,
+            "diskUsed": s.disk_used, "diskTotal": s.disk_total}

@@ -33,7 +33,8 @@ from dsec.types import (MAX_TTL_S, VM_BACKENDS, Conflict, DsecError, InternalErr
 log = logging.getLogger("dsec.apiserver.e2b")
 
 # E2B routes the SDK has that dsec does not serve: a clear 501 instead of a bare 404
-NOT_SERVED = ("fork", "snapshots", "metrics", "logs", "refreshes")
+NOT_SERVED = ("fork", "snapshots", "logs", "refreshes")
+MAX_METRICS_IDS = 100      # sandboxes one GET /sandboxes/metrics reports
 
 
 def _who(request: Request) -> Principal:
@@ -79,6 +80,29 @@ def build_rest_app(ctx: ApiContext, tokens: AccessTokens, domain: str | None = N
         await layout.apply(ctx.edge_for(info.id), info)       # before anything runs as `user`
         await control.start_template_services(ctx, info)
         return mapping.created(info, tokens, domain)
+
+    # usage samples (edge/usage.py) as E2B's SandboxMetric; before /sandboxes/{sandbox_id}
+    @app.get("/sandboxes/metrics")
+    async def many_metrics(request: Request, sandbox_ids: str) -> dict:
+        """The latest sample of each named sandbox of the caller's (unknown ones left out)."""
+        who = _who(request)
+        ids = [i for i in sandbox_ids.split(",") if i][:MAX_METRICS_IDS]
+        out: dict[str, dict] = {}
+        for e2b_id in ids:
+            try:
+                info = await running(e2b_id, who)
+            except NotFound:
+                continue
+            samples = await ctx.edge_for(info.id).usage(info.id)
+            if samples:
+                out[e2b_id] = mapping.metric(samples[-1])
+        return {"sandboxes": out}
+
+    @app.get("/sandboxes/{sandbox_id}/metrics")
+    async def sandbox_metrics(request: Request, sandbox_id: str, start: int | None = None, end: int | None = None) -> list[dict]:
+        info = await running(sandbox_id, _who(request))
+        samples = await ctx.edge_for(info.id).usage(info.id, start, end)
+        return [mapping.metric(s) for s in samples]
 
     @app.get("/sandboxes/{sandbox_id}")
     async def get(request: Request, sandbox_id: str) -> dict:

@@ -30,8 +30,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dsec.backends.base import (PARKED, RUNNING, Backend, Egress, Hibernation, ImageStacks, LayerDiff, MemoryUsage,
-                                Parking, PortIngress, Prepared, Reclaim, UpperView)
+                                Parking, PortIngress, Prepared, RawUsage, Reclaim, UpperView, UsageStats)
 from dsec.backends.container import cgroups, hibernate, qos
+from dsec.backends.container import usage as usage_reader
 from dsec.backends.container import claim as warm_claim
 from dsec.backends.container.cpusets import CpuSets
 from dsec.backends.container.disk import open_quotas
@@ -60,6 +61,7 @@ PIDFD_GET_INFO = (3 << 30) | (64 << 16) | (0xFF << 8) | 11
 
 VIEW_RESTART_MIN_S = 2.0     # between two starts of the node's lxcfs (lxcfs.py)
 SETTLE_S = 0.25              # a park to disk waits this long for ended commands' supervisors
+DISK_WALK_EVERY_S = 60.0     # usage(): the writable layer is walked at most this often
 
 
 def _proc_stat(pid: int) -> list[str]:
@@ -79,7 +81,7 @@ class _ExitWatch:
     status: int | None = None     # wait status once it exited (None: unknown)
 
 
-class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernation, MemoryUsage, Reclaim,
+class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernation, MemoryUsage, UsageStats, Reclaim,
                       WarmClaim):
     kinds = ("container",)
     instead = {"snapshot": "use pack_diff to save a container's changes as a layer",
@@ -111,6 +113,7 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
         self.ids = IdRanges(c.idmap_registry, c.idmap_first, c.idmap_slots) if c.userns else None
         self._watches: dict[str, _ExitWatch] = {}     # exit detection (watch_exit)
         self.parking = CgroupParking(self.cgroup_v2)  # suspend: freeze + memory to (zram) swap
+        self._disk_seen: dict[str, tuple[float, int]] = {}   # usage(): when each layer was last walked, bytes
         # suspend of a quiescent container: torn down to its files, started again on resume
         self.park_to_disk = c.park_to_disk
         # sandboxes see their own size (D50): a cpuset each, lxcfs's /proc files bound in
@@ -268,6 +271,7 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
 
     async def destroy(self, sandbox_id: str) -> None:
         self.unwatch_exit(sandbox_id)     # its death below is ours, not news for the edge
+        self._disk_seen.pop(sandbox_id, None)
         d = self.sandbox_dir(sandbox_id)
         on_disk = hibernate.on_disk(d / "run")   # parked to disk: no runtime, no pid file
         killed = d.exists() and not (d / "run" / "pid").exists() and not on_disk
@@ -601,6 +605,22 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
             return self.parking.memory(cgroup_path(sandbox_id)).resident
         except (OSError, ValueError):
             return None
+
+    def usage(self, sandbox_id: str) -> RawUsage | None:
+        if hibernate.on_disk(self.sandbox_dir(sandbox_id) / "run"):
+            return None
+        try:
+            raw = usage_reader.read(cgroup_path(sandbox_id), sandbox_id, self.cgroup_v2)
+        except (OSError, ValueError, KeyError):
+            return None
+        # the writable layer is walked (~10 us a file) at most once a DISK_WALK_EVERY_S, however
+        # often the sandbox is sampled (the cgroup reads are ~70 us all told)
+        now = time.monotonic()
+        at, used = self._disk_seen.get(sandbox_id, (-DISK_WALK_EVERY_S, 0))
+        if now - at >= DISK_WALK_EVERY_S:
+            used = self.disk.usage(self.sandbox_dir(sandbox_id) / "upper")
+            self._disk_seen[sandbox_id] = (now, used)
+        return replace(raw, disk_bytes=used)
 
     def swapped(self, sandbox_id: str) -> int | None:
         if hibernate.on_disk(self.sandbox_dir(sandbox_id) / "run"):

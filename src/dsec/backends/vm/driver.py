@@ -31,7 +31,7 @@ from typing import Literal
 
 from dsec.agent.client import AgentClient
 from dsec.backends.base import (PARKED, RUNNING, Backend, Console, ImageStacks, LivenessWatched, MemoryUsage,
-                                Parking, Prepared, Reclaim, Snapshots)
+                                Parking, Prepared, RawUsage, Reclaim, Snapshots, UsageStats)
 from dsec.backends.vm import balloon, chain, console as vmconsole, disks, guest, ramshim
 from dsec.backends.vm.accel import AccelChooser
 from dsec.backends.vm.qemu import (Disk, Kind, Machine, Pmem, Qmp, kill, launch, pid_alive, pss_bytes, qemu_binary,
@@ -106,7 +106,7 @@ class VMPlan:
     boot_disk: BootDisk | None = None
 
 
-class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, LivenessWatched, Reclaim):
+class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, LivenessWatched, Reclaim):
     """Both QEMU backends ('microvm' and 'vm'); one instance serves both."""
 
     kinds = ("microvm", "vm")
@@ -626,9 +626,33 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, LivenessWatche
     def log_tail(self, sandbox_id: str, n: int = 800) -> str:
         return console_tail(self.sandbox_dir(sandbox_id), n)
 
+    def usage(self, sandbox_id: str) -> RawUsage | None:
+        """The host's view of the guest: its QEMU's CPU time (vCPU threads included) and
+        resident memory (the guest's touched RAM; no page-cache split), its disk files."""
+        pid = self._pid(sandbox_id)
+        if pid is None or not pid_alive(pid, sandbox_id):
+            return None
+        try:
+            raw = qemu_usage(pid)
+            return RawUsage(cpu_ns=raw[0], mem_bytes=raw[1], mem_cache=0, disk_bytes=self.disk_usage(sandbox_id))
+        except (OSError, ValueError, IndexError):
+            return None
+
     def pss(self, sandbox_id: str) -> int | None:
         pid = self._pid(sandbox_id)
         return pss_bytes(pid) if pid is not None and pid_alive(pid, sandbox_id) else None
+
+
+_TICK_NS = 10**9 // os.sysconf("SC_CLK_TCK")
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def qemu_usage(pid: int) -> tuple[int, int]:
+    """(CPU ns, resident bytes) of a process: /proc/PID/stat utime+stime, /proc/PID/statm."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2:].split()     # after the command name, which may hold spaces
+    cpu = (int(fields[11]) + int(fields[12])) * _TICK_NS
+    return cpu, int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * _PAGE
 
 
 def console_tail(d: Path, n: int = 800) -> str:

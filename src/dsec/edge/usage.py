@@ -1,0 +1,155 @@
+"""Per-sandbox usage: sampled from the backend (UsageStats: cgroups, a VM's QEMU), kept in a
+bounded ring per sandbox for its life, served by the `usage` verb (sb.metrics(), `dsec
+sandbox top`, E2B's get_metrics).
+
+Sampling rate: every DSEC_USAGE_WATCHED_S (5 s) for a sandbox whose usage was asked for in the
+last WATCH_FOR_S, else every DSEC_USAGE_IDLE_S (60 s; 0: never) (one cgroup-v1 sample costs tens of microseconds: 3,200
+sandboxes at 60 s is ~1 ms of CPU a second; docs/benchmarks.md). Parked sandboxes are not
+sampled (nothing of theirs runs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import math
+import time
+from time import perf_counter     # not the unit tests' fake clock (tests/unit/conftest.py)
+from collections import deque
+from dataclasses import dataclass, field
+
+from dsec import metrics
+from dsec.backends.base import RawUsage, UsageStats
+from dsec.edge.core import EdgeCore, log
+from dsec.types import SandboxState, UsageSample
+
+WATCHED_EVERY_S = 5.0     # defaults of DSEC_USAGE_WATCHED_S / DSEC_USAGE_IDLE_S
+IDLE_EVERY_S = 60.0
+WATCH_FOR_S = 60.0
+TICK_S = 1.0
+FRESH_S = 1.0            # an ask answers with a sample at most this old (one read per ask at most)
+FIRST_INTERVAL_S = 0.25   # a sandbox never sampled: two samples this far apart
+KEEP = 720            # samples kept per sandbox: an hour at 5 s, 12 hours at 60 s
+
+
+@dataclass
+class _Track:
+    samples: deque[UsageSample] = field(default_factory=lambda: deque(maxlen=KEEP))
+    last_raw: RawUsage | None = None
+    last_at: float = 0.0          # monotonic time of the last sample
+    watched_until: float = 0.0    # monotonic
+
+
+class UsageBook:
+    """The rings of the node's sandboxes and who is due a sample."""
+
+    def __init__(self, watched_every_s: float = WATCHED_EVERY_S, idle_every_s: float = IDLE_EVERY_S) -> None:
+        self._tracks: dict[str, _Track] = {}
+        self.watched_every_s = watched_every_s
+        self.idle_every_s = idle_every_s      # 0: not sampled unless watched
+
+    def track(self, sandbox_id: str) -> _Track:
+        t = self._tracks.get(sandbox_id)
+        if t is None:
+            t = self._tracks[sandbox_id] = _Track()
+        return t
+
+    def forget(self, sandbox_id: str) -> None:
+        self._tracks.pop(sandbox_id, None)
+
+    def watch(self, sandbox_id: str, now: float) -> None:
+        self.track(sandbox_id).watched_until = now + WATCH_FOR_S
+
+    def due(self, sandbox_id: str, now: float) -> bool:
+        t = self._tracks.get(sandbox_id)
+        watched = t is not None and t.watched_until > now
+        if not watched and not self.idle_every_s:
+            return False
+        if t is None:
+            return True
+        return now - t.last_at >= (self.watched_every_s if watched else self.idle_every_s)
+
+    def watched_count(self) -> int:
+        now = time.monotonic()
+        return sum(1 for t in self._tracks.values() if t.watched_until > now)
+
+    def ids(self) -> builtins.list[str]:
+        return list(self._tracks)
+
+
+def to_sample(raw: RawUsage, prev: RawUsage | None, dt: float, cpu_cores: float, memory_mb: int,
+              disk_mb: int | None) -> UsageSample:
+    cpus = max(1, math.ceil(cpu_cores))
+    # percent of the cores it may use since the last sample (0 for the first one: no interval)
+    pct = 0.0
+    if prev is not None and dt > 0:
+        pct = max(0.0, (raw.cpu_ns - prev.cpu_ns) / (dt * 1e9) / cpu_cores * 100.0)
+    return UsageSample(timestamp=time.time(), cpu_count=cpus, cpu_used_pct=round(min(pct, 100.0), 2),
+                       mem_used=raw.mem_bytes - raw.mem_cache, mem_cache=raw.mem_cache,
+                       mem_total=memory_mb << 20, disk_used=raw.disk_bytes or 0,
+                       disk_total=(disk_mb or 0) << 20, net_rx_bytes=raw.net_rx, net_tx_bytes=raw.net_tx)
+
+
+class UsageVerbs(EdgeCore):
+    async def usage(self, sandbox_id: str, start: float | None = None,
+                    end: float | None = None) -> builtins.list[UsageSample]:
+        """The sandbox's usage samples between start and end (Unix seconds), oldest first; from
+        now on it is sampled every 5 s for a minute. A running one whose last sample is older
+        than FRESH_S is sampled now. Ended sandboxes keep none (NotFound for unknown ones, as `get`)."""
+        rec = self._record(sandbox_id)
+        live = self._live.get(rec.id)
+        if live is None:
+            return []            # ended: its samples went with it
+        now = time.monotonic()
+        self._usage.watch(rec.id, now)
+        track = self._usage.track(rec.id)
+        if rec.state == SandboxState.running:
+            if track.last_raw is None:
+                await self._sample(rec.id)
+            # a first sample says no CPU use (no interval yet): answer with a second one
+            if len(track.samples) < 2 or now - track.last_at >= FRESH_S:
+                wait = FIRST_INTERVAL_S - (time.monotonic() - track.last_at)
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                await self._sample(rec.id)
+        return [s for s in track.samples
+                if (start is None or s.timestamp >= start) and (end is None or s.timestamp <= end)]
+
+    async def _sample(self, *sandbox_ids: str) -> None:
+        """One sample of each (the reads in one worker thread: no thread hop per sandbox)."""
+        lives = [live for sid in sandbox_ids if (live := self._live.get(sid)) is not None
+                 and live.rec.state == SandboxState.running and isinstance(live.backend, UsageStats)]
+
+        def read_all() -> builtins.list[tuple[RawUsage | None, float]]:
+            out = []
+            for live in lives:
+                t0 = perf_counter()
+                raw = live.backend.usage(live.id)     # type: ignore[attr-defined]
+                out.append((raw, time.monotonic()))
+                metrics.USAGE_SAMPLE_SECONDS.observe(perf_counter() - t0)
+            return out
+
+        for live, (raw, at) in zip(lives, await asyncio.to_thread(read_all)):
+            if raw is None:
+                continue
+            rec = live.rec
+            metrics.USAGE_SAMPLES.labels(rec.backend).inc()
+            track = self._usage.track(live.id)
+            track.samples.append(to_sample(raw, track.last_raw, at - track.last_at, rec.args.cpu_cores,
+                                           rec.args.memory_mb, getattr(rec.args, "disk_mb", None)))
+            track.last_raw, track.last_at = raw, at
+
+    async def _sample_loop(self) -> None:
+        """Once a second: sample the sandboxes that are due, forget the ones that ended."""
+        while True:
+            await asyncio.sleep(TICK_S)
+            try:
+                now = time.monotonic()
+                for gone in set(self._usage.ids()) - set(self._live):
+                    self._usage.forget(gone)
+                due = [sid for sid, live in list(self._live.items())
+                       if live.rec.state == SandboxState.running and self._usage.due(sid, now)]
+                if due:
+                    await self._sample(*due)
+            except Exception:
+                log.exception("usage sampling failed")

@@ -12,7 +12,7 @@ by the projects an admin made; every other label takes values from a fixed vocab
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -20,8 +20,8 @@ from prometheus_client.registry import Collector
 
 from dsec.types import CapacityExceeded, DsecError, SandboxState
 
-if TYPE_CHECKING:
-    from dsec.edge.core import EdgeCore
+# an edge (dsec.edge.core.EdgeCore), read duck-typed: the edge imports this module, not the reverse
+EdgeCore = Any
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -4,7 +4,7 @@ someone asked, else every 60 s (DSEC_USAGE_IDLE_S=0: only when asked); CPU perce
 from __future__ import annotations
 
 from dsec.backends.base import RawUsage
-from dsec.edge.usage import KEEP, WATCH_FOR_S, UsageBook, to_sample
+from dsec.edge.usage_book import KEEP, WATCH_FOR_S, UsageBook, to_sample
 
 
 def _sampled(book: UsageBook, sid: str, at: float) -> None:

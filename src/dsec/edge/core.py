@@ -27,7 +27,7 @@ from dsec.settings import Settings
 from dsec.types import Conflict, InvalidArgument, NotFound, SandboxInfo, SandboxState, Unavailable
 
 if TYPE_CHECKING:
-    from dsec.edge.usage import UsageBook
+    from dsec.edge.usage_book import UsageBook
 
 log = logging.getLogger("dsec.edge")
 

@@ -45,7 +45,8 @@ from dsec.edge.execs import Execs
 from dsec.edge.files import Files
 from dsec.edge.ports import Ports
 from dsec.edge.reaping import Reaping
-from dsec.edge.usage import UsageBook, UsageVerbs
+from dsec.edge.usage import UsageVerbs
+from dsec.edge.usage_book import UsageBook
 from dsec import metrics
 
 __all__ = ["Edge", "EdgeSettings", "MAX_WATCHES_PER_PROJECT", "PARTS"]

@@ -109,7 +109,11 @@ def add_template_routes(app: FastAPI, ctx: ApiContext) -> TemplateBuilds | None:
     async def upload(request: Request, template_id: str, digest: str) -> Response:
         who = _who(request)
         b = builds.latest(who.project_id, template_id)
-        await builds.receive(b, _hash(digest), request.stream())
+        try:
+            await builds.receive(b, _hash(digest), request.stream())
+        except DsecError as e:          # refused (size, empty, bad hash): the build ends, its dir goes
+            builds.refuse(b, e.message)
+            raise
         return Response(status_code=201)
 
     @app.post("/v2/templates/{template_id}/builds/{build_id}", status_code=202)

@@ -26,6 +26,9 @@ for i in $(seq 1 "$ROUNDS"); do run before "$i"; run after "$i"; done
 # leave nothing behind: the worktrees, and each home's scratch mount (dsec down keeps it for a restart)
 for side in before after; do
   umount /var/tmp/bench-$side/sb 2>/dev/null
+  # the home's lxcfs outlives `dsec down` by design (D50): stop it before removing the home
+  $PY -c "import sys; from pathlib import Path; from dsec.backends.container.lxcfs import Lxcfs; Lxcfs(Path(sys.argv[1])).stop()" \
+    /var/tmp/bench-$side/lxcfs 2>/dev/null || umount -l /var/tmp/bench-$side/lxcfs 2>/dev/null
   rm -rf /var/tmp/bench-$side
   git worktree remove --force /tmp/dsec-$side
 done

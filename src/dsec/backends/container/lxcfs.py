@@ -70,7 +70,9 @@ class Lxcfs:
         if pid is not None:            # alive but not answering: a hung daemon is replaced
             _kill(pid)
         self.clear()
-        self.mountpoint.mkdir(mode=0o755, parents=True, exist_ok=True)
+        # not parents=True: a home removed under a still-running edge (a test's cleanup) is not
+        # made again by a restart of its lxcfs (FileNotFoundError, an OSError the callers log)
+        self.mountpoint.mkdir(mode=0o755, exist_ok=True)
         if self.binary is None:
             raise OSError(errno.ENOENT, "lxcfs is not installed (apt-get install lxcfs; scripts/install.sh does it)")
         # lxcfs 5 stays in the foreground: setsid -f makes it nobody's child, so it outlives this

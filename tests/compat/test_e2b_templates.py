@@ -19,22 +19,23 @@ import time
 import pytest
 
 
-@pytest.fixture(scope="module")
-def base_image(images):
+def _built(images, name: str):
+    """A built-in image in the test home, with its build time and size in the output."""
     from dsec.images.builtin import ensure_builtin
     t0 = time.monotonic()
-    info = ensure_builtin(images, "e2b-base")
-    print(f"e2b-base image: {time.monotonic() - t0:.1f}s, {info.size_bytes / 2**20:.0f} MiB")
+    info = ensure_builtin(images, name)
+    print(f"{name} image: {time.monotonic() - t0:.1f}s, {info.size_bytes / 2**20:.0f} MiB")
     return info
+
+
+@pytest.fixture(scope="module")
+def base_image(images):
+    return _built(images, "e2b-base")
 
 
 @pytest.fixture(scope="module")
 def ci_image(images):
-    from dsec.images.builtin import ensure_builtin
-    t0 = time.monotonic()
-    info = ensure_builtin(images, "code-interpreter")
-    print(f"code-interpreter image: {time.monotonic() - t0:.1f}s, {info.size_bytes / 2**20:.0f} MiB")
-    return info
+    return _built(images, "code-interpreter")
 
 
 @pytest.fixture(scope="module")

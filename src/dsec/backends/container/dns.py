@@ -191,6 +191,29 @@ class _Udp(asyncio.DatagramProtocol):
             self.transport.sendto(reply, addr)
 
 
+class SourceSlots:
+    """Open connections counted per sandbox address, at most `limit` each (the forwarder's TCP
+    and the egress proxy both bound what one sandbox may hold open)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._open: dict[str, int] = {}
+
+    def take(self, source: str) -> bool:
+        n = self._open.get(source, 0)
+        if n >= self.limit:
+            return False
+        self._open[source] = n + 1
+        return True
+
+    def give_back(self, source: str) -> None:
+        n = self._open.get(source, 1) - 1
+        if n > 0:
+            self._open[source] = n
+        else:
+            self._open.pop(source, None)
+
+
 class DnsServer:
     """UDP and TCP listeners on (address, port); start() and stop() from the edge's loop."""
 
@@ -199,7 +222,7 @@ class DnsServer:
         self.address, self.port = address, port
         self._udp: asyncio.DatagramTransport | None = None
         self._tcp: asyncio.Server | None = None
-        self._per_source: dict[str, int] = {}
+        self._per_source = SourceSlots(MAX_TCP_PER_SOURCE)
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -216,10 +239,9 @@ class DnsServer:
 
     async def _serve_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         source = writer.get_extra_info("peername")[0]
-        if self._per_source.get(source, 0) >= MAX_TCP_PER_SOURCE:
+        if not self._per_source.take(source):
             writer.close()
             return
-        self._per_source[source] = self._per_source.get(source, 0) + 1
         try:
             while True:
                 head = await asyncio.wait_for(reader.readexactly(2), 10)
@@ -234,11 +256,7 @@ class DnsServer:
         except Exception:
             log.warning("DNS-over-TCP connection failed", exc_info=True, extra={"source": source})
         finally:
-            n = self._per_source.get(source, 1) - 1
-            if n > 0:
-                self._per_source[source] = n
-            else:
-                self._per_source.pop(source, None)
+            self._per_source.give_back(source)
             writer.close()
 
 

@@ -22,7 +22,7 @@ import logging
 import socket
 import struct
 
-from dsec.backends.container.dns import Lookup, Upstream
+from dsec.backends.container.dns import Lookup, SourceSlots, Upstream
 from dsec.security.netpolicy import compile_allows
 from dsec.types.domains import matches
 
@@ -112,7 +112,7 @@ class EgressProxy:
         self.lookup, self.upstream = lookup, upstream
         self.address, self.port, self.subnet = address, port, subnet
         self._server: asyncio.Server | None = None
-        self._per_source: dict[str, int] = {}
+        self._per_source = SourceSlots(MAX_PER_SOURCE)
         self._tasks: set[asyncio.Task] = set()
 
     async def start(self) -> None:
@@ -131,10 +131,9 @@ class EgressProxy:
         if task is not None:
             self._tasks.add(task)
         source = writer.get_extra_info("peername")[0]
-        if self._per_source.get(source, 0) >= MAX_PER_SOURCE:
+        if not self._per_source.take(source):
             writer.close()
             return
-        self._per_source[source] = self._per_source.get(source, 0) + 1
         try:
             await self._handle(source, reader, writer)
         except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError, UnicodeError):
@@ -142,11 +141,7 @@ class EgressProxy:
         except Exception:   # e.g. a malformed upstream DNS answer: this connection only, never the loop
             log.warning("egress proxy connection failed", exc_info=True, extra={"source": source})
         finally:
-            n = self._per_source.get(source, 1) - 1
-            if n > 0:
-                self._per_source[source] = n
-            else:
-                self._per_source.pop(source, None)
+            self._per_source.give_back(source)
             if not writer.is_closing():
                 writer.close()
             if task is not None:

@@ -123,8 +123,13 @@ def network_policy(net: dict[str, Any] | None, internet: bool | None, prefix: st
     return {"rules": [{"cidr": c} for c in cidrs], "domains": domains}
 
 
-def _network(body: NewSandbox) -> dict[str, Any] | None:
-    return network_policy(body.network, body.allow_internet_access)
+def _network(body: NewSandbox, internet_default: bool) -> dict[str, Any] | None:
+    """E2B's default is the internet on: a create naming neither gets it where the project's
+    policy allows it (internet_default, iam.policy.default_internet), else no egress."""
+    internet = body.allow_internet_access
+    if internet is None and not body.network:
+        internet = internet_default
+    return network_policy(body.network, internet)
 
 
 def _dsec_metadata(metadata: dict[str, str]) -> tuple[dict[str, str], dict[str, Any]]:
@@ -154,8 +159,9 @@ def idempotency_key(header: str | None) -> str | None:
 TEMPLATE_ALIASES = {"base": "e2b-base", "code-interpreter-v1": "code-interpreter"}
 
 
-def sandbox_args(body: NewSandbox, idem: str | None) -> Any:
-    """The dsec SandboxArgs of an E2B create request."""
+def sandbox_args(body: NewSandbox, idem: str | None, internet_default: bool = False) -> Any:
+    """The dsec SandboxArgs of an E2B create request. `internet_default`: whether a create that
+    names no network gets the internet (E2B's default), as the project's policy allows."""
     labels, own = _dsec_metadata(body.metadata or {})
     backend = own.pop("backend", "container")
     _check_unsupported(body, backend)
@@ -168,7 +174,7 @@ def sandbox_args(body: NewSandbox, idem: str | None) -> Any:
         if "cpu_cores" in own:
             raw["vcpus"] = own.pop("cpu_cores")
     else:
-        net = _network(body)
+        net = _network(body, internet_default)
         if net is not None:
             raw["network"] = net
     raw.update(own)

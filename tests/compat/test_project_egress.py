@@ -46,6 +46,11 @@ async def test_egress_field_is_a_ceiling_no_create_lifts(server, projects):
                 await c.create_container(image="busybox", network=extra)
             assert e.value.field == field and "egress=" in e.value.message, e.value
             assert "policy" in (e.value.fix or ""), e.value
+        # egress='rulesets' lets rule sets through to the edge (which knows no 'no-such-set': 422)
+        from dsec.types import InvalidArgument
+        with pytest.raises(InvalidArgument) as e:
+            await rs.create_container(image="busybox", network={"rulesets": {"no-such-set": True}})
+        assert e.value.field == "network.rulesets.no-such-set", e.value
         sb = await off.create_container(image="busybox")           # asking nothing is fine
         try:
             assert not sb.info.network.rules and not sb.info.network.domains

@@ -120,6 +120,8 @@ def _add_openapi(app: FastAPI, public_paths: frozenset[str]) -> None:
 def create_app(ctx: ApiContext) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        from dsec.apiserver.rulesets import push_at_start
+        await push_at_start(ctx)     # operators' network rule sets, to every edge
         yield
         await keeper(ctx).stop()     # the sandbox index's queued writes (apiserver/index.py)
 
@@ -195,4 +197,6 @@ def create_app(ctx: ApiContext) -> FastAPI:
     app.include_router(nodes.router)   # /v1/nodes, /v1/images, publishing
     from dsec.apiserver.metrics_routes import router as metrics_router
     app.include_router(metrics_router)   # /metrics (admin), /v1/metrics, per-node, per-sandbox usage
+    from dsec.apiserver.rulesets import router as rulesets_router
+    app.include_router(rulesets_router)   # /v1/network/rulesets: operators' named rule sets
     return app

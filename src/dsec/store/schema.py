@@ -93,6 +93,14 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
         # epoch seconds after which the key no longer authenticates; NULL: until revoked
         "ALTER TABLE api_keys ADD COLUMN expires_at DOUBLE PRECISION",
     ]),
+    (5, "operators' named network rule sets", [
+        # body: NetworkRuleSet as JSON ({"rules": [...], "domains": [...]})
+        """CREATE TABLE network_rulesets (
+            name       TEXT PRIMARY KEY,
+            body       TEXT NOT NULL,
+            updated_at DOUBLE PRECISION NOT NULL
+        )""",
+    ]),
 ]
 
 LATEST = MIGRATIONS[-1][0]

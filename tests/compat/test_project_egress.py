@@ -95,6 +95,14 @@ def test_e2b_create_gets_the_internet_where_the_project_allows_it(e2b_env, serve
             sbx.kill()
     with pytest.raises(SandboxException, match="egress='none'"):
         Sandbox.create("busybox", allow_internet_access=True, **_e2b(none_key))
+    sbx = Sandbox.create("busybox", **_e2b(none_key))
+    try:       # update_network with nothing said: E2B's default, as the project allows it (none)
+        sbx.update_network({})
+        assert sbx.get_info().allow_internet_access is False
+        with pytest.raises(SandboxException, match="egress='none'"):
+            sbx.update_network({"allow_out": ["10.0.0.1"]})
+    finally:
+        sbx.kill()
     sbx = Sandbox.create("busybox", allow_internet_access=False)      # asked off: off
     try:
         assert sbx.get_info().allow_internet_access is False

@@ -161,7 +161,9 @@ def build_rest_app(ctx: ApiContext, tokens: AccessTokens, domain: str | None = N
         if internet is not None and not isinstance(internet, bool):
             raise InvalidArgument("allowInternetAccess must be true or false", field="allowInternetAccess",
                                   fix="send a boolean")
-        raw = mapping.network_policy(body, True if internet is None else internet, prefix="network")
+        if internet is None:     # E2B's default (on), where the project's egress allows it
+            internet = default_internet(ctx.iam.effective_policy(info.project))
+        raw = mapping.network_policy(body, internet, prefix="network")
         await set_sandbox_network(ctx, ctx.edge_for(info.id), info.id,
                                   NetworkPolicy.model_validate(raw or {}))
         return Response(status_code=204)

@@ -178,6 +178,20 @@ async def test_operator_rule_set_by_name_then_changed_for_new_connections(dserve
             await other.set_ruleset("t-web", domains=["evil.test"])
         assert e.value.field == "name" and "root" in e.value.message, e.value
         assert "t-web" not in (await other.rulesets())["rulesets"]
+    # the operator's CLI
+    import subprocess
+    import sys
+
+    def cli(*args: str) -> str:
+        r = subprocess.run([sys.executable, "-m", "dsec", "ruleset", *args], capture_output=True, text=True,
+                           timeout=60, env={**os.environ, "DSEC_URL": dserver.url, "DSEC_API_KEY": dserver.key})
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+    cli("set", "t-cli", "--domain", "X.test", "--cidr", "10.9.0.0/16")
+    assert json.loads(cli("ls"))["t-cli"] == {"rules": [{"cidr": "10.9.0.0/16", "ports": None, "protocol": "any"}],
+                                             "domains": ["x.test"]}
+    cli("rm", "t-cli")
+    assert "t-cli" not in json.loads(cli("ls"))
 
 
 async def test_invalid_domains_name_the_field(dserver):

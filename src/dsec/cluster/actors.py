@@ -59,8 +59,10 @@ class EdgeNode:
         if self._netns is not None:
             await self._start_in_netns()
             return
+        import ray      # "": this raylet's address (after a restart, maybe not the last one's)
+        host = self._host or ray.util.get_node_ip_address()
         self._stack, self._url = await start_edge(self._settings, self.node_id, self._secret, self._system_project,
-                                                  self._host, self._builtin, self._seed_bin)
+                                                  host, self._builtin, self._seed_bin)
 
     async def _start_in_netns(self) -> None:
         """The edge as a child process inside the node's netns (edge_proc.py, D40)."""

@@ -76,3 +76,8 @@ def link_tag(name: str, room: int) -> str:
     """The name in at most `room` characters, for interface names (15 at most in all): the name
     itself if it fits, else a hash of it (two long names sharing a prefix must not collide)."""
     return name if len(name) <= room else hashlib.sha256(name.encode()).hexdigest()[:room]
+
+
+def bridge_name(name: str) -> str:
+    """The node's sandbox bridge (DSEC_NET_BRIDGE): unique per node name among the edges of a host."""
+    return "dc" + link_tag(name, 13)

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec.cluster.discovery import API_PREFIX, EDGE_PREFIX, NAMESPACE, actor_address, live_names, named_actors
-from dsec.cluster.names import RESOURCE_PREFIX, link_tag, name_of
+from dsec.cluster.names import RESOURCE_PREFIX, bridge_name, name_of
 from dsec.config import DEFAULT_HOME, DEFAULT_PORT
 from dsec.types import Conflict, InvalidArgument, Unavailable
 
@@ -230,7 +230,7 @@ async def up(settings: ClusterSettings) -> dict[str, Any]:
         subnet = subnets[node]
         home = settings.node_homes / node
         env = {**shares[n["NodeID"]], **settings.edge_env, "DSEC_HOME": str(home),
-               "DSEC_NET_BRIDGE": "dc" + link_tag(node, 13), "DSEC_NET_SUBNET": subnet}
+               "DSEC_NET_BRIDGE": bridge_name(node), "DSEC_NET_SUBNET": subnet}
         # placed by its name's resource, not pinned to a Ray node id: Ray starts it again on
         # the raylet that offers the name next (the same host after a restart: it adopts)
         edge_cls.options(name=EDGE_PREFIX + node, namespace=NAMESPACE, lifetime="detached", num_cpus=0,

@@ -1,0 +1,163 @@
+"""Node identity and `dsec nodes` on a real two-node Ray cluster (one for the module) with two
+apiserver replicas on PostgreSQL (issue 28.2, 28.6). Each raylet advertises its dsec node name
+as a Ray resource (cluster/names.py):
+- a cordoned node gets no placement, through either replica;
+- the worker's raylet killed and started again (a new Ray node id) keeps its name: Ray starts
+  its edge there, which adopts its sandboxes; they answer, stop works, their quota is intact;
+- a draining node refuses new sandboxes and lists the ones it still holds (moves nothing);
+- a node gone for good is forgotten: its quota and index rows are released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from conftest import NO_PSI_ADMISSION, requires_root
+
+from dsec import Client
+from dsec.store import open_db
+from dsec.store.sandboxes import SandboxIndex
+from dsec.testing.waiting import wait_until
+from dsec.types import Conflict, DsecError, Unavailable
+
+pytest.importorskip("ray", reason="cluster mode needs ray: pip install -e '.[cluster]'")
+
+SLOW_S = 180.0      # a raylet and an edge starting on a loaded 2-core box
+
+
+class Env:
+    def __init__(self, local, admins: list[Client], users: list[Client], project: str, db_url: str):
+        self.local, self.admins, self.users, self.project, self.db_url = local, admins, users, project, db_url
+        self.head = next(n for n, rn in local.nodes.items() if rn is None)
+        self.worker = next(n for n, rn in local.nodes.items() if rn is not None)
+        self.kept: list = []      # the worker's sandboxes, from one test to the next
+
+
+@pytest.fixture(scope="module")
+async def env(pg_cluster):
+    requires_root()
+    from dsec.cluster.local import local_cluster
+
+    db_url = pg_cluster.create_database(f"nodes_{time.monotonic_ns()}")
+    async with local_cluster(nodes=2, replicas=2, edge_env=NO_PSI_ADMISSION, db_url=db_url) as local:
+        admins = [Client(url, local.admin_key) for url in local.replica_urls]
+        p = await admins[0].create_project("nodes-t", max_sandboxes=20, max_cpu_cores=4, max_memory_mb=4096)
+        key = (await admins[0].create_key(p.id)).key
+        users = [Client(url, key) for url in local.replica_urls]
+        e = Env(local, admins, users, p.id, db_url)
+        try:
+            yield e
+        finally:
+            for c in users:
+                try:
+                    for sb in await c.list():
+                        try:
+                            await (await c.get(sb.id)).stop()
+                        except DsecError:
+                            pass
+                    break
+                except DsecError:
+                    continue
+            for c in [*admins, *users]:
+                await c.close()
+
+
+def _node(sandbox_id: str) -> str:
+    return sandbox_id.removeprefix("sb-").split(".")[0]
+
+
+async def _state_everywhere(env: Env, node: str, state: str) -> None:
+    """Every replica's view says so (GET /v1/nodes reads the same cache placement does)."""
+    async def seen() -> bool:
+        for c in env.admins:
+            if {n.node_id: n.state for n in await c.nodes()}.get(node) != state:
+                return False
+        return True
+    await wait_until(seen, timeout_s=30, every_s=0.2, what=f"{node} {state} on every replica")
+
+
+async def _used(env: Env) -> int:
+    return (await env.admins[0].quota(env.project)).used.sandboxes
+
+
+async def test_cordon_then_restarted_raylet_keeps_its_name_and_sandboxes(env):
+    assert not env.head.startswith("n") or "-" in env.head      # a name, not Ray's id
+    await env.admins[0].node_action(env.head, "cordon")
+    await _state_everywhere(env, env.head, "cordoned")
+    made = [await env.users[i % 2].create_container(image="busybox", memory_mb=64, cpu_cores=0.1)
+            for i in range(3)]
+    assert {_node(sb.id) for sb in made} == {env.worker}, [sb.id for sb in made]
+    assert await _used(env) == 3
+
+    # the worker's raylet killed (its edge with it) and started again: a new Ray node id
+    await asyncio.to_thread(env.local.kill_node, env.worker)
+    env.local.restart_node(env.worker)       # blocks the loop (cluster_utils needs the main thread)
+
+    async def answers():
+        try:
+            r = await (await env.users[1].get(made[0].id)).run("echo back")
+            return r.stdout == "back\n"
+        except DsecError:
+            return False
+    await wait_until(answers, timeout_s=SLOW_S, every_s=1.0, what="the restarted node's sandbox to answer")
+
+    async def healthy_everywhere() -> bool:
+        for c in env.admins:
+            if not {n.node_id: n.healthy for n in await c.nodes()}.get(env.worker):
+                return False
+        return True
+    await wait_until(healthy_everywhere, timeout_s=SLOW_S, every_s=0.5, what="both replicas to see it back")
+    for sb in made:        # same ids, same node, each answers through either replica
+        assert (await (await env.users[0].get(sb.id)).run("echo ok")).stdout == "ok\n"
+    assert await _used(env) == 3                           # quota held by the adopted sandboxes
+    await (await env.users[0].get(made[0].id)).stop()      # stop works (old code: 404)
+    assert await _used(env) == 2
+    env.kept = made[1:]
+
+
+async def test_drain_refuses_creates_and_lists_what_remains(env):
+    assert env.kept, "needs the previous test"
+    drained = await env.admins[1].node_action(env.worker, "drain")
+    assert drained["state"] == "draining"
+    assert sorted(drained["sandboxes"]) == sorted(sb.id for sb in env.kept)
+    await _state_everywhere(env, env.worker, "draining")
+    for c in env.users:       # the head cordoned, the worker draining: nowhere to go
+        with pytest.raises(Unavailable) as e:
+            await c.create_container(image="busybox", memory_mb=64, cpu_cores=0.1)
+        assert env.worker in str(e.value) and e.value.field == "node"
+    for sb in env.kept:       # nothing moved or stopped
+        assert (await (await env.users[1].get(sb.id)).run("echo here")).stdout == "here\n"
+    await env.admins[0].node_action(env.head, "uncordon")
+    await _state_everywhere(env, env.head, "active")
+    new = [await env.users[i % 2].create_container(image="busybox", memory_mb=64, cpu_cores=0.1) for i in range(2)]
+    assert {_node(sb.id) for sb in new} == {env.head}
+    for sb in new:
+        await sb.stop()
+
+
+async def test_forget_a_removed_node_releases_quota_and_index_rows(env):
+    assert env.kept, "needs the previous tests"
+    with pytest.raises(Conflict):       # it still answers
+        await env.admins[0].node_action(env.worker, "forget")
+    before = await _used(env)
+    await asyncio.to_thread(env.local.kill_node, env.worker)     # gone for good
+
+    async def forgotten():
+        try:
+            return await env.admins[0].node_action(env.worker, "forget")
+        except Conflict:        # until discovery has dropped it (Ray declares the raylet dead)
+            return None
+    out = await wait_until(forgotten, timeout_s=60, every_s=0.5, what="the dead node to be forgettable")
+    assert out["released"] == len(env.kept) and out["ended"] == len(env.kept), out
+    assert await _used(env) == before - len(env.kept) == 0
+    db = open_db(env.db_url)
+    try:
+        index = SandboxIndex(db)
+        assert index.list(None, node=env.worker) == []
+        assert {index.get(sb.id).state for sb in env.kept} == {"forgotten"}
+    finally:
+        db.close()
+    assert env.worker not in {n.node_id for n in await env.admins[1].nodes()}
+    assert not {sb.id for sb in env.kept} & {s.id for s in await env.users[1].list()}

@@ -5,7 +5,8 @@ as a Ray resource (cluster/names.py):
 - the worker's raylet killed and started again (a new Ray node id) keeps its name: Ray starts
   its edge there, which adopts its sandboxes; they answer, stop works, their quota is intact;
 - a draining node refuses new sandboxes and lists the ones it still holds (moves nothing);
-- a node gone for good is forgotten: its quota and index rows are released.
+- a node gone for good is forgotten: its quota and index rows are released; should it come
+  back after all, what it still runs is stopped (its quota is gone) and it takes sandboxes again.
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ async def env(pg_cluster):
     from dsec.cluster.local import local_cluster
 
     db_url = pg_cluster.create_database(f"nodes_{time.monotonic_ns()}")
-    async with local_cluster(nodes=2, replicas=2, edge_env=NO_PSI_ADMISSION, db_url=db_url) as local:
+    # the replicas' index upkeep every second: a forgotten node that returns is cleaned up soon
+    async with local_cluster(nodes=2, replicas=2, edge_env={**NO_PSI_ADMISSION, "DSEC_INDEX_SYNC_S": "1"},
+                             db_url=db_url) as local:
         admins = [Client(url, local.admin_key) for url in local.replica_urls]
         p = await admins[0].create_project("nodes-t", max_sandboxes=20, max_cpu_cores=4, max_memory_mb=4096)
         key = (await admins[0].create_key(p.id)).key
@@ -161,3 +164,28 @@ async def test_forget_a_removed_node_releases_quota_and_index_rows(env):
         db.close()
     assert env.worker not in {n.node_id for n in await env.admins[1].nodes()}
     assert not {sb.id for sb in env.kept} & {s.id for s in await env.users[1].list()}
+
+
+async def test_a_forgotten_node_that_returns_runs_nothing_stale(env):
+    """Its raylet started again under its name: Ray starts its edge, which adopts the sandboxes
+    forget gave up; a replica's index upkeep stops them and makes the node active again."""
+    assert env.kept, "needs the previous tests"
+    env.local.restart_node(env.worker)       # blocks the loop (cluster_utils needs the main thread)
+
+    async def clean_and_active():
+        for c in env.admins:
+            n = {n.node_id: n for n in await c.nodes()}.get(env.worker)
+            if n is None or not n.healthy or n.state != "active" or n.sandboxes:
+                return False
+        return True
+    await wait_until(clean_and_active, timeout_s=SLOW_S, every_s=0.5, what="the returned node emptied and active")
+    for sb in env.kept:
+        with pytest.raises(DsecError):
+            await (await env.users[0].get(sb.id)).run("true")
+    assert await _used(env) == 0          # released once, by forget; the stops released nothing more
+    await env.admins[0].node_action(env.head, "cordon")
+    await _state_everywhere(env, env.head, "cordoned")
+    sb = await env.users[1].create_container(image="busybox", memory_mb=64, cpu_cores=0.1)
+    assert _node(sb.id) == env.worker
+    await sb.stop()
+    assert await _used(env) == 0

@@ -3,7 +3,8 @@ apiserver replicas on PostgreSQL (issue 28.2, 28.6). Each raylet advertises its 
 as a Ray resource (cluster/names.py):
 - a cordoned node gets no placement, through either replica;
 - the worker's raylet killed and started again (a new Ray node id) keeps its name: Ray starts
-  its edge there, which adopts its sandboxes; they answer, stop works, their quota is intact;
+  its edge there (on the port it had), which adopts its sandboxes; they answer, stop works,
+  their quota is intact;
 - a draining node refuses new sandboxes and lists the ones it still holds (moves nothing);
 - a node gone for good is forgotten: its quota and index rows are released; should it come
   back after all, what it still runs is stopped (its quota is gone) and it takes sandboxes again.
@@ -94,6 +95,8 @@ async def test_cordon_then_restarted_raylet_keeps_its_name_and_sandboxes(env):
     assert {_node(sb.id) for sb in made} == {env.worker}, [sb.id for sb in made]
     assert await _used(env) == 3
 
+    from dsec.cluster.discovery import EDGE_PREFIX, actor_address
+    before = await actor_address(EDGE_PREFIX + env.worker)
     # the worker's raylet killed (its edge with it) and started again: a new Ray node id
     await asyncio.to_thread(env.local.kill_node, env.worker)
     env.local.restart_node(env.worker)       # blocks the loop (cluster_utils needs the main thread)
@@ -114,6 +117,9 @@ async def test_cordon_then_restarted_raylet_keeps_its_name_and_sandboxes(env):
     await wait_until(healthy_everywhere, timeout_s=SLOW_S, every_s=0.5, what="both replicas to see it back")
     for sb in made:        # same ids, same node, each answers through either replica
         assert (await (await env.users[0].get(sb.id)).run("echo ok")).stdout == "ok\n"
+    after = await actor_address(EDGE_PREFIX + env.worker)
+    assert after["ray_node"] != before["ray_node"] and after["home"] == before["home"]
+    assert after["url"] == before["url"]                   # the edge's port kept in its home
     assert await _used(env) == 3                           # quota held by the adopted sandboxes
     await (await env.users[0].get(made[0].id)).stop()      # stop works (old code: 404)
     assert await _used(env) == 2

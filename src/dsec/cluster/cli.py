@@ -62,6 +62,8 @@ def up(address: Address = "auto",
                                                           "nodes sharing one host, the replicas on it too); "
                                                           "default: DSEC_EDGE_NETNS")] = None,
        netns_pool: Annotated[str, typer.Option(help="the edges' netns links: a /30 each")] = "10.89.0.0/16",
+       edge_port: Annotated[int, typer.Option(min=0, max=65535, help="every edge's service port (one edge per host "
+                                              "address); 0: each keeps the free port it first bound")] = 0,
        edge_env: Annotated[Optional[list[str]], typer.Option(help="K=V in every edge's and replica's environment "
                                                              "(e.g. DSEC_LAYER_STORE=...); repeatable")] = None,
        ) -> None:
@@ -76,7 +78,8 @@ def up(address: Address = "auto",
                                   node_resource=node_resource, builtin_images=list(builtin or []),
                                   share_hosts=share_hosts, node_cpu_cores=node_cpu_cores,
                                   node_memory_mb=node_memory_mb, netns_pool=netns_pool,
-                                  edge_netns=conf.edge_netns if edge_netns is None else edge_netns, edge_env=env)
+                                  edge_netns=conf.edge_netns if edge_netns is None else edge_netns, edge_env=env,
+                                  edge_port=edge_port)
     _print(asyncio.run(rc.up(settings)))
     typer.echo(f"admin key: {settings.home / 'admin.key'}")
 

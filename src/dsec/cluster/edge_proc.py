@@ -48,7 +48,8 @@ async def _run(cfg: dict[str, Any]) -> None:
     from dsec.settings import Settings
     settings = Settings.from_env().with_home(cfg["home"])     # this process's (the actor's environment)
     stack, url = await start_edge(settings, cfg["node_id"], cfg["secret"], cfg["system_project"],
-                                  cfg["host"], cfg.get("builtin_images") or [], cfg.get("seed_bin"))
+                                  cfg["host"], cfg.get("builtin_images") or [], cfg.get("seed_bin"),
+                                  int(cfg.get("port") or 0))
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stopping.set)

@@ -59,6 +59,9 @@ class ClusterSettings:
     edge_env: dict[str, str] = field(default_factory=dict)
     images_home: str | None = None  # replicas' image registry (tenancy checks) until the shared layer store
     seed_bin: str | None = None     # a bin/ of compiled helpers on every node's host to copy from (tests)
+    # every edge's service port (firewalls); 0: each keeps the port it first bound (a free one) in
+    # its home, so a restarted edge serves where it did (actors.edge_socket)
+    edge_port: int = 0
     # N edges on one host (same hostname) each count 1/N of it (DSEC_NODE_SHARE, edge/node_share.py);
     # False: each counts the whole host (or its cgroup), overcommitting it N times
     share_hosts: bool = True
@@ -237,7 +240,7 @@ async def up(settings: ClusterSettings) -> dict[str, Any]:
                          max_restarts=-1, max_concurrency=10_000, resources={RESOURCE_PREFIX + node: 1},
                          runtime_env={"env_vars": env}).remote(
             node, str(home), secret, system, "", settings.builtin_images, settings.seed_bin,
-            _netns(settings, node, pool.index(subnet)))
+            _netns(settings, node, pool.index(subnet)), settings.edge_port)
         started.append(node)
     # every edge answers (starts) before the replicas look for them
     answers = await asyncio.gather(*(actor_address(EDGE_PREFIX + n, START_TIMEOUT_S) for n in started))

@@ -195,3 +195,50 @@ async def test_a_forgotten_node_that_returns_runs_nothing_stale(env):
     assert _node(sb.id) == env.worker
     await sb.stop()
     assert await _used(env) == 0
+
+
+async def test_rotate_secret_drops_no_request_and_retires_the_old_one(env):
+    """Issue 28.4 (its secret part): the secret is a file on each node, read per request; a
+    rotation under load refuses nothing, and afterwards the edges refuse the old secret."""
+    import httpx
+
+    from dsec.cluster import ray_cluster as rc
+    from dsec.cluster.discovery import EDGE_PREFIX, actor_address
+    from dsec.cluster.secret_file import SecretFile
+
+    settings = env.local.settings
+    node_file = settings.node_homes / rc.NODE_SECRET_FILE
+    old = SecretFile(node_file).current()
+    sbs = [await env.users[i].create_container(image="busybox", memory_mb=64, cpu_cores=0.1) for i in range(2)]
+    failures: list[str] = []
+    stop = asyncio.Event()
+
+    async def load(i: int) -> int:
+        n = 0
+        while not stop.is_set():
+            try:
+                r = await (await env.users[i].get(sbs[i].id)).run("echo x")
+                assert r.stdout == "x\n"
+                n += 1
+            except Exception as e:       # noqa: BLE001 - any refusal is the failure measured
+                failures.append(f"{type(e).__name__}: {e}")
+        return n
+    tasks = [asyncio.create_task(load(i)) for i in range(2)]
+    try:
+        out = await rc.rotate_secret(settings)
+    finally:
+        stop.set()
+        done = await asyncio.gather(*tasks)
+    assert out["rotated"] and not failures, failures
+    assert all(done), done
+    new = SecretFile(node_file).current()
+    assert new != old and SecretFile(node_file).accepted() == [new]
+    assert (settings.home / rc.SECRET_FILE).read_text().strip() == new
+    url = (await actor_address(EDGE_PREFIX + env.head))["url"]
+    async with httpx.AsyncClient(timeout=30) as http:
+        for secret, want in ((old, 401), (new, 200)):
+            r = await http.post(f"{url}/v1/edge/status", content=b"{}", headers={"Authorization": f"Bearer {secret}"})
+            assert r.status_code == want, (want, r.text)
+    for sb in sbs:
+        assert (await (await env.users[0].get(sb.id)).run("echo after")).stdout == "after\n"
+        await sb.stop()

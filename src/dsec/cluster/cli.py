@@ -121,6 +121,18 @@ def status(address: Address = "auto") -> None:
     _print(asyncio.run(rc.status()))
 
 
+@cluster_app.command("rotate-secret")
+def rotate_secret(address: Address = "auto",
+                  home: Annotated[Path, typer.Option(help="cluster state: secret, admin key, SQLite IAM")
+                                  ] = Path(DEFAULT_HOME) / "cluster",
+                  node_homes: Annotated[Path, typer.Option(help="where each node keeps its secret file")
+                                        ] = Path(DEFAULT_HOME) / "nodes") -> None:
+    """Replace the apiserver <-> edge secret on every live node, with no request refused."""
+    from dsec.cluster import ray_cluster as rc
+    _connect(address)
+    _print(asyncio.run(rc.rotate_secret(rc.ClusterSettings(home=home, node_homes=node_homes))))
+
+
 @cluster_app.command("down")
 def down(address: Address = "auto") -> None:
     """Stop the replicas and edges (sandboxes keep running; the next `up` adopts them)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import ItemsView, Iterator, KeysView, Mapping, ValuesView
+from collections.abc import Callable, ItemsView, Iterator, KeysView, Mapping, ValuesView
 from typing import Any, Generic, TypeVar
 
 from dsec.cluster.edge_client import HttpEdge, HttpFnCall
@@ -100,7 +100,7 @@ class LiveMap(Mapping[str, T], Generic[T]):
 
 
 class RayDiscovery:
-    def __init__(self, watcher: Watcher, secret: str, interval_s: float = 1.0):
+    def __init__(self, watcher: Watcher, secret: str | Callable[[], str], interval_s: float = 1.0):
         self.watcher = watcher
         self.interval_s = interval_s
         self._secret = secret

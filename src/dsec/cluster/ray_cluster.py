@@ -5,8 +5,11 @@ up: one EdgeNode per eligible live node that advertises a node name (names.py; d
 comes back), each with its own DSEC_HOME, bridge and subnet (several Ray nodes may share a
 host: CI, tests); then `replicas` ApiReplica actors spread over the nodes. Idempotent: nodes
 that already have an edge keep it (a node that is down too), new nodes get one; each name's
-subnet is given once and kept in the control store (store/nodes.py). The cluster secret (apiserver <-> edge authentication) is generated on
-the first `up` into <home>/cluster.secret (0600) and reused after.
+subnet is given once and kept in the control store (store/nodes.py). The cluster secret
+(apiserver <-> edge authentication) is generated on the first `up` into <home>/cluster.secret
+(0600) and reused after; every `up` installs it on every live Ray node as
+<node-homes>/cluster.secret (secret_file.py), which that node's edges and replicas read: it is
+never an actor argument. rotate_secret() replaces it on every live node without downtime.
 
 Node-global on one host, per edge: DSEC_HOME (edge.db, crun root, layer mounts, scratch),
 bridge + nft table (named after the bridge) + subnet, the edge service's port (bound to a free
@@ -38,6 +41,7 @@ from dsec.types import Conflict, InvalidArgument, Unavailable
 log = logging.getLogger("dsec.cluster")
 
 SECRET_FILE = "cluster.secret"
+NODE_SECRET_FILE = "cluster.secret"      # in <node-homes> on every node (secret_file.py)
 START_TIMEOUT_S = 120.0
 
 
@@ -206,6 +210,8 @@ async def up(settings: ClusterSettings) -> dict[str, Any]:
     from dsec.cluster.actors import ApiReplica, EdgeNode
 
     secret = _secret(settings.home)
+    secret_file = str(settings.node_homes / NODE_SECRET_FILE)
+    await _install_secret(secret_file, [secret], keep_current=True)
     system = await asyncio.to_thread(_bootstrap_iam, settings)
     nodes, unnamed = await asyncio.to_thread(eligible_nodes, settings)
     for ray_id in unnamed:
@@ -239,7 +245,7 @@ async def up(settings: ClusterSettings) -> dict[str, Any]:
         edge_cls.options(name=EDGE_PREFIX + node, namespace=NAMESPACE, lifetime="detached", num_cpus=0,
                          max_restarts=-1, max_concurrency=10_000, resources={RESOURCE_PREFIX + node: 1},
                          runtime_env={"env_vars": env}).remote(
-            node, str(home), secret, system, "", settings.builtin_images, settings.seed_bin,
+            node, str(home), secret_file, system, "", settings.builtin_images, settings.seed_bin,
             _netns(settings, node, pool.index(subnet)), settings.edge_port)
         started.append(node)
     # every edge answers (starts) before the replicas look for them
@@ -260,7 +266,7 @@ async def up(settings: ClusterSettings) -> dict[str, Any]:
                             **({"resources": {settings.api_resource: 1}} if settings.api_resource
                                else {"scheduling_strategy": "SPREAD"}),
                             runtime_env={"env_vars": dict(settings.edge_env)}).remote(
-            name, secret, settings.iam_url, str(settings.home / "admin.key"), settings.api_host,
+            name, secret_file, settings.iam_url, str(settings.home / "admin.key"), settings.api_host,
             settings.api_port, settings.images_home)
         new_replicas.append(name)
     answers = await asyncio.gather(*(actor_address(n, START_TIMEOUT_S) for n in new_replicas))
@@ -268,6 +274,54 @@ async def up(settings: ClusterSettings) -> dict[str, Any]:
         raise Unavailable("an apiserver replica did not start", field="replicas",
                           fix="see the Ray worker logs (/tmp/ray/session_latest/logs)")
     return await status()
+
+
+def _write_secret(path: str, lines: list[str], keep_current: bool) -> None:
+    """On a node (a Ray task pinned there): its secret file becomes `lines`; with keep_current,
+    left as it is when it already sends lines[0] (a rotation's later steps are not undone)."""
+    from dsec.cluster.secret_file import SecretFile, install
+    if keep_current:
+        try:
+            if SecretFile(path).current() == lines[0]:
+                return
+        except Exception:
+            pass
+    install(path, lines)
+
+
+async def _install_secret(path: str, lines: list[str], keep_current: bool = False) -> int:
+    """Write the secret file on every live Ray node (each by a task pinned to it); how many."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    task = ray.remote(_write_secret)
+    nodes = [n["NodeID"] for n in await asyncio.to_thread(ray.nodes) if n.get("Alive")]
+    refs = [task.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(
+        path, lines, keep_current) for n in nodes]
+    try:
+        await asyncio.wait_for(asyncio.gather(*refs), START_TIMEOUT_S)
+    except (TimeoutError, ray.exceptions.RayError) as e:
+        raise Unavailable(f"the cluster secret could not be written on every live node ({type(e).__name__}: {e})",
+                          field="secret", fix="see `ray status`; run the command again") from None
+    return len(nodes)
+
+
+ROTATE_SETTLE_S = 2.0     # requests signed with the old secret just before the switch still land
+
+
+async def rotate_secret(settings: ClusterSettings) -> dict[str, Any]:
+    """A new cluster secret without downtime: every live node accepts both, then sends the new
+    one, then accepts only it. A node down meanwhile gets it from the next `up`."""
+    from dsec.cluster.secret_file import install
+    old = _secret(settings.home)
+    new = secrets.token_urlsafe(32)
+    path = str(settings.node_homes / NODE_SECRET_FILE)
+    await _install_secret(path, [old, new])          # edges accept both; replicas still send the old
+    await _install_secret(path, [new, old])          # replicas send the new one
+    await asyncio.to_thread(install, settings.home / SECRET_FILE, [new])
+    await asyncio.sleep(ROTATE_SETTLE_S)
+    n = await _install_secret(path, [new])           # the old one is refused from now on
+    log.info("cluster secret rotated", extra={"nodes": n})
+    return {"rotated": True, "nodes": n, "file": path}
 
 
 async def status() -> dict[str, Any]:

@@ -242,3 +242,20 @@ async def test_rotate_secret_drops_no_request_and_retires_the_old_one(env):
     for sb in sbs:
         assert (await (await env.users[0].get(sb.id)).run("echo after")).stdout == "after\n"
         await sb.stop()
+
+
+async def test_a_raylet_without_a_name_gets_no_edge(env):
+    """Ray ids never name a node: `up` leaves an unnamed raylet out and says how to name it."""
+    from dsec.cluster import ray_cluster as rc
+    from dsec.cluster.discovery import EDGE_PREFIX, named_actors
+
+    before = set(await asyncio.to_thread(named_actors, EDGE_PREFIX))
+    extra = env.local.ray_cluster.add_node(num_cpus=1, resources={"dsec_edge": 1})
+    try:
+        st = await rc.up(env.local.settings)
+        assert st["unnamed_ray_nodes"]["ray_node_ids"] == [extra.node_id]
+        assert "node-resources" in st["unnamed_ray_nodes"]["fix"]
+        assert set(await asyncio.to_thread(named_actors, EDGE_PREFIX)) == before
+        assert {n.node_id for n in await env.admins[0].nodes()} <= {env.head, env.worker}
+    finally:
+        env.local.ray_cluster.remove_node(extra)

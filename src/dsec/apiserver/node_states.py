@@ -35,6 +35,7 @@ class NodeStates:
                     self._rows = await asyncio.to_thread(self.registry.all)
                     self._at = time.monotonic()
                 except Exception as e:    # the store unreachable: the last known states hold
+                    self._at = time.monotonic()     # until the next try, one TTL later
                     log.warning("node states unreadable", extra={"error": f"{type(e).__name__}: {e}"})
             return self._rows
 

@@ -273,7 +273,11 @@ async def up(settings: ClusterSettings) -> dict[str, Any]:
     if any(a is None for a in answers):
         raise Unavailable("an apiserver replica did not start", field="replicas",
                           fix="see the Ray worker logs (/tmp/ray/session_latest/logs)")
-    return await status()
+    st = await status()
+    if unnamed:      # the operator sees which raylets got no edge, and how to name them
+        st["unnamed_ray_nodes"] = {"ray_node_ids": unnamed, "fix": "ray start ... --resources "
+                                   "\"$(dsec cluster node-resources --node-name <name>)\""}
+    return st
 
 
 def _write_secret(path: str, lines: list[str], keep_current: bool) -> None:

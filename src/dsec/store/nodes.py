@@ -73,12 +73,15 @@ class NodeRegistry:
         """Record who discovery misses now: `absent` nodes get a missing_since (kept if they had
         one), `present` ones lose theirs. Returns {absent node: missing since}."""
         t = time.time() if now is None else now
-        absent, present = sorted(set(absent)), sorted(set(present))
+        absent = sorted(set(absent))
+
+        back = set(present)
 
         def go(tx: Tx) -> dict[str, float]:
-            for n in present:
-                tx.execute("UPDATE cluster_nodes SET missing_since=NULL WHERE node=? AND missing_since IS NOT NULL",
-                           (n,))
+            # only the few rows that have a timer are touched for present nodes (not one per node)
+            for r in tx.all("SELECT node FROM cluster_nodes WHERE missing_since IS NOT NULL"):
+                if r["node"] in back:
+                    tx.execute("UPDATE cluster_nodes SET missing_since=NULL WHERE node=?", (r["node"],))
             out = {}
             for n in absent:
                 self._ensure(tx, n)

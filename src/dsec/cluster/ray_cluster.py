@@ -12,8 +12,8 @@ subnet is given once and kept in the control store (store/nodes.py). The cluster
 never an actor argument. rotate_secret() replaces it on every live node without downtime.
 
 Node-global on one host, per edge: DSEC_HOME (edge.db, crun root, layer mounts, scratch),
-bridge + nft table (named after the bridge) + subnet, the edge service's port (bound to a free
-one, reported through Ray). Shared and safe to share: the cgroup tree /dsec/<sandbox id> (ids
+bridge + nft table (named after the bridge) + subnet, the edge service's port (`edge_port`, else
+a free one kept in its home, reported through Ray). Shared and safe to share: the cgroup tree /dsec/<sandbox id> (ids
 carry the node), the uid-range registry in /run/dsec/idranges (host-wide by design), zram swap,
 sysctls the edges set to the same values. Split between them: the host's CPU and memory, the
 base of each edge's admission ceilings (share_env: 1/N each for N edges on one host).

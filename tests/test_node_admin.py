@@ -70,3 +70,34 @@ async def test_cordon_drain_uncordon_forget_on_one_machine(server, client):
         await sb.stop()
     again = await client.create_container(image="busybox", memory_mb=64, cpu_cores=0.1)
     await again.stop()
+
+
+async def test_the_lost_timer_survives_a_replica_restart(tmp_path):
+    """A replica noticed the node gone, then restarted (a new IndexKeeper on the same store):
+    the node's rows end once DSEC_INDEX_LOST_S has passed since the first notice (old code: the
+    count started again with every replica's memory)."""
+    import asyncio
+
+    from dsec.apiserver.context import ApiContext
+    from dsec.apiserver.index import IndexKeeper
+    from dsec.iam import IAM
+    from dsec.placement import Placer
+    from dsec.settings import Settings
+    from dsec.store.sandboxes import IndexedSandbox
+    from dsec.watcher import Watcher
+
+    iam = IAM(tmp_path / "iam.db")
+    settings = Settings.from_env({"DSEC_INDEX_LOST_S": "0.5"})
+
+    def keeper() -> IndexKeeper:
+        return IndexKeeper(ApiContext(iam=iam, edges={}, watcher=Watcher({}), placer=Placer(), settings=settings))
+    try:
+        first = keeper()
+        first.index.upsert_many([IndexedSandbox("sb-ngone.a", "ngone", "p", "running")])
+        await first._end_lost()               # noticed; not ended yet
+        assert first.index.get("sb-ngone.a").ended_at is None
+        await asyncio.sleep(0.6)
+        await keeper()._end_lost()            # a restarted replica: its first look ends it
+        assert first.index.get("sb-ngone.a").state == "lost"
+    finally:
+        iam.close()

@@ -7,8 +7,9 @@
   themselves (TTL, failure, a stop through the E2B API) leave the index.
 - A loop every DSEC_INDEX_SYNC_S lists every node the same way (so the index follows nodes
   nobody lists), ends the rows of a node that has been absent from discovery for DSEC_INDEX_LOST_S
-  (a node that comes back within it, or whose edge restarts, keeps its sandboxes), and prunes
-  old ended rows and idempotency claims.
+  (counted in the control store from the first replica's notice: store/nodes.py; a node that
+  comes back within it, or whose edge restarts, keeps its sandboxes), stops what a forgotten node
+  that came back still runs (`dsec nodes forget`), and prunes old ended rows and idempotency claims.
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ def build_rest_app(ctx: ApiContext, tokens: AccessTokens, domain: str | None = N
                      idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None) -> dict:
         who = _who(request)
         args = await control.with_image_config(ctx, who, mapping.sandbox_args(body, idempotency_key))
-        info = await control.create(ctx, who, args)
+        info = await control.create(ctx, who, args, mapping.transform_rules(body.network))
         await layout.apply(ctx.edge_for(info.id), info)       # before anything runs as `user`
         await control.start_template_services(ctx, info)
         return mapping.created(info, tokens, domain)

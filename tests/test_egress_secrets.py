@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -105,3 +107,20 @@ async def test_secret_destination_outside_the_policy_gets_nothing(sserver, speer
         finally:
             await sb.stop()
             await c.delete_secret("api2")
+
+
+def test_cli_secret_create_ls_rm_never_prints_the_value(sserver):
+    env = {**sserver.env, "DSEC_API_KEY": sserver.key}
+
+    def dsec(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "dsec", "secret", *args], env=env, input=stdin,
+                              capture_output=True, text=True, timeout=120)
+    made = dsec("create", "cli-key", "--host", "secret.test", "--host", "*.secret.test", "--header", "X-Key",
+                stdin=SECRET + "\n")
+    assert made.returncode == 0 and made.stdout.strip() == "cli-key", made.stderr
+    ls = dsec("ls")
+    assert ls.returncode == 0 and "cli-key" in ls.stdout and "*.secret.test" in ls.stdout and SECRET not in ls.stdout
+    again = dsec("create", "cli-key", "--host", "secret.test", "--header", "X-Key", stdin="v\n")
+    assert again.returncode == 2 and "field: name" in again.stderr and "dsec secret rm" in again.stderr
+    assert dsec("rm", "cli-key").returncode == 0
+    assert "cli-key" not in dsec("ls").stdout

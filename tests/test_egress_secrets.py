@@ -11,6 +11,8 @@ from pathlib import Path
 
 import httpx
 
+from dsec.backends.container.hibernate import on_disk
+
 import secrets_peer
 from secrets_peer import BASIC, SECRET, digest, headers_of, memory_holds, probe, sandbox_pids
 
@@ -124,3 +126,17 @@ def test_cli_secret_create_ls_rm_never_prints_the_value(sserver):
     assert again.returncode == 2 and "field: name" in again.stderr and "dsec secret rm" in again.stderr
     assert dsec("rm", "cli-key").returncode == 0
     assert "cli-key" not in dsec("ls").stdout
+
+
+async def test_secret_rules_survive_parking_to_disk(sserver, speer):
+    async with sserver.client() as c:
+        await c.create_secret("park", SECRET, ["secret.test"], header="X-Api-Key")
+        sb = await c.create_container(image="debian-python", secrets=["park"], network={"rules": [{"cidr": speer.ip}]})
+        try:
+            assert (await sb.suspend()).state.value == "suspended"
+            assert on_disk(Path(sserver.home) / "sb" / sb.id / "run")                  # runtime torn down
+            r = await probe(sb, [["after", "https://secret.test/headers", {}]])     # a request resumes it
+            assert headers_of(r["after"]).get("x-api-key") == digest(SECRET), r
+        finally:
+            await sb.stop()
+            await c.delete_secret("park")

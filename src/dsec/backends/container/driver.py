@@ -296,6 +296,7 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
         elif self.ids is not None:      # torn down before config.json recorded its base (a failed
             await asyncio.to_thread(self.ids.release_owner, d)   # or crashed create): by owner
         await self.net.release(sandbox_id)   # veth (if any), IP, BPF map entries
+        self.net.secrets.drop(sandbox_id)    # gone for good (a park to disk keeps them: same edge)
         if self.cpusets is not None:
             self.cpusets.release(sandbox_id)
 

@@ -348,7 +348,6 @@ class SandboxNetworks:
         await self._unplug(sandbox_id)
         if row["ip"]:
             await self._domain_mode(row["ip"], False)
-        self.secrets.drop(sandbox_id)
         self._forget(sandbox_id)
         await self._maybe_teardown()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 SECRET_NAME_RE = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
 HEADER_NAME_RE = r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}$"
@@ -37,21 +37,40 @@ class SecretCreate(_Strict):
     basic_auth: Annotated[bool, Field(description="add it as `Authorization: Basic` of the value "
                                                   "(user:password)")] = False
 
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if v.startswith("e2b."):
+            raise ValueError("names starting with 'e2b.' are dsec's own; choose another name")
+        return v
+
+    @field_validator("value")
+    @classmethod
+    def _value(cls, v: str) -> str:
+        if any(c in v for c in "\r\n\0"):
+            raise ValueError("a header value cannot hold CR, LF or NUL")
+        return v
+
+    @field_validator("ports")
+    @classmethod
+    def _ports(cls, v: list[int]) -> list[int]:
+        bad = [p for p in v if p not in SECRET_PORTS]
+        if bad:
+            raise ValueError(f"{bad[0]} is not a port the egress proxy adds secrets on; use "
+                             f"{list(SECRET_PORTS)} (TLS; plain HTTP would expose the secret)")
+        return v
+
+    @field_validator("hosts")
+    @classmethod
+    def _hosts(cls, v: list[str]) -> list[str]:
+        return [h.lower().rstrip(".") for h in v]
+
     @model_validator(mode="after")
     def _check(self) -> "SecretCreate":
-        if self.name.startswith("e2b."):
-            raise ValueError("name: names starting with 'e2b.' are dsec's own; choose another name")
         if (self.header is None) == (not self.basic_auth):
             raise ValueError("header: give exactly one of header (a header name) or basic_auth=true")
         if self.basic_auth and ":" not in self.value:
             raise ValueError("value: basic_auth takes 'user:password'")
-        if any(c in self.value for c in "\r\n\0"):
-            raise ValueError("value: a header value cannot hold CR, LF or NUL")
-        bad = [p for p in self.ports if p not in SECRET_PORTS]
-        if bad:
-            raise ValueError(f"ports: {bad[0]} is not a port the egress proxy adds secrets on; "
-                             f"use {list(SECRET_PORTS)} (TLS; plain HTTP would expose the secret)")
-        self.hosts = [h.lower().rstrip(".") for h in self.hosts]
         return self
 
 

@@ -52,6 +52,16 @@ def test_rules_match_by_whole_name_and_port_and_revoke_everywhere():
     assert r.has("a")   # still in the proxy's set: its other TLS passes untouched
 
 
+def test_rules_prefer_the_exact_name_then_the_longest_wildcard():
+    r = SecretRules()
+    wide, narrow, exact = (EgressSecret(id=i, hosts=[h], headers={"X": i})
+                           for i, h in (("wide", "*.test"), ("narrow", "*.api.test"), ("exact", "v1.api.test")))
+    r.set("a", [wide, narrow, exact])
+    assert r.match("a", "v1.api.test", 443).id == "exact"
+    assert r.match("a", "v2.api.test", 443).id == "narrow"
+    assert r.match("a", "other.test", 443).id == "wide"
+
+
 def test_secret_create_names_the_field():
     ok = dict(name="k", value="v", hosts=["API.test."], header="X-K")
     assert SecretCreate(**ok).hosts == ["api.test"]

@@ -36,8 +36,16 @@ class SecretRules:
         return {p for r in self._by_sandbox.get(sandbox_id, ()) for p in r.ports}
 
     def match(self, sandbox_id: str, host: str, port: int) -> EgressSecret | None:
-        """The first rule for this destination (names compared whole, as domain rules are)."""
+        """The rule for this destination (names compared whole, as domain rules are): an exact
+        name wins, then the longest wildcard, then the first given (E2B's precedence; rules
+        are not merged)."""
+        best: tuple[int, EgressSecret] | None = None
         for r in self._by_sandbox.get(sandbox_id, ()):
-            if port in r.ports and matches(host, tuple(r.hosts)):
-                return r
-        return None
+            if port not in r.ports:
+                continue
+            for h in r.hosts:
+                if matches(host, (h,)):
+                    rank = 1 << 16 if not h.startswith("*.") else len(h)
+                    if best is None or rank > best[0]:
+                        best = (rank, r)
+        return best[1] if best else None

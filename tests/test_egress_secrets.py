@@ -28,6 +28,15 @@ async def test_secret_api_never_returns_values_and_names_fields(sserver):
         # nothing of the value in the store's file either (encrypted under the key file)
         store_files = [p for p in Path(sserver.home).glob("iam.db*")]
         assert store_files and all(SECRET.encode() not in p.read_bytes() for p in store_files)
+        # another tenant neither sees, removes nor uses it
+        from conftest import stranger_key
+        async with httpx.AsyncClient(base_url=sserver.url,
+                                     headers={"Authorization": f"Bearer {stranger_key(sserver, 'sec')}"}) as h:
+            assert (await h.get("/v1/secrets")).json()["items"] == []
+            r = await h.delete("/v1/secrets/api-key")
+            assert r.status_code == 404 and r.json()["error"]["field"] == "name", r.text
+            r = await h.post("/v1/sandboxes", json={"image": "debian-python", "secrets": ["api-key"]})
+            assert r.status_code == 422 and r.json()["error"]["field"] == "secrets[0]", r.text
         await c.delete_secret("api-key")
         async with httpx.AsyncClient(base_url=sserver.url, headers={"Authorization": f"Bearer {sserver.key}"}) as h:
             r = await h.post("/v1/secrets", json={"name": "x", "value": "v", "hosts": ["a.test"], "ports": [80],

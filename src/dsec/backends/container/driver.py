@@ -353,8 +353,7 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
         return int((self.sandbox_dir(sandbox_id) / "run" / "pid").read_text())
 
     def _ca_bundle(self) -> Path:
-        from dsec.security.egress_ca import EgressCA
-        return EgressCA(self.net.egress_ca_dir()).bundle()
+        return self.net.egress_ca().bundle()
 
     async def set_egress_secrets(self, sandbox_id: str, rules: list) -> None:
         await self.net.set_secrets(sandbox_id, rules)

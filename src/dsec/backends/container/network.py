@@ -38,6 +38,7 @@ from dsec.backends.container.dns import DnsServer, SandboxView, Upstream, parse_
 from dsec.backends.container.egress_proxy import EgressProxy
 from dsec.backends.container.secret_rules import SecretRules
 from dsec.backends.container.tls_intercept import Interceptor
+from dsec.security.egress_ca import EgressCA
 from dsec.config import Paths
 from dsec.security.netpolicy import Allow, PolicyProgram, domains_of
 from dsec.types import SandboxFailed, Unavailable
@@ -160,6 +161,8 @@ class SandboxNetworks:
         self._dns: DnsServer | None = None
         self._proxy: EgressProxy | None = None
         self.secrets = SecretRules()              # issue 30: rules the egress proxy adds secrets by
+        self._ca: EgressCA | None = None
+        self._ca_lock = threading.Lock()
         self._locks: dict[str, asyncio.Lock] = {}
         self._infra_lock = asyncio.Lock()
         self._infra_ready = False
@@ -219,8 +222,12 @@ class SandboxNetworks:
             return None
         return SandboxView(sid, bool(row["allows"]), domains_of(row["allows"]), row["allows"])
 
-    def egress_ca_dir(self) -> Path:
-        return self.paths.home / "egress-ca"
+    def egress_ca(self) -> EgressCA:
+        """The node's egress CA (one instance: made on first use, by the first sandbox with secrets)."""
+        with self._ca_lock:
+            if self._ca is None:
+                self._ca = EgressCA(self.paths.home / "egress-ca")
+            return self._ca
 
     async def set_secrets(self, sandbox_id: str, rules: list) -> None:
         """Issue 30: the sandbox's secret rules; its TCP 80/443 goes to the egress proxy from
@@ -508,7 +515,7 @@ table inet {t} {{
         upstream = Upstream(parse_upstream(s.dns_upstream))
         dns = DnsServer(self.view_of_ip, upstream, str(s.gateway), s.dns_port)
         proxy = EgressProxy(self.view_of_ip, upstream, str(s.gateway), s.proxy_port, s.network,
-                            Interceptor(self.secrets, self.egress_ca_dir(), s.upstream_ca_file))
+                            Interceptor(self.secrets, self.egress_ca, s.upstream_ca_file))
         try:
             await dns.start()
             await proxy.start()

@@ -19,7 +19,6 @@ import asyncio
 import logging
 import ssl
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dsec.types import EgressSecret
@@ -205,17 +204,9 @@ class Interceptor:
     """What the egress proxy asks about secrets: the rules of this node's sandboxes, the node's
     CA (made on first use) and the upstream trust."""
 
-    def __init__(self, rules: "SecretRules", ca_dir: Path, upstream_ca_file: str = "") -> None:
-        self.rules, self.ca_dir, self.upstream_ca_file = rules, ca_dir, upstream_ca_file
-        self._ca: "EgressCA | None" = None
+    def __init__(self, rules: "SecretRules", ca: Callable[[], "EgressCA"], upstream_ca_file: str = "") -> None:
+        self.rules, self._get_ca, self.upstream_ca_file = rules, ca, upstream_ca_file
         self._upstream: ssl.SSLContext | None = None
-
-    @property
-    def ca(self) -> "EgressCA":
-        if self._ca is None:
-            from dsec.security.egress_ca import EgressCA
-            self._ca = EgressCA(self.ca_dir)
-        return self._ca
 
     def ports(self, sandbox_id: str) -> set[int]:
         return self.rules.ports(sandbox_id)
@@ -224,6 +215,6 @@ class Interceptor:
                   port: int, addrs: list[str], sandbox_id: str) -> None:
         if self._upstream is None:
             self._upstream = upstream_context(self.upstream_ca_file)
-        ca = self.ca
+        ca = self._get_ca()
         await intercept(head, reader, writer, name, port, addrs, ca.server_context, self._upstream,
                         lambda: self.rules.match(sandbox_id, name, port), sandbox_id)

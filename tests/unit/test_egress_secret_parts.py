@@ -134,3 +134,88 @@ def test_e2b_rules_map_to_sandbox_secrets_and_the_rest_is_refused_by_name():
     with pytest.raises(Unsupported) as e:
         network_policy(net, None)                     # PUT .../network: rules at create only
     assert e.value.field == "network.rules"
+
+
+def _upstream_ca(tmp_path):
+    """A local 'public' CA and a TLS server context for api.test signed by it."""
+    import datetime
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def cert(cn, key, issuer, issuer_key, ca):
+        b = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)]))
+             .issuer_name(issuer).public_key(key.public_key()).serial_number(x509.random_serial_number())
+             .not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(now + datetime.timedelta(days=1)))
+        b = b.add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True) if ca else \
+            b.add_extension(x509.SubjectAlternativeName([x509.DNSName(cn)]), critical=False)
+        return b.sign(issuer_key, hashes.SHA256())
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "test CA")])
+    ca = cert("test CA", ca_key, name, ca_key, True)
+    key = ec.generate_private_key(ec.SECP256R1())
+    leaf = cert("api.test", key, name, ca_key, False)
+    pem = lambda c: c.public_bytes(serialization.Encoding.PEM)   # noqa: E731
+    (tmp_path / "upca.pem").write_bytes(pem(ca))
+    (tmp_path / "up.pem").write_bytes(pem(leaf) + key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(str(tmp_path / "up.pem"))
+    return str(tmp_path / "upca.pem"), ctx
+
+
+@pytest.mark.parametrize("trusted", [True, False])
+def test_intercept_adds_the_header_relays_the_body_and_never_sends_to_an_unverified_upstream(tmp_path, trusted):
+    from dsec.backends.container.tls_intercept import intercept, upstream_context
+    ca_file, up_ctx = _upstream_ca(tmp_path)
+    node_ca = EgressCA(tmp_path / "node-ca")
+    rule = EgressSecret(id="s", hosts=["api.test"], headers={"X-Api-Key": "S3CRET"})
+    seen: list[bytes] = []
+
+    async def go() -> bytes:
+        async def upstream(reader, writer):
+            data = b""
+            while b"\r\n\r\n" not in data or not data.endswith(b"hello body"):
+                chunk = await reader.read(65536)
+                if not chunk:
+                    break
+                data += chunk
+            seen.append(data)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+            await writer.drain()
+            writer.close()
+        up = await asyncio.start_server(upstream, "127.0.0.1", 0, ssl=up_ctx)
+        up_port = up.sockets[0].getsockname()[1]
+
+        async def proxy(reader, writer):
+            head = await reader.read(16384)
+            try:
+                await intercept(head, reader, writer, "api.test", up_port, ["127.0.0.1"], node_ca.server_context,
+                                upstream_context(ca_file if trusted else ""), lambda: rule, "sb")
+            finally:
+                writer.close()
+        px = await asyncio.start_server(proxy, "127.0.0.1", 0)
+        client_ctx = ssl.create_default_context(cafile=str(tmp_path / "node-ca" / "ca.pem"))
+        try:
+            r, w = await asyncio.open_connection("127.0.0.1", px.sockets[0].getsockname()[1], ssl=client_ctx,
+                                                 server_hostname="api.test")
+            w.write(b"POST /v1 HTTP/1.1\r\nHost: api.test\r\nX-Api-Key: mine\r\nContent-Length: 10\r\n\r\nhello body")
+            await w.drain()
+            out = await asyncio.wait_for(r.read(), 10)
+            w.close()
+            return out
+        except (ssl.SSLError, ConnectionError):
+            return b"closed"
+        finally:
+            px.close()
+            up.close()
+    out = asyncio.run(go())
+    if trusted:
+        assert out.endswith(b"\r\n\r\nok"), out
+        [req] = seen
+        assert b"X-Api-Key: S3CRET\r\n" in req and b"mine" not in req and req.endswith(b"\r\n\r\nhello body")
+        assert b"Connection: close" in req
+    else:
+        assert out in (b"closed", b"") and seen == [], (out, seen)   # the destination got nothing

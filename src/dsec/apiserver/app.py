@@ -197,6 +197,8 @@ def create_app(ctx: ApiContext) -> FastAPI:
     app.include_router(nodes.router)   # /v1/nodes, /v1/images, publishing
     from dsec.apiserver.node_admin import add_node_admin_routes
     add_node_admin_routes(app, ctx)   # admin: /v1/nodes/{node}/cordon, drain, uncordon, forget
+    from dsec.apiserver.routes import secrets as secret_routes
+    app.include_router(secret_routes.router)   # /v1/secrets: added at the egress proxy (issue 30)
     from dsec.apiserver.metrics_routes import router as metrics_router
     app.include_router(metrics_router)   # /metrics (admin), /v1/metrics, per-node, per-sandbox usage
     from dsec.apiserver.rulesets import router as rulesets_router

@@ -214,6 +214,18 @@ class Egress(ABC):
         return set()
 
 
+class EgressSecrets(ABC):
+    """Secrets added to a sandbox's outbound requests by the node's egress proxy (issue 30)."""
+
+    @abstractmethod
+    async def set_egress_secrets(self, sandbox_id: str, rules: list) -> None:
+        """Replace the sandbox's rules (dsec.types.EgressSecret)."""
+
+    @abstractmethod
+    def revoke_egress_secret(self, secret_id: str) -> int:
+        """Drop a rule from every sandbox of this node; how many held it."""
+
+
 class PortIngress(ABC):
     """TCP ports inside a running sandbox reachable from the edge (HTTP/WebSocket ingress),
     whatever the sandbox's own network policy: the connection is made from the host side."""

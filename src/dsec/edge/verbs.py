@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import builtins
 
-from dsec.backends.base import Console, Egress, LayerDiff
-from dsec.types import (DEFAULT_SCRUB, Conflict, DsecError, ImageInfo,
+from dsec.backends.base import Console, Egress, EgressSecrets, LayerDiff
+from dsec.types import (DEFAULT_SCRUB, Conflict, DsecError, EgressSecret, ImageInfo,
                         NetworkPolicy, NetworkRuleSet, PackDiffRequest, SandboxInfo, SandboxState)
 from dsec.edge.core import EdgeCore, log
 
@@ -57,6 +57,21 @@ class CapabilityVerbs(EdgeCore):
                 except (FileNotFoundError, DsecError) as e:     # stopped under us, or a bad set
                     log.warning("rule sets not re-applied", extra={"sandbox": live.id, "error": str(e)})
         log.info("network rule sets replaced", extra={"rulesets": sorted(rulesets), "sandboxes": n})
+        return n
+
+    async def set_egress_secrets(self, sandbox_id: str, rules: builtins.list[EgressSecret]) -> None:
+        """Issue 30: the rules the node's egress proxy adds secrets to this sandbox's requests by
+        (from the apiserver, never stored on the node: an edge restart forgets them)."""
+        live = self._running(sandbox_id)
+        cap = self._capability(live.rec, EgressSecrets, "set_egress_secrets")
+        async with live.net_lock:
+            await cap.set_egress_secrets(live.id, rules)
+        log.info("egress secret rules set", extra={"sandbox": live.id, "rules": len(rules)})
+
+    async def revoke_egress_secret(self, secret_id: str) -> int:
+        """Drop a secret from every sandbox of this node (the next connection goes without it)."""
+        n = sum(b.revoke_egress_secret(secret_id) for b in self._distinct_backends() if isinstance(b, EgressSecrets))
+        log.info("egress secret revoked", extra={"secret": secret_id, "sandboxes": n})
         return n
 
     async def pack_diff(self, sandbox_id: str, req: PackDiffRequest) -> ImageInfo:

@@ -185,6 +185,27 @@ class Client:
         return await self.create(args if args is not None else VMArgs(**kwargs))
 
     # -- project sandbox policy (dsec.iam.policy) -----------------------------------------
+    # -- egress secrets (issue 30): values go in, never out --------------------------------
+    async def create_secret(self, name: str, value: str, hosts: list[str], *, header: str | None = None,
+                            basic_auth: bool = False, ports: list[int] | None = None) -> dict[str, Any]:
+        """Store a credential the node's egress proxy adds to requests to `hosts` (as `header`,
+        or as basic auth of "user:password") from sandboxes created with secrets=[name]."""
+        body: dict[str, Any] = {"name": name, "value": value, "hosts": hosts, "header": header,
+                                "basic_auth": basic_auth}
+        if ports is not None:
+            body["ports"] = ports
+        out: dict[str, Any] = (await self._request("POST", "/v1/secrets", json=body)).json()
+        return out
+
+    async def list_secrets(self) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = (await self._request("GET", "/v1/secrets")).json()["items"]
+        return items
+
+    async def delete_secret(self, name: str) -> dict[str, Any]:
+        """Remove it; the nodes stop adding it before this returns."""
+        out: dict[str, Any] = (await self._request("DELETE", f"/v1/secrets/{name}")).json()
+        return out
+
     async def get_policy(self, project_id: str) -> dict[str, Any]:
         """{"project_id", "own", "effective"}: what the project's sandboxes may loosen."""
         resp = await self._request("GET", f"/v1/projects/{project_id}/policy")

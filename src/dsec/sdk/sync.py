@@ -71,6 +71,21 @@ class SyncClient(_sync.Synchronized):
         """Create a full QEMU q35 VM sandbox (layers mapped with virtio-pmem + DAX)."""
         return cast("SyncSandbox", _sync.call(self, "create_vm", args, **kwargs))
 
+    def create_secret(self, name: str, value: str, hosts: builtins.list[str], *, header: str | None = None,
+                      basic_auth: bool = False, ports: builtins.list[int] | None = None) -> dict[str, Any]:
+        """Store a credential the node's egress proxy adds to requests to `hosts` (as `header`,
+        or as basic auth of "user:password") from sandboxes created with secrets=[name].
+        """
+        return cast("dict[str, Any]", _sync.call(self, "create_secret", name, value, hosts, header=header,
+                                                 basic_auth=basic_auth, ports=ports))
+
+    def list_secrets(self) -> builtins.list[dict[str, Any]]:
+        return cast("builtins.list[dict[str, Any]]", _sync.call(self, "list_secrets"))
+
+    def delete_secret(self, name: str) -> dict[str, Any]:
+        """Remove it; the nodes stop adding it before this returns."""
+        return cast("dict[str, Any]", _sync.call(self, "delete_secret", name))
+
     def get_policy(self, project_id: str) -> dict[str, Any]:
         """{"project_id", "own", "effective"}: what the project's sandboxes may loosen."""
         return cast("dict[str, Any]", _sync.call(self, "get_policy", project_id))

@@ -114,6 +114,21 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
             updated_at DOUBLE PRECISION NOT NULL
         )""",
     ]),
+    (7, "secrets added at the egress proxy", [
+        # value_enc: Fernet token under the operator's key file (iam/secrets.py), never returned
+        """CREATE TABLE egress_secrets (
+            id         TEXT PRIMARY KEY,
+            project_id TEXT NOT NULL REFERENCES projects(id) ON DELETE CASCADE,
+            name       TEXT NOT NULL,
+            hosts      TEXT NOT NULL,
+            ports      TEXT NOT NULL,
+            header     TEXT,
+            basic_auth INTEGER NOT NULL DEFAULT 0,
+            value_enc  TEXT NOT NULL,
+            created_at DOUBLE PRECISION NOT NULL,
+            UNIQUE (project_id, name)
+        )""",
+    ]),
 ]
 
 LATEST = MIGRATIONS[-1][0]

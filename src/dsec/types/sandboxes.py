@@ -242,6 +242,10 @@ class ContainerArgs(_Strict):
     labels: Labels = Field(default_factory=dict)
     network: NetworkPolicy = Field(default_factory=NetworkPolicy,
                                    description="egress allow-list (cgroup-BPF); default: deny all but loopback")
+    secrets: list[Annotated[str, Field(max_length=64)]] = Field(
+        default_factory=list, max_length=16,
+        description="names of project secrets the node's egress proxy adds to this sandbox's requests to "
+                    "their destinations (`dsec secret create`); the values never enter the sandbox")
 
 
 class _VMArgs(_Strict):

@@ -78,7 +78,7 @@ def build_rest_app(ctx: ApiContext, tokens: AccessTokens, domain: str | None = N
         who = _who(request)
         internet = default_internet(ctx.iam.effective_policy(who.project_id))
         args = await control.with_image_config(ctx, who, mapping.sandbox_args(body, idempotency_key, internet))
-        info = await control.create(ctx, who, args)
+        info = await control.create(ctx, who, args, mapping.transform_rules(body.network))
         await layout.apply(ctx.edge_for(info.id), info)       # before anything runs as `user`
         await control.start_template_services(ctx, info)
         return mapping.created(info, tokens, domain)

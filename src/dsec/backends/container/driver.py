@@ -29,7 +29,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from dsec.backends.base import (PARKED, RUNNING, Backend, Egress, Hibernation, ImageStacks, LayerDiff, MemoryUsage,
+from dsec.backends.base import (PARKED, RUNNING, Backend, Egress, EgressSecrets, Hibernation, ImageStacks, LayerDiff, MemoryUsage,
                                 Parking, PortIngress, Prepared, RawUsage, Reclaim, UpperView, UsageStats)
 from dsec.backends.container import cgroups, hibernate, qos
 from dsec.backends.container import usage as usage_reader
@@ -81,7 +81,7 @@ class _ExitWatch:
     status: int | None = None     # wait status once it exited (None: unknown)
 
 
-class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernation, MemoryUsage, UsageStats, Reclaim,
+class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Parking, Hibernation, MemoryUsage, UsageStats, Reclaim,
                       WarmClaim):
     kinds = ("container",)
     instead = {"snapshot": "use pack_diff to save a container's changes as a layer",
@@ -160,6 +160,7 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
                              memory_mb=args.memory_mb, pids_limit=args.pids_limit, uid=prepared.uid,
                              gid=prepared.gid, workdir=args.workdir, network=tuple(prepared.allows),
                              resolv_conf=str(self.net.resolv_conf()),
+                             ca_bundle=str(self._ca_bundle()) if args.secrets else None,
                              disk_mb=args.disk_mb, nofile=args.nofile, max_file_mb=args.max_file_mb,
                              cpu_class=args.cpu_class,
                              cpus=self.cpusets.pick(sandbox_id, args.cpu_cores) if self.cpusets else "")
@@ -295,6 +296,7 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
         elif self.ids is not None:      # torn down before config.json recorded its base (a failed
             await asyncio.to_thread(self.ids.release_owner, d)   # or crashed create): by owner
         await self.net.release(sandbox_id)   # veth (if any), IP, BPF map entries
+        self.net.secrets.drop(sandbox_id)    # gone for good (a park to disk keeps them: same edge)
         if self.cpusets is not None:
             self.cpusets.release(sandbox_id)
 
@@ -349,6 +351,15 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
     def _pid(self, sandbox_id: str) -> int:
         """Host pid of the sandbox's agent (crun's --pid-file): the way into its namespaces."""
         return int((self.sandbox_dir(sandbox_id) / "run" / "pid").read_text())
+
+    def _ca_bundle(self) -> Path:
+        return self.net.egress_ca().bundle()
+
+    async def set_egress_secrets(self, sandbox_id: str, rules: list) -> None:
+        await self.net.set_secrets(sandbox_id, rules)
+
+    def revoke_egress_secret(self, secret_id: str) -> int:
+        return self.net.secrets.revoke(secret_id)
 
     async def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> None:
         """Replace a running sandbox's egress policy (BPF map update; first allow adds a veth)."""

@@ -367,7 +367,8 @@ class Client:
         """Admin only: `cordon`, `drain`, `uncordon` or `forget` a node (`dsec nodes`); the
         answer names its state, a drain's remaining sandboxes, a forget's released quota."""
         resp = await self._request("POST", f"/v1/nodes/{node}/{action}")
-        return resp.json()
+        answer: dict[str, Any] = resp.json()
+        return answer
 
     async def images(self) -> builtins.list[ImageInfo]:
         resp = await self._request("GET", "/v1/images")

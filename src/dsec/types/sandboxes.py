@@ -246,6 +246,10 @@ class ContainerArgs(_Strict):
         default_factory=list, max_length=16,
         description="names of project secrets the node's egress proxy adds to this sandbox's requests to "
                     "their destinations (`dsec secret create`); the values never enter the sandbox")
+    snapshot: Annotated[str | None, Field(
+        pattern=SNAPSHOT_ID_PATTERN,
+        description="start from a snapshot taken with Sandbox.snapshot() (its filesystem, copy-on-write): image, "
+                    "layers, limits, env, workdir, labels and network policy come from it unless given here")] = None
 
 
 class _VMArgs(_Strict):

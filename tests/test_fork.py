@@ -1,0 +1,133 @@
+"""Fork and container snapshots through the real server and dsec's own SDK (apiserver/forks.py,
+backends/container/snapshots.py): what a fork carries and says it does not, the parent running
+on unchanged, quota counted per fork, create from a snapshot, a snapshot deleted while
+sandboxes stack it, snapshots of forks (chains)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from dsec.iam import IAM
+from dsec.types import CapacityExceeded, Conflict, NotFound
+from dsec.testing.waiting import wait_until
+
+
+@pytest.fixture(scope="module")
+async def fc(server):
+    c = server.client()
+    async with c:
+        yield c
+
+
+async def test_fork_carries_files_and_settings_not_processes(fc):
+    parent = await fc.create_container(image="busybox", env={"A": "1"}, labels={"job": "fork-t"},
+                                       memory_mb=256, lifetime_s=3600, workdir="/work/w")
+    try:
+        await parent.run("mkdir -p /work/w && echo state > /work/w/f.txt")
+        pid = int((await parent.run("sleep 100000 >/dev/null 2>&1 & echo $!")).stdout)
+        before = await parent.refresh()
+        forked = await parent.fork(2)
+        assert [c.ok for c in forked.forks] == [True, True], [c.error for c in forked.forks]
+        assert any("processes" in n for n in forked.not_carried), forked.not_carried
+        for kid in forked.sandboxes:
+            assert kid.id.split(".")[0] == parent.id.split(".")[0]         # placed on the parent's node
+            assert kid.info.memory_mb == 256 and kid.info.labels == {"job": "fork-t"}
+            r = await kid.run(f"cat f.txt; echo $A; pwd; kill -0 {pid} 2>/dev/null || echo no-sleep")
+            assert r.stdout.split("\n")[:4] == ["state", "1", "/work/w", "no-sleep"], r.stdout
+        after = await parent.refresh()     # same sandbox, same lifetime, its process still there
+        assert after.state.value == "running" and after.expires_at == before.expires_at
+        assert (await parent.run(f"kill -0 {pid} && echo alive")).stdout == "alive\n"
+        for kid in forked.sandboxes:
+            await kid.stop()
+    finally:
+        await parent.stop()
+
+
+async def test_quota_counts_each_fork(server, fc):
+    """A project allowed 3 sandboxes: its parent and two forks start, the other two are refused
+    one by one (429 naming the quota), and the refusals hold nothing."""
+    with IAM(server.paths.iam_db) as iam:
+        key = iam.create_key(iam.create_project(f"forkq-{os.urandom(3).hex()}", iam.root().id,
+                                                max_sandboxes=3).id)
+    from dsec.sdk.client import Client
+    async with Client(server.url, key) as c:
+        parent = await c.create_container(image="busybox")
+        try:
+            forked = await parent.fork(4)
+            ok = [x for x in forked.forks if x.ok]
+            refused = [x.error for x in forked.forks if not x.ok]
+            assert len(ok) == 2 and len(refused) == 2, forked.forks
+            assert all(isinstance(e, CapacityExceeded) for e in refused), refused
+            for x in ok:
+                await x.sandbox.stop()
+            again = await parent.fork(1)       # the stopped forks gave their share back
+            assert again.forks[0].ok, again.forks[0].error
+            await again.forks[0].sandbox.stop()
+        finally:
+            await parent.stop()
+
+
+async def test_create_from_a_snapshot_and_delete_it_while_used(fc, server):
+    src = await fc.create_container(image="busybox", env={"S": "snap"})
+    try:
+        await src.run("echo one > /work/one.txt")
+        snap = await src.snapshot()
+        assert snap.backend == "container" and snap.sandbox_id == src.id and snap.size_bytes > 0
+        assert snap.id in {s.id for s in await fc.snapshots()}
+        await src.run("echo later > /work/later.txt")       # after the snapshot: not in it
+        made = await fc.create_container(image="busybox", snapshot=snap.id, env={"T": "2"})
+        try:
+            r = await made.run("cat /work/one.txt; ls /work/later.txt 2>&1; echo $S $T")
+            assert r.stdout.startswith("one\n") and "No such file" in r.stdout and r.stdout.endswith("snap 2\n")
+            await fc.delete_snapshot(snap.id)
+            assert snap.id not in {s.id for s in await fc.snapshots()}
+            with pytest.raises(NotFound):
+                await fc.create_container(image="busybox", snapshot=snap.id)
+            # the sandbox made from it runs on, its layer intact, also through a park to disk
+            await made.suspend()
+            await made.resume()
+            r = await made.run("cat /work/one.txt && echo two > /work/two.txt && cat /work/two.txt")
+            assert r.stdout == "one\ntwo\n", r.stdout
+            assert (server.paths.sandboxes / ".snap" / snap.id).exists()
+        finally:
+            await made.stop()
+        # its last user gone, the deleted snapshot's files go
+        await wait_until(lambda: not (server.paths.sandboxes / ".snap" / snap.id).exists(), timeout_s=30,
+                         what="the deleted snapshot's files to be removed")
+    finally:
+        await src.stop()
+
+
+async def test_snapshot_of_a_fork_stacks_both_and_pack_diff_refuses(fc):
+    parent = await fc.create_container(image="busybox")
+    try:
+        await parent.run("echo p > /work/p.txt")
+        kid = (await parent.fork(1)).sandboxes[0]
+        try:
+            await kid.run("echo k > /work/k.txt; rm /work/p.txt; echo p2 > /work/p2.txt")
+            with pytest.raises(Conflict) as e:
+                await kid.pack_diff("fork-layer@v1")
+            assert e.value.field == "sandbox_id"
+            snap = await kid.snapshot()
+            grand = await fc.create_container(image="busybox", snapshot=snap.id)
+            try:
+                r = await grand.run("cat /work/k.txt /work/p2.txt; ls /work/p.txt 2>&1")
+                assert r.stdout.startswith("k\np2\n") and "No such file" in r.stdout, r.stdout
+            finally:
+                await grand.stop()
+                await fc.delete_snapshot(snap.id)
+        finally:
+            await kid.stop()
+    finally:
+        await parent.stop()
+
+
+async def test_fork_of_a_stopped_sandbox_is_refused(fc):
+    sb = await fc.create_container(image="busybox")
+    await sb.stop()
+    with pytest.raises((Conflict, NotFound)):
+        await sb.fork(1)
+    await asyncio.sleep(0)

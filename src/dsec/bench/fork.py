@@ -103,7 +103,7 @@ async def _bench(ns: list[int], files: int, setup_s: float, replay_max: int, rou
     paths = Paths.from_env()
     args = ContainerArgs(image=IMAGE, cpu_cores=1, memory_mb=512, ttl_idle_s=3600)
     script = setup_script(files, setup_s)
-    out: dict = {"fork": [], "replay": []}
+    out: dict = {"fork": [], "replay": [], "load_start": os.getloadavg()[0]}
     async with Client() as c:
         parent = await c.create_container(args)
         try:
@@ -126,6 +126,7 @@ async def _bench(ns: list[int], files: int, setup_s: float, replay_max: int, rou
                     out["replay"].append(rp)
         finally:
             await parent.stop()
+    out["load_end"] = os.getloadavg()[0]
     return out
 
 
@@ -141,7 +142,8 @@ def run_fork_bench(ns: list[int], files: int, setup_s: float, replay_max: int, o
           f"{setup_s:g} s CPU loop). Ready = every branch answered `run(\"true\")` (fork) or finished "
           "its replay (create + replay); fork: the median of " + str(rounds) + " rounds (all rounds in the "
           "column). Bytes: the node's scratch filesystem, used after a sync; memory: what the branches' "
-          "memory cgroups are charged (`host_pss_mb`) while they run." + (f" {note}" if note else "") + "\n",
+          "memory cgroups are charged (`host_pss_mb`) while they run. 1-minute load average "
+          f"{res['load_start']:.1f} at the start, {res['load_end']:.1f} at the end." + (f" {note}" if note else "") + "\n",
           "| N | fork: s to N ready (rounds) | create + replay: s | fork: host MiB written | create + replay: MiB | "
           "fork: host MiB memory | create + replay: MiB | goal |",
           "|---|---|---|---|---|---|---|---|"]

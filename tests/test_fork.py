@@ -131,3 +131,30 @@ async def test_fork_of_a_stopped_sandbox_is_refused(fc):
     with pytest.raises((Conflict, NotFound)):
         await sb.fork(1)
     await asyncio.sleep(0)
+
+
+async def test_microvm_fork_carries_memory_and_processes(vm_client):
+    """A VM fork resumes the guest itself: files, a running process and the parent's own
+    lifetime unchanged; the forks are restores of one snapshot (host PSS per fork printed)."""
+    src = await vm_client.create_microvm(image="busybox", memory_mb=256, labels={"vm": "fork"})
+    try:
+        await src.files.write("/work/state.txt", "before")
+        await src.run("sleep 1000 >/dev/null 2>&1 &")
+        forked = await src.fork(2)
+        assert [c.ok for c in forked.forks] == [True, True], [c.error for c in forked.forks]
+        assert not any(n.startswith("processes") for n in forked.not_carried), forked.not_carried
+        try:
+            for kid in forked.sandboxes:
+                assert kid.info.backend == "microvm" and kid.info.labels == {"vm": "fork"}
+                assert await kid.files.read_text("/work/state.txt") == "before"
+                assert "sleep 1000" in (await kid.run("ps")).stdout
+            await forked.sandboxes[0].files.write("/work/state.txt", "kid")
+            assert await src.files.read_text("/work/state.txt") == "before"
+            pss = [(await k.refresh()).host_pss_mb for k in forked.sandboxes]
+            print(f"host PSS per microvm fork, MiB: {pss}")
+        finally:
+            for kid in forked.sandboxes:
+                await kid.stop()
+        assert all(s.sandbox_id != src.id for s in await vm_client.snapshots())   # the fork's own went
+    finally:
+        await src.stop()

@@ -28,8 +28,8 @@ NOT_CARRIED = {
                   "starts with the parent's filesystem and settings and only its agent running; start services "
                   "again in each fork"],
 }
-VM_NOT_CARRIED = ["env, workdir and user of the parent's create request (a VM fork resumes the guest itself: "
-                  "its processes and memory are carried)"]
+VM_NOT_CARRIED = ["env and user given at the parent's create (defaults of its later commands); the guest "
+                  "itself, its memory, running programs and files, is carried"]
 
 
 async def fork(ctx: ApiContext, who: Principal, sandbox_id: str, count: int,

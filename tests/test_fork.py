@@ -10,7 +10,10 @@ import os
 
 import pytest
 
+from conftest import stranger_key
+
 from dsec.iam import IAM
+from dsec.sdk.client import Client
 from dsec.types import CapacityExceeded, Conflict, NotFound
 from dsec.testing.waiting import wait_until
 
@@ -52,7 +55,6 @@ async def test_quota_counts_each_fork(server, fc):
     with IAM(server.paths.iam_db) as iam:
         key = iam.create_key(iam.create_project(f"forkq-{os.urandom(3).hex()}", iam.root().id,
                                                 max_sandboxes=3).id)
-    from dsec.sdk.client import Client
     async with Client(server.url, key) as c:
         parent = await c.create_container(image="busybox")
         try:
@@ -78,6 +80,10 @@ async def test_create_from_a_snapshot_and_delete_it_while_used(fc, server):
         assert snap.backend == "container" and snap.sandbox_id == src.id and snap.size_bytes > 0
         assert snap.id in {s.id for s in await fc.snapshots()}
         await src.run("echo later > /work/later.txt")       # after the snapshot: not in it
+        async with Client(server.url, stranger_key(server, "forksnap")) as other:   # another tenant
+            with pytest.raises(NotFound):
+                await other.create_container(image="busybox", snapshot=snap.id)
+            assert snap.id not in {s.id for s in await other.snapshots()}
         made = await fc.create_container(image="busybox", snapshot=snap.id, env={"T": "2"})
         try:
             r = await made.run("cat /work/one.txt; ls /work/later.txt 2>&1; echo $S $T")

@@ -384,8 +384,9 @@ class BulkResult(BaseModel):
 
 
 class SnapshotInfo(BaseModel):
-    """A saved VM (guest memory, device state, writable disk) that restores as new sandboxes:
-    `MicroVMArgs(image=..., snapshot=info.id)`. Node-local: the id names its node."""
+    """A saved sandbox that new sandboxes start from: a VM's guest memory, device state and
+    writable disk (`MicroVMArgs(image=..., snapshot=info.id)`), or a container's filesystem
+    (`ContainerArgs(image=..., snapshot=info.id)`). Node-local: the id names its node."""
 
     id: str
     node: str
@@ -394,8 +395,10 @@ class SnapshotInfo(BaseModel):
     image: str
     project: str = Field(description="the project of the sandbox it was taken from: it and its ancestors "
                                      "may restore, list and delete it")
-    size_bytes: int = Field(description="bytes of its own on the node's disk (state file + disk delta; "
-                                        "the base disks it shares with its source are not counted)")
+    size_bytes: int = Field(description="bytes of its own on the node's disk (VMs: state file + disk delta, "
+                                        "the base disks it shares with its source not counted; containers: "
+                                        "the files of its writable layer, shared copy-on-write; 0 in a "
+                                        "fork's answer, which does not measure)")
     created_at: datetime
 
 

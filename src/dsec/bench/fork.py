@@ -136,7 +136,8 @@ def run_fork_bench(ns: list[int], files: int, setup_s: float, replay_max: int, o
     replay = {r["n"]: r for r in res["replay"]}
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     md = [f"\n## fork — {when}\n",
-          f"Command: `dsec bench fork --n {','.join(map(str, ns))} --files {files} --setup-s {setup_s:g}` on "
+          f"Command: `dsec bench fork --n {','.join(map(str, ns))} --files {files} --setup-s {setup_s:g} "
+          f"--rounds {rounds}` on "
           f"{os.cpu_count()} cores, kernel {platform.release()}, image `{IMAGE}`. Set-up in the parent: "
           f"{res['setup_s']:.1f} s, {res['setup_bytes'] / MIB:.0f} MiB in /work ({files} files + a "
           f"{setup_s:g} s CPU loop). Ready = every branch answered `run(\"true\")` (fork) or finished "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 
 import pytest
 
@@ -164,3 +165,30 @@ async def test_microvm_fork_carries_memory_and_processes(vm_client):
         assert all(s.sandbox_id != src.id for s in await vm_client.snapshots())   # the fork's own went
     finally:
         await src.stop()
+
+
+async def test_edge_restart_keeps_snapshots_and_forks_and_sweeps_stale_users(server):
+    """kill -9 of the server: its snapshots are not taken for orphan sandboxes, a fork runs on
+    over its layer, a user marker left by a sandbox that no longer exists is swept (so deleting
+    that snapshot frees it at once), and the fork's own snapshot goes with the fork."""
+    snaps = server.paths.sandboxes / ".snap"
+    async with server.client() as c:
+        parent = await c.create_container(image="busybox")
+        await parent.run("echo p > /work/p.txt")
+        kid = (await parent.fork(1)).sandboxes[0]
+        held = [d.name for d in snaps.iterdir() if (d / "users" / kid.id).exists()]
+        assert len(held) == 1
+        snap = await parent.snapshot()
+        (snaps / snap.id / "users" / "sb-local.000000000000").touch()     # a user gone in a crash
+    server.kill(signal.SIGKILL)
+    server.start()
+    async with server.client() as c:
+        assert snap.id in {s.id for s in await c.snapshots()}
+        kid2 = await c.get(kid.id)
+        assert (await kid2.run("cat /work/p.txt")).stdout == "p\n"
+        assert not (snaps / snap.id / "users" / "sb-local.000000000000").exists()
+        await c.delete_snapshot(snap.id)
+        assert not (snaps / snap.id).exists()            # nobody stacks it: its files went at once
+        await kid2.stop()
+        assert not (snaps / held[0]).exists()            # the fork's snapshot went with the fork
+        await (await c.get(parent.id)).stop()

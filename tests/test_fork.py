@@ -108,24 +108,37 @@ async def test_create_from_a_snapshot_and_delete_it_while_used(fc, server):
         await src.stop()
 
 
-async def test_snapshot_of_a_fork_stacks_both_and_pack_diff_refuses(fc):
+async def test_snapshot_and_pack_diff_of_a_fork_keep_the_parents_files(fc):
+    """A fork's own upper holds only its changes: its snapshot stacks the parent's snapshot
+    too, and its pack_diff packs that layer below its own (a layer made of the upper alone
+    would silently drop the parent's files)."""
     parent = await fc.create_container(image="busybox")
     try:
-        await parent.run("echo p > /work/p.txt")
+        await parent.run("echo p > /work/p.txt; echo q > /work/q.txt; mkdir /work/dir; echo x > /work/dir/x")
         kid = (await parent.fork(1)).sandboxes[0]
         try:
-            await kid.run("echo k > /work/k.txt; rm /work/p.txt; echo p2 > /work/p2.txt")
-            with pytest.raises(Conflict) as e:
-                await kid.pack_diff("fork-layer@v1")
-            assert e.value.field == "sandbox_id"
+            await kid.run("echo k > /work/k.txt; rm /work/p.txt; rm -r /work/dir; mkdir /work/dir; "
+                          "echo y > /work/dir/y")
+            want = "k\nq\ny\n", "No such file"
             snap = await kid.snapshot()
             grand = await fc.create_container(image="busybox", snapshot=snap.id)
             try:
-                r = await grand.run("cat /work/k.txt /work/p2.txt; ls /work/p.txt 2>&1")
-                assert r.stdout.startswith("k\np2\n") and "No such file" in r.stdout, r.stdout
+                r = await grand.run("cat /work/k.txt /work/q.txt /work/dir/*; ls /work/p.txt /work/dir/x 2>&1")
+                assert r.stdout.startswith(want[0]) and want[1] in r.stdout, r.stdout
             finally:
                 await grand.stop()
                 await fc.delete_snapshot(snap.id)
+            name = f"fork-pack-{os.urandom(3).hex()}@v1"
+            layer = await kid.pack_diff(name)
+            assert len(layer.layers) >= 2, layer        # the snapshot's layer and the fork's own
+            made = await fc.create_container(image="busybox", workspace=name)
+            try:
+                r = await made.run("cat /work/k.txt /work/q.txt /work/dir/*; ls /work/p.txt /work/dir/x 2>&1; "
+                                   "stat -c %u /work/k.txt")
+                assert r.stdout.startswith(want[0]) and want[1] in r.stdout, r.stdout
+                assert r.stdout.rstrip().endswith("1000"), r.stdout      # owners as inside, not host ids
+            finally:
+                await made.stop()
         finally:
             await kid.stop()
     finally:

@@ -49,7 +49,7 @@ from dsec.native import compile_static
 from dsec.security.users import resolve_user
 from dsec.security.netpolicy import Rulesets, resolve
 from dsec.settings import Settings
-from dsec.types import Conflict, ContainerArgs, NetworkPolicy, NetworkRuleSet, SandboxArgs, SandboxFailed, Unavailable
+from dsec.types import ContainerArgs, NetworkPolicy, NetworkRuleSet, SandboxArgs, SandboxFailed, Unavailable
 
 log = logging.getLogger("dsec.backends.container")
 
@@ -352,17 +352,15 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
         # directory for a symlink mid-walk and have host files copied into the layer.
         # A user-namespaced sandbox's upper holds host ids of its range: readers get the ids
         # as seen inside (root = 0), so a layer made of it works in any other sandbox.
-        if self.snaps.chain_of(self.sandbox_dir(sandbox_id)):
-            # its upper holds only what changed since the snapshot: a layer of it alone would
-            # silently drop the parent's files
-            raise Conflict(f"sandbox {sandbox_id} was made from a snapshot (a fork): pack_diff cannot pack "
-                           "the snapshot's layers with it yet", field="sandbox_id",
-                           fix="snapshot it (Sandbox.snapshot) and create from that, or pack_diff the parent")
         base = self.id_base(sandbox_id)
         map_id = functools.partial(host_to_sandbox, base=base) if base is not None else None
+        # a fork's upper holds only what changed since its snapshot: the snapshot's layers (read
+        # only, ids of their source's range) are packed too, below it
+        below = tuple((self.snaps.layer(sid), functools.partial(host_to_sandbox, base=b) if b is not None else None)
+                      for sid, b in self.snaps.chain_of(self.sandbox_dir(sandbox_id)))
         await self.pause(sandbox_id)
         try:
-            yield UpperView(self.sandbox_dir(sandbox_id) / "upper", map_id)
+            yield UpperView(self.sandbox_dir(sandbox_id) / "upper", map_id, below)
         finally:
             await self.resume(sandbox_id)
 

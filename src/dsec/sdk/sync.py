@@ -100,7 +100,9 @@ class SyncClient(_sync.Synchronized):
 
     def set_ruleset(self, name: str, rules: builtins.list[dict[str, Any]] | None = None,
                     domains: builtins.list[str] | None = None) -> dict[str, Any]:
-        """Define or replace a rule set (a key of the root project)."""
+        """Define or replace a rule set (a key of the root project); running sandboxes that use
+        it follow for new connections. The answer says, per node, how many were re-applied.
+        """
         return cast("dict[str, Any]", _sync.call(self, "set_ruleset", name, rules, domains))
 
     def delete_ruleset(self, name: str) -> dict[str, Any]:

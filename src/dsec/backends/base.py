@@ -188,6 +188,9 @@ class UpperView:
 
     path: Path
     map_id: Callable[[int], int] | None     # host id -> id inside the sandbox (user namespaces)
+    # layers under it that are the sandbox's too (a fork's snapshot layers, oldest first), each
+    # with its own id mapping: packed as layers of their own below the upper's
+    below: tuple[tuple[Path, Callable[[int], int] | None], ...] = ()
 
 
 class LayerDiff(ABC):

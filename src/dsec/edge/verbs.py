@@ -93,6 +93,7 @@ class CapabilityVerbs(EdgeCore):
                 info = await self.images.heavy.run(
                     self.images.pack_upper, req.name, upper.path, parents=parents, scrub=scrub,
                     source=f"pack_diff:{rec.id}:base={rec.image_digest}", replace=req.replace, map_id=upper.map_id,
+                    below=upper.below,
                     max_bytes=disk_mb << 20 if disk_mb else None, owner=rec.project)
         finally:
             rec.in_flight -= 1

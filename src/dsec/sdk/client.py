@@ -31,6 +31,7 @@ from dsec.types import FnCallBatch, FnCallBatchItem, FnCallRequest, FnCallResult
 from dsec.types import BulkItem, BulkResult, ExecInfo, ExecList, PackDiffRequest, PtySize
 from dsec.types import MicroVMArgs, SandboxArgs, SnapshotInfo, SnapshotList, UsageList, UsageSample, VMArgs
 from dsec.types import ImageBuildResult, ImageConfig, ImageProgress, ImagePullRequest
+from dsec.types import ForkRequest, ForkResult
 from dsec.types import (ERRORS_BY_CODE, SDK_KEY_PREFIX, ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult, FsEvent,
                         FileEntry, FileList, ImageInfo, ImageList, NetworkPolicy, NodeStatus, SandboxInfo, SandboxList,
                         Unavailable)
@@ -548,6 +549,20 @@ class Created:
         return self.sandbox is not None
 
 
+@dataclass
+class Forked:
+    """What Sandbox.fork() made: one outcome per fork (in order), and what the forks do not
+    have of their parent (containers: its running processes)."""
+
+    not_carried: builtins.list[str]
+    forks: builtins.list[Created]
+
+    @property
+    def sandboxes(self) -> builtins.list["Sandbox"]:
+        """The forks that started."""
+        return [c.sandbox for c in self.forks if c.sandbox is not None]
+
+
 class Sandbox:
     info: SandboxInfo   # as of the last call that returned it (refresh() reads it again)
     files: Files
@@ -737,10 +752,30 @@ class Sandbox:
         return self.info
 
     async def snapshot(self) -> SnapshotInfo:
-        """VM sandboxes: save memory, devices and disk; `create_microvm(image=..., snapshot=s.id)`
-        (or create_vm) restores it as a new sandbox, as many times as wanted."""
+        """Save this sandbox's state as a snapshot of the project: VMs memory, devices and disk,
+        containers their filesystem (copy-on-write); `create_*(..., snapshot=s.id)` makes new
+        sandboxes of it, as many times as wanted."""
         resp = await self._c._request("POST", f"/v1/sandboxes/{self.id}/snapshot")
         return SnapshotInfo.model_validate_json(resp.content)
+
+    async def fork(self, count: int = 1, *, lifetime_s: int | None = None) -> Forked:
+        """Branch this running sandbox into `count` new ones from one snapshot taken now (it
+        runs on unchanged). Each fork starts or fails on its own (its error in its Created);
+        containers carry the filesystem, env, workdir, labels, limits and network policy, not
+        the running processes (`not_carried` says so)."""
+        body = ForkRequest(count=count, lifetime_s=lifetime_s)
+        resp = await self._c._request("POST", f"/v1/sandboxes/{self.id}/fork", content=wire(body), headers=JSON)
+        res = ForkResult.model_validate_json(resp.content)
+        out = []
+        for i, item in enumerate(res.forks):
+            if item.sandbox is not None:
+                out.append(Created(i, Sandbox(self._c, item.sandbox), None))
+            else:
+                e = item.error
+                cls = ERRORS_BY_CODE.get(e.code, DsecError) if e is not None else DsecError
+                out.append(Created(i, None, cls(e.message if e else "fork failed", field=e.field if e else None,
+                                                fix=e.fix if e else None)))
+        return Forked(res.not_carried, out)
 
     async def stop(self) -> SandboxInfo:
         resp = await self._c._request("DELETE", self._base)

@@ -21,14 +21,14 @@ import os
 from typing import Any, cast
 
 from dsec.sdk import _sync
-from dsec.sdk.client import Client, Created, Files, Pty, Sandbox
+from dsec.sdk.client import Client, Created, Files, Forked, Pty, Sandbox
 from dsec.sdk.iam_types import KeyInfo, NewKey, ProjectInfo, QuotaInfo
 from dsec.types import (BulkItem, ContainerArgs, DsecError, ExecEvent, ExecInfo, ExecResult, FileEntry,
                         FnCallRequest, FnCallResult, FsEvent, ImageBuildResult, ImageConfig, ImageInfo,
                         ImageProgress, MicroVMArgs, NetworkPolicy, NodeStatus, SandboxArgs, SandboxInfo,
                         SandboxList, SnapshotInfo, UsageSample, VMArgs)
 
-__all__ = ["SyncClient", "SyncCreated", "SyncSandbox", "SyncFiles", "SyncPty"]
+__all__ = ["SyncClient", "SyncCreated", "SyncForked", "SyncSandbox", "SyncFiles", "SyncPty"]
 
 
 @_sync.register(Client)
@@ -296,6 +296,25 @@ class SyncCreated(_sync.Synchronized):
         return cast("bool", _sync.get_attr(self, "ok"))
 
 
+@_sync.register(Forked)
+class SyncForked(_sync.Synchronized):
+    """What Sandbox.fork() made: one outcome per fork (in order), and what the forks do not
+    have of their parent (containers: its running processes).
+    """
+    __slots__ = ()
+
+    not_carried: builtins.list[str]
+    forks: builtins.list[SyncCreated]
+
+    def __init__(self, not_carried: builtins.list[str], forks: builtins.list[SyncCreated]) -> None:
+        _sync.construct(self, not_carried, forks)
+
+    @property
+    def sandboxes(self) -> builtins.list[SyncSandbox]:
+        """The forks that started."""
+        return cast("builtins.list[SyncSandbox]", _sync.get_attr(self, "sandboxes"))
+
+
 @_sync.register(Sandbox)
 class SyncSandbox(_sync.Synchronized):
     __slots__ = ()
@@ -435,10 +454,19 @@ class SyncSandbox(_sync.Synchronized):
         return cast("SandboxInfo", _sync.call(self, "resume"))
 
     def snapshot(self) -> SnapshotInfo:
-        """VM sandboxes: save memory, devices and disk; `create_microvm(image=..., snapshot=s.id)`
-        (or create_vm) restores it as a new sandbox, as many times as wanted.
+        """Save this sandbox's state as a snapshot of the project: VMs memory, devices and disk,
+        containers their filesystem (copy-on-write); `create_*(..., snapshot=s.id)` makes new
+        sandboxes of it, as many times as wanted.
         """
         return cast("SnapshotInfo", _sync.call(self, "snapshot"))
+
+    def fork(self, count: int = 1, *, lifetime_s: int | None = None) -> SyncForked:
+        """Branch this running sandbox into `count` new ones from one snapshot taken now (it
+        runs on unchanged). Each fork starts or fails on its own (its error in its Created);
+        containers carry the filesystem, env, workdir, labels, limits and network policy, not
+        the running processes (`not_carried` says so).
+        """
+        return cast("SyncForked", _sync.call(self, "fork", count, lifetime_s=lifetime_s))
 
     def stop(self) -> SandboxInfo:
         return cast("SandboxInfo", _sync.call(self, "stop"))

@@ -29,10 +29,11 @@ from dsec.types.fncall import (FNCALL_MAX_TIMEOUT_S, FNCALL_MAX_BYTES, FNCALL_DE
 from dsec.types.builds import (ImageConfig, ImageBuildResult, ImageProgress, ImagePullRequest)
 from dsec.types.usage import (UsageSample, UsageList)
 from dsec.types.secrets import (SecretCreate, SecretInfo, SecretList, EgressSecret, E2B_INLINE_MARK)
+from dsec.types.forks import (MAX_FORKS, ForkRequest, ForkItem, ForkResult)
 
 __all__ = [
     "SecretCreate", "SecretInfo", "SecretList", "EgressSecret", "E2B_INLINE_MARK",
-    "UsageSample", "UsageList",
+    "UsageSample", "UsageList", "MAX_FORKS", "ForkRequest", "ForkItem", "ForkResult",
     "DsecError", "InvalidArgument", "NotFound", "Unauthorized", "Forbidden", "Conflict", "CapacityExceeded",
     "SandboxFailed", "Unavailable", "NodeUnreachable", "PayloadTooLarge", "BadGateway", "GatewayTimeout",
     "InternalError", "ERRORS_BY_CODE", "ErrorDetail", "ErrorBody", "NODE_ID_RE", "SANDBOX_ID_RE", "make_sandbox_id",

@@ -19,7 +19,8 @@ from dsec.apiserver.e2b.errors import Unsupported
 from dsec.apiserver.e2b.ids import to_e2b
 from dsec.apiserver.e2b.models import NewSandbox
 from dsec.types.domains import normalize_name, pattern_error
-from dsec.types import (E2B_INLINE_MARK, EgressSecret, IDEMPOTENCY_KEY_RE, MAX_TTL_S, RULESET_NAME_RE, VM_BACKENDS, InvalidArgument, SandboxArgs, SandboxInfo,
+from dsec.types import (E2B_INLINE_MARK, EgressSecret, IDEMPOTENCY_KEY_RE, MAX_TTL_S, RULESET_NAME_RE, SNAPSHOT_ID_PATTERN,
+                        VM_BACKENDS, InvalidArgument, SandboxArgs, SandboxInfo,
                         SandboxState, UsageSample)
 
 # What the SDK gates on envd's version (e2b/envd/versions.py): commands stdin (0.3.0), default
@@ -237,6 +238,8 @@ def sandbox_args(body: NewSandbox, idem: str | None, internet_default: bool = Fa
         if (body.network or {}).get("rules"):
             raw["secrets"] = [E2B_INLINE_MARK]   # the rules themselves: transform_rules, to the edge only
     raw.update(own)
+    if re.match(SNAPSHOT_ID_PATTERN, body.template_id):   # create_snapshot's id: a sandbox made from it
+        raw["snapshot"] = body.template_id
     try:
         return _ARGS.validate_python(raw)
     except ValidationError as e:

@@ -7,11 +7,11 @@ from typing import Annotated
 from fastapi import APIRouter, Body, Query
 from fastapi.responses import Response
 
-from dsec.apiserver import control, listing
+from dsec.apiserver import control, forks, listing
 from dsec.apiserver.deps import Ctx, Who, owned
 from dsec.iam import Principal
 from dsec.apiserver.context import ApiContext
-from dsec.types import (BulkResult, BulkSelector, ImageInfo, NetworkPolicy, PackDiffRequest, SandboxArgs, SandboxInfo,
+from dsec.types import (BulkResult, BulkSelector, ForkRequest, ForkResult, ImageInfo, NetworkPolicy, PackDiffRequest, SandboxArgs, SandboxInfo,
                         SandboxList)
 
 router = APIRouter()
@@ -96,3 +96,11 @@ async def pack_diff(sandbox_id: str, req: PackDiffRequest, who: Who, ctx: Ctx) -
     """Snapshot the sandbox's writable changes as a new workspace layer NAME@VERSION."""
     edge = await owned(ctx, sandbox_id, who)
     return await edge.pack_diff(sandbox_id, req)
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/fork", status_code=201, response_model=ForkResult)
+async def fork(sandbox_id: str, req: ForkRequest, who: Who, ctx: Ctx) -> ForkResult:
+    """Branch a running sandbox into `count` new ones on its node, from one snapshot taken now
+    (the parent runs on, same id and lifetime). Each fork succeeds or fails on its own and is
+    counted against the project's quota; `not_carried` says what the forks do not have."""
+    return await forks.fork(ctx, who, sandbox_id, req.count, req.lifetime_s)

@@ -46,6 +46,8 @@ class ContainerSpec:
     resolv_conf: str | None = None  # host file bound read-only on /etc/resolv.conf (network.py)
     ca_bundle: str | None = None    # host file bound read-only where SSL_CERT_FILE points (secrets)
     cpus: str = ""                  # its cpuset ("0,1", cpusets.py); "": every CPU of the host
+    snapshot: str | None = None     # the snapshot its filesystem starts from (snapshots.py)
+    snap_lowers: tuple = ()         # [layer dir, disk id base] of that snapshot's chain, oldest first
 
 
 def cgroup_path(sandbox_id: str) -> str:

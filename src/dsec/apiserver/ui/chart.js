@@ -13,7 +13,7 @@ export function lineChart(canvas, { title, series, max, fmt = (v) => String(v) }
   const pts = series.flatMap((s) => s.points);
   const first = series[0] && series[0].points;     // for tests and curious readers: what is drawn
   canvas.dataset.points = String(first ? first.length : 0);
-  canvas.dataset.last = first && first.length ? String(first[first.length - 1].v) : '';
+  canvas.dataset.max = first && first.length ? String(Math.max(...first.map((p) => p.v))) : '';
   const t0 = Math.min(...pts.map((p) => p.t)), t1 = Math.max(...pts.map((p) => p.t));
   const top = Math.max(max || 0, ...pts.map((p) => p.v), 1e-9);
   const x = (t) => pad.l + (t1 > t0 ? (t - t0) / (t1 - t0) : 1) * (w - pad.l - pad.r);

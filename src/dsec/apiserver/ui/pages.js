@@ -51,10 +51,10 @@ function byState(text, node) {
 export async function sandboxes({ main, params, signal, every, go }) {
   const q = { project: params.get('project') || '', label: params.get('label') || '',
     state: params.get('state') || '', offset: Math.max(0, Number(params.get('offset')) || 0) };
-  const projects = (await get('/v1/projects', {}, { signal })).projects;
+  const projectSelect = el('select', { name: 'project' }, el('option', { value: '' }, 'all'),
+    q.project ? el('option', { value: q.project, selected: true }, q.project) : null);
   const form = el('form', { class: 'filters', id: 'filters', method: 'post' },
-    el('label', {}, 'project', el('select', { name: 'project' }, el('option', { value: '' }, 'all'),
-      projects.map((p) => el('option', { value: p.id, selected: p.id === q.project }, `${p.name} (${p.id})`)))),
+    el('label', {}, 'project', projectSelect),
     el('label', {}, 'labels (key=value, comma-separated)', el('input', { name: 'label', value: q.label, placeholder: 'job=run-17' })),
     el('label', {}, 'state', el('select', { name: 'state' }, el('option', { value: '' }, 'live (all but ended)'),
       STATES.map((s) => el('option', { value: s, selected: s === q.state }, s)))),
@@ -92,7 +92,10 @@ export async function sandboxes({ main, params, signal, every, go }) {
   const move = (offset) => go('sandboxes', { project: q.project, label: q.label, state: q.state, offset });
   prev.addEventListener('click', () => move(Math.max(0, q.offset - PAGE_SIZE)));
   next.addEventListener('click', () => move(q.offset + PAGE_SIZE));
-  try { await draw(); } catch (e) { error.textContent = e.message; throw e; }
+  const fillProjects = get('/v1/projects', {}, { signal }).then(({ projects }) => replace(projectSelect,
+    el('option', { value: '' }, 'all'),
+    projects.map((p) => el('option', { value: p.id, selected: p.id === q.project }, `${p.name} (${p.id})`))));
+  try { await Promise.all([draw(), fillProjects]); } catch (e) { error.textContent = e.message; throw e; }   // at once: first paint
   every(5000, draw);
 }
 

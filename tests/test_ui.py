@@ -119,6 +119,15 @@ def test_list_route_pages_and_filters(server, fleet):
     assert other.status_code == 404 and other.json()["error"]["field"] == "project"
 
 
+async def test_sdk_listing_pages_and_filters(server, fleet):
+    async with Client(server.url, fleet.team_key) as team:
+        page = await team.listing(labels={"ui-run": fleet.tag}, limit=1)
+        assert page.total == 2 and len(page.sandboxes) == 1 and page.next_offset == 1
+        rest = await team.listing(labels={"ui-run": fleet.tag}, states=["running"], limit=1, offset=1)
+        assert rest.next_offset is None and {page.sandboxes[0].id, rest.sandboxes[0].id} == set(fleet.team_ids)
+        assert (await team.listing(project=fleet.team_id, states=["failed"])).total == 0
+
+
 def test_dashboard_pages_with_admin_key(server, fleet, driver):
     d = driver
     d.get(f"{server.url}/ui/")

@@ -46,6 +46,23 @@ export async function follow(params, onEvent, signal) {
   return 'ended';
 }
 
+// Recent events, paged (`?after=ID&limit=`, oldest first, `last_id` the next cursor) until a
+// short page or the deadline; each page handed to onPage. UNAVAILABLE without the route.
+export async function recent(params, onPage, signal, deadlineMs = 3000) {
+  const until = Date.now() + deadlineMs;
+  let after = 0;
+  for (let i = 0; i < 50 && Date.now() < until; i++) {
+    let body = null;
+    const got = await follow({ ...params, after, limit: 1000 }, (e) => { (body = body || []).push(e); }, signal);
+    if (got === UNAVAILABLE) return UNAVAILABLE;
+    onPage(body || []);
+    if (!body || body.length < 1000) break;
+    after = body[body.length - 1].id || after;
+    if (!after) break;
+  }
+  return 'ended';
+}
+
 // The fields of an event whatever its exact shape: when, what, why, which sandbox.
 export function describe(e) {
   const when = e.timestamp || e.time || e.created_at || e.at;
@@ -55,5 +72,8 @@ export function describe(e) {
     type: e.type || e.event || e.kind || '',
     reason: e.reason || (e.data && e.data.reason) || '',
     sandbox: e.sandbox_id || e.sandboxId || e.sandbox || '',
+    message: e.message || '',
+    infrastructure: e.infrastructure,
+    at: t,
   };
 }

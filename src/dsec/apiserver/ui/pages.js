@@ -3,7 +3,7 @@
 import { get, samples } from './api.js';
 import { lineChart } from './chart.js';
 import { ago, badge, bar, bytes, el, num, table } from './dom.js';
-import { UNAVAILABLE, describe, follow } from './events.js';
+import { UNAVAILABLE, describe, follow, recent } from './events.js';
 
 export const PAGE_SIZE = 50;    // rows of the sandbox table: the DOM stays small at any fleet size
 const STATES = ['creating', 'running', 'suspended', 'stopping', 'stopped', 'failed'];
@@ -136,12 +136,13 @@ export async function sandbox({ main, params, signal, every }) {
   await drawUsage();
   every(5000, () => Promise.all([drawInfo(), drawUsage()]));
   const seen = [];
-  follow({ sandbox_id: id }, (e) => {
+  follow({ sandbox_id: id, follow: true }, (e) => {    // its past events, then new ones as they come
     const d = describe(e);
     if (d.sandbox && d.sandbox !== id) return;
     if (!seen.length) evBox.replaceChildren();
     seen.push(d);
-    evBox.prepend(el('div', { class: 'event' }, `${d.when}  ${d.type}${d.reason ? `  reason=${d.reason}` : ''}`));
+    const why = [d.reason && `reason=${d.reason}`, d.infrastructure === true && '(infrastructure)', d.message].filter(Boolean);
+    evBox.prepend(el('div', { class: 'event' }, `${d.when}  ${d.type}  ${why.join('  ')}`));
     while (evBox.childElementCount > 200) evBox.lastElementChild.remove();
   }, signal).then((r) => {
     if (r === UNAVAILABLE) evBox.replaceChildren(el('span', { class: 'muted', id: 'events-unavailable' }, 'events not available on this server'));
@@ -181,7 +182,7 @@ export async function failures({ main, signal, every, admin }) {
     el('div', { class: 'split' },
       el('div', { class: 'card' }, el('h2', {}, 'Failed sandboxes by reason'), failed),
       el('div', { class: 'card' }, el('h2', {}, 'Refused creations by reason (since the server started)'), refused)),
-    el('div', { class: 'card' }, el('h2', {}, 'Ended sandboxes by reason (events)'), ended));
+    el('div', { class: 'card' }, el('h2', {}, 'Ended sandboxes by reason, last hour (events)'), ended));
   async function draw() {
     const page = await get('/v1/sandboxes', { state: 'failed', limit: 1000 }, { signal });
     const groups = new Map();
@@ -206,17 +207,20 @@ export async function failures({ main, signal, every, admin }) {
   }
   await draw();
   every(10000, draw);
+  // ended sandboxes of the last hour by reason, infrastructure ones marked (read once per visit)
   const reasons = new Map();
-  const ctl = new AbortController();
-  signal.addEventListener('abort', () => ctl.abort());
-  setTimeout(() => ctl.abort(), 3000);    // the recent past only, then count what came
-  follow({ type: 'ended' }, (e) => {
-    const d = describe(e);
-    if (d.type && !/end|stop|fail/i.test(d.type)) return;
-    reasons.set(d.reason || '(none)', (reasons.get(d.reason || '(none)') || 0) + 1);
-  }, ctl.signal).catch(() => null).then((r) => {
+  const since = Date.now() - 3600e3;
+  recent({}, (events) => {
+    for (const e of events) {
+      const d = describe(e);
+      if (d.type !== 'ended' || (d.at && d.at.getTime() < since)) continue;
+      const key = `${d.reason || '(none)'}${d.infrastructure === true ? ' (infrastructure)' : ''}`;
+      reasons.set(key, (reasons.get(key) || 0) + 1);
+    }
+  }, signal).catch(() => null).then((r) => {
     if (r === UNAVAILABLE) ended.replaceChildren(el('span', { class: 'muted', id: 'events-unavailable' }, 'events not available on this server'));
-    else ended.replaceChildren(reasons.size ? table(['reason', 'sandboxes'], [...reasons].map(([k, v]) => el('tr', {}, el('td', {}, k), el('td', {}, String(v)))))
-      : el('p', { class: 'muted' }, 'no ended sandboxes in the recent events'));
+    else ended.replaceChildren(reasons.size ? table(['reason', 'sandboxes'], [...reasons].sort((a, b) => b[1] - a[1])
+      .map(([k, v]) => el('tr', {}, el('td', {}, k), el('td', {}, String(v)))))
+      : el('p', { class: 'muted' }, 'no sandbox ended in the last hour'));
   });
 }

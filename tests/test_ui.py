@@ -185,6 +185,8 @@ def test_dashboard_pages_with_admin_key(server, fleet, driver):
     assert ev
     if d.find_elements(*_by("#events-unavailable")):       # before the events route exists (issue 26 item 3)
         assert "events not available" in d.find_element(*_by("#events")).text
+    else:
+        assert "created" in d.find_element(*_by("#events")).text
     shot(d, "sandbox")
 
     # projects: the team's quota use
@@ -193,12 +195,22 @@ def test_dashboard_pages_with_admin_key(server, fleet, driver):
     browser.wait_for(lambda: "2 / 2" in row.text, what="the team's quota use")
     shot(d, "projects")
 
-    # failures by reason
+    # failures by reason (one sandbox ended, for the events' count by reason)
+    assert httpx.delete(f"{server.url}/v1/sandboxes/{fleet.ids[-1]}", headers={"Authorization": f"Bearer {server.key}"},
+                        timeout=60).status_code == 200
     d.get(f"{server.url}/ui/#/failures")
     browser.wait_for(lambda: d.find_element(*_by("#failed")).text and d.find_element(*_by("#refused")).text
                      and d.find_element(*_by("#ended")).text, what="the failures page")
     assert not d.find_elements(*_by("#page-error"))
     browser.wait_for(lambda: "quota" in d.find_element(*_by("#refused")).text, what="the team's quota refusal")
+    if not d.find_elements(*_by("#events-unavailable")):    # with the events route: the stop, by its reason
+        for _ in range(30):
+            if d.find_elements(*_by("#ended tbody tr")):
+                break
+            d.get(f"{server.url}/ui/#/projects")              # the events page is read once per visit
+            d.get(f"{server.url}/ui/#/failures")
+            browser.wait_for(lambda: d.find_element(*_by("#ended")).text, what="the ended sandboxes")
+        assert d.find_elements(*_by("#ended tbody tr")), d.find_element(*_by("#ended")).text
     shot(d, "failures")
 
     assert not [u for u in requested_urls(d) if server.key in u]

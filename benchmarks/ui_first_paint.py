@@ -66,7 +66,7 @@ def loads(url: str, key: str, rounds: int) -> list[dict]:
             out.append(d.execute_script(PROBE))
         return out
     finally:
-        d.quit()
+        browser.stop(d)
 
 
 def main() -> None:

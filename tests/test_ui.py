@@ -69,7 +69,7 @@ async def _stop(admin: Client, sandbox_id: str) -> None:
 def driver():
     d = browser.start()
     yield d
-    d.quit()
+    browser.stop(d)
 
 
 def _by(sel: str):

@@ -46,6 +46,6 @@ async def test_tenant_labels_never_run_in_the_admins_dashboard(server):
                     assert d.title == "dsec", page
                     assert d.execute_script("return sessionStorage.getItem('dsec.key')") == server.key
             finally:
-                d.quit()
+                browser.stop(d)
         finally:
             await sb.stop()

@@ -32,16 +32,32 @@ def start(width: int = WIDTH, height: int = HEIGHT) -> Any:
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
+    profile = tempfile.mkdtemp(prefix="dsec-chromium-")
     opts = webdriver.ChromeOptions()
     opts.binary_location = shutil.which("chromium") or "chromium"
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                 "--no-first-run", "--disable-extensions", "--disable-background-networking",
-                f"--window-size={width},{height}", f"--user-data-dir={tempfile.mkdtemp(prefix='dsec-chromium-')}"):
+                f"--window-size={width},{height}", f"--user-data-dir={profile}"):
         opts.add_argument(arg)
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(options=opts, service=Service(executable_path=shutil.which("chromedriver")))
+    try:
+        driver = webdriver.Chrome(options=opts, service=Service(executable_path=shutil.which("chromedriver")))
+    except BaseException:
+        shutil.rmtree(profile, ignore_errors=True)
+        raise
+    driver.dsec_profile = profile
     driver.set_page_load_timeout(60)
     return driver
+
+
+def stop(driver: Any) -> None:
+    """Quit the browser and remove its profile directory."""
+    try:
+        driver.quit()
+    finally:
+        profile = getattr(driver, "dsec_profile", None)
+        if profile:
+            shutil.rmtree(profile, ignore_errors=True)
 
 
 def wait_for(probe: Callable[[], T], timeout_s: float = 30.0, what: str = "the page") -> T:

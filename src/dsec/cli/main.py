@@ -25,7 +25,8 @@ from dsec.cli.common import _fail, _run, _settings, console, err_console
 from dsec.cli.images import image_app, layer_app
 from dsec.cli.sandboxes import run, sandbox_app
 from dsec.cli import top as _top  # noqa: F401  (registers `dsec sandbox top`)
-from dsec.cli.tenants import key_app, project_app
+from dsec.cli.nodes import nodes_app
+from dsec.cli.tenants import key_app, project_app, ruleset_app
 from dsec.cli.vm import vm_app
 from dsec.cluster.cli import cluster_app  # (cluster mode on Ray; imports Ray only when run)
 from dsec.config import DEFAULT_PORT, SERVER_INSTALL, missing_server_module
@@ -34,7 +35,8 @@ from dsec.types import DsecError
 
 app = typer.Typer(no_args_is_help=True, help="dsec: elastic sandboxes for agent training and evaluation")
 for group, name in ((image_app, "image"), (sandbox_app, "sandbox"), (bench_app, "bench"), (project_app, "project"),
-                    (key_app, "key"), (cluster_app, "cluster"), (layer_app, "layer"), (vm_app, "vm")):
+                    (key_app, "key"), (cluster_app, "cluster"), (layer_app, "layer"), (vm_app, "vm"),
+                    (nodes_app, "nodes"), (ruleset_app, "ruleset")):
     app.add_typer(group, name=name)
 
 

@@ -79,6 +79,18 @@ class SyncClient(_sync.Synchronized):
         """Replace a project's own policy (key of a parent project; it may only narrow)."""
         return cast("dict[str, Any]", _sync.call(self, "set_policy", project_id, policy))
 
+    def rulesets(self) -> dict[str, Any]:
+        """{"rulesets": {name: {"rules": [...], "domains": [...]}}}."""
+        return cast("dict[str, Any]", _sync.call(self, "rulesets"))
+
+    def set_ruleset(self, name: str, rules: builtins.list[dict[str, Any]] | None = None,
+                    domains: builtins.list[str] | None = None) -> dict[str, Any]:
+        """Define or replace a rule set (a key of the root project)."""
+        return cast("dict[str, Any]", _sync.call(self, "set_ruleset", name, rules, domains))
+
+    def delete_ruleset(self, name: str) -> dict[str, Any]:
+        return cast("dict[str, Any]", _sync.call(self, "delete_ruleset", name))
+
     def projects(self) -> builtins.list[ProjectInfo]:
         """The caller's project and every project below it, top down."""
         return cast("builtins.list[ProjectInfo]", _sync.call(self, "projects"))

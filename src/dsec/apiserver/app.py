@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dsec.apiserver.context import ApiContext
 from dsec.apiserver.guard import QUERY_KEY_PATHS, BodyTooLarge, RequestGuard
 from dsec.apiserver.index import keeper
+from dsec.apiserver.ui_routes import UI_PATHS, add_ui_routes
 from dsec.apiserver.routes import execs, files, nodes, policy, sandboxes, snapshots
 from dsec.types import (CapacityExceeded, ContainerArgs, DsecError, ErrorBody, FnCallRequest, InternalError,
                         InvalidArgument, MicroVMArgs, NotFound, VMArgs)
@@ -129,7 +130,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
                   description="Elastic sandboxes for agent training and evaluation")
     app.state.ctx = ctx
     public = frozenset(p for p in ("/healthz", app.openapi_url, app.docs_url, app.redoc_url,
-                                   app.swagger_ui_oauth2_redirect_url) if p)
+                                   app.swagger_ui_oauth2_redirect_url) if p) | UI_PATHS
     # authenticate from the headers, then bound the body per route (guard.py)
     app.add_middleware(RequestGuard, authenticate=ctx.iam.authenticate, public_paths=public,
                        image_body_bytes=ctx.settings.server.image_upload_max_bytes)
@@ -203,4 +204,5 @@ def create_app(ctx: ApiContext) -> FastAPI:
     app.include_router(metrics_router)   # /metrics (admin), /v1/metrics, per-node, per-sandbox usage
     from dsec.apiserver.rulesets import router as rulesets_router
     app.include_router(rulesets_router)   # /v1/network/rulesets: operators' named rule sets
+    add_ui_routes(app)            # /ui: the web dashboard's static files (apiserver/ui/)
     return app

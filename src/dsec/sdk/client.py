@@ -354,10 +354,19 @@ class Client:
     async def list(self, include_ended: bool = False) -> list[SandboxInfo]:
         return (await self.listing(include_ended)).sandboxes
 
-    async def listing(self, include_ended: bool = False) -> SandboxList:
+    async def listing(self, include_ended: bool = False, *, project: str | None = None,
+                      labels: dict[str, str] | None = None, states: Iterable[str] = (),
+                      limit: int | None = None, offset: int = 0) -> SandboxList:
         """The listing with `unreachable_nodes`: nodes that did not answer, whose sandboxes are
-        shown as last known."""
-        resp = await self._request("GET", "/v1/sandboxes", params={"include_ended": include_ended})
+        shown as last known. With a filter (project, all of `labels`, any of `states`) or a
+        page (`limit`, `offset`): newest first, `total` counting the matches, `next_offset` the
+        next page's offset (None: the last page)."""
+        params: list[tuple[str, str | int | bool]] = [("include_ended", include_ended)]
+        params += [("project", project)] if project else []
+        params += [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+        params += [("state", str(getattr(s, "value", s))) for s in states]
+        params += ([("limit", limit)] if limit is not None else []) + ([("offset", offset)] if offset else [])
+        resp = await self._request("GET", "/v1/sandboxes", params=tuple(params))
         return SandboxList.model_validate_json(resp.content)
 
     async def nodes(self) -> builtins.list[NodeStatus]:

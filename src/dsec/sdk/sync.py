@@ -185,11 +185,16 @@ class SyncClient(_sync.Synchronized):
     def list(self, include_ended: bool = False) -> builtins.list[SandboxInfo]:
         return cast("builtins.list[SandboxInfo]", _sync.call(self, "list", include_ended))
 
-    def listing(self, include_ended: bool = False) -> SandboxList:
+    def listing(self, include_ended: bool = False, *, project: str | None = None,
+                labels: dict[str, str] | None = None, states: Iterable[str] = (), limit: int | None = None,
+                offset: int = 0) -> SandboxList:
         """The listing with `unreachable_nodes`: nodes that did not answer, whose sandboxes are
-        shown as last known.
+        shown as last known. With a filter (project, all of `labels`, any of `states`) or a
+        page (`limit`, `offset`): newest first, `total` counting the matches, `next_offset` the
+        next page's offset (None: the last page).
         """
-        return cast("SandboxList", _sync.call(self, "listing", include_ended))
+        return cast("SandboxList", _sync.call(self, "listing", include_ended, project=project, labels=labels,
+                                              states=states, limit=limit, offset=offset))
 
     def nodes(self) -> builtins.list[NodeStatus]:
         return cast("builtins.list[NodeStatus]", _sync.call(self, "nodes"))

@@ -411,3 +411,6 @@ class SandboxList(BaseModel):
     unreachable_nodes: list[str] = Field(default_factory=list, description=(
         "nodes that did not answer in time: their sandboxes are listed as last known (their state "
         "may have changed since)"))
+    total: int | None = Field(None, description="sandboxes matching the filters before `limit`/`offset` "
+                                                "(set when any filter or page was asked for)")
+    next_offset: int | None = Field(None, description="the `offset` of the next page; None: this is the last")

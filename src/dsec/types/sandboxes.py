@@ -106,6 +106,10 @@ Lifetime = Annotated[float | None, Field(gt=0, le=MAX_TTL_S,
                                          description="absolute lifetime, s: the sandbox is stopped this long after "
                                                      "creation, busy or not (extend with set_timeout); None: only "
                                                      "the idle TTL ends it")]
+OnTimeout = Annotated[Literal["stop", "pause"], Field(
+    description="what the end of lifetime_s (or set_timeout) does: stop ends the sandbox; pause parks it "
+                "(files, processes, env kept) and its next request, native, E2B or port traffic, resumes it "
+                "with a fresh lifetime_s")]
 IDEMPOTENCY_KEY_RE = r"^[A-Za-z0-9_.:-]{1,128}$"
 SDK_KEY_PREFIX = "sdk-"     # idempotency keys the SDK makes for its own resends (kept an hour, not a week)
 IdempotencyKey = Annotated[str | None, Field(pattern=IDEMPOTENCY_KEY_RE,
@@ -216,6 +220,7 @@ class ContainerArgs(_Strict):
                                                             "(frozen, memory pushed to compressed swap; the next "
                                                             "request resumes it); None: never")] = None
     lifetime_s: Lifetime = None
+    on_timeout: OnTimeout = "stop"
     idempotency_key: IdempotencyKey = None
     user: SandboxUser = None
     workdir: Annotated[str, Field(pattern=r"^/[^\x00]{0,255}$")] = "/work"
@@ -246,6 +251,7 @@ class _VMArgs(_Strict):
                                   description="size of the guest's writable disk, MiB (sparse on the host)")] = 2048
     ttl_idle_s: IdleTtl = 600
     lifetime_s: Lifetime = None
+    on_timeout: OnTimeout = "stop"
     idempotency_key: IdempotencyKey = None
     suspend_idle_s: Annotated[int | None, Field(gt=0, le=MAX_TTL_S,
                                                 description="park the VM on disk after this long without a request "
@@ -333,6 +339,7 @@ class SandboxInfo(BaseModel):
     last_active_at: datetime
     expires_at: datetime | None = Field(None, description="when the absolute lifetime ends it (lifetime_s, "
                                                           "set_timeout); None: only the idle TTL")
+    on_timeout: str = Field("stop", description="what the end of its lifetime does: stop, or pause (auto-pause)")
     error: str | None = None
     labels: dict[str, str] = Field(default_factory=dict)
     network: NetworkPolicy | None = Field(None, description="current egress policy (container sandboxes)")

@@ -50,14 +50,12 @@ def _refuse(field: str, why: str, fix: str) -> Unsupported:
 
 def _check_unsupported(body: NewSandbox, backend: str) -> None:
     """Every field dsec cannot honour, by name."""
-    if body.auto_pause:
-        raise _refuse("autoPause", "dsec ends a sandbox when its timeout passes; it cannot pause it instead",
-                      "leave lifecycle.on_timeout unset or 'kill'; extend the timeout with set_timeout")
-    if body.auto_pause_memory is not None:
-        raise _refuse("autoPauseMemory", "there is no auto-pause in dsec", "leave lifecycle.on_timeout unset")
-    if body.auto_resume is not None:     # containers and VMs alike (both can be paused)
-        raise _refuse("autoResume", "a paused dsec sandbox resumes on its next request; this cannot be changed",
-                      "leave lifecycle.auto_resume unset")
+    if body.auto_pause_memory is not None and not body.auto_pause:
+        raise _refuse("autoPauseMemory", "it only applies with lifecycle.on_timeout 'pause'",
+                      "set lifecycle.on_timeout to 'pause', or leave its mode unset")
+    if body.auto_resume is not None and body.auto_resume.get("enabled") is False and body.auto_pause:
+        raise _refuse("autoResume.enabled", "a paused dsec sandbox always resumes on its next request "
+                                            "(native, envd or port traffic)", "leave lifecycle.auto_resume unset or True")
     if body.secure is False:
         raise _refuse("secure", "envd access in dsec always needs the sandbox's access token",
                       "leave secure unset")
@@ -163,7 +161,7 @@ def sandbox_args(body: NewSandbox, idem: str | None) -> Any:
     raw: dict[str, Any] = {
         "backend": backend, "image": TEMPLATE_ALIASES.get(body.template_id, body.template_id), "lifetime_s": timeout, "ttl_idle_s": MAX_TTL_S,
         "labels": labels, "env": body.env_vars or {}, "idempotency_key": idempotency_key(idem),
-        "workdir": E2B_HOME}
+        "workdir": E2B_HOME, "on_timeout": "pause" if body.auto_pause else "stop"}
     if backend in VM_BACKENDS:
         if "cpu_cores" in own:
             raw["vcpus"] = own.pop("cpu_cores")
@@ -230,7 +228,9 @@ def detail(info: SandboxInfo, tokens: AccessTokens, domain: str | None = None) -
     out.pop("volumeMounts")
     egress = bool(info.network and (info.network.rules or info.network.domains))
     out.update({"envdAccessToken": tokens.token(info.id), "domain": domain,
-                "allowInternetAccess": egress if info.backend not in VM_BACKENDS else False})
+                "allowInternetAccess": egress if info.backend not in VM_BACKENDS else False,
+                # a paused dsec sandbox resumes on its next request whatever its on_timeout
+                "lifecycle": {"onTimeout": "pause" if info.on_timeout == "pause" else "kill", "autoResume": True}})
     return out
 
 

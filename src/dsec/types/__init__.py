@@ -27,8 +27,10 @@ from dsec.types.fncall import (FNCALL_MAX_TIMEOUT_S, FNCALL_MAX_BYTES, FNCALL_DE
                                FnCallStatus, FnCallStep, FnCallResult, FnCallBatch, FnCallBatchItem)
 from dsec.types.builds import (ImageConfig, ImageBuildResult, ImageProgress, ImagePullRequest)
 from dsec.types.usage import (UsageSample, UsageList)
+from dsec.types.volumes import (VolumeMount, VolumeCreate, VolumeInfo, VolumeList)
 
 __all__ = [
+    "VolumeMount", "VolumeCreate", "VolumeInfo", "VolumeList",
     "UsageSample", "UsageList",
     "DsecError", "InvalidArgument", "NotFound", "Unauthorized", "Forbidden", "Conflict", "CapacityExceeded",
     "SandboxFailed", "Unavailable", "NodeUnreachable", "PayloadTooLarge", "BadGateway", "GatewayTimeout",

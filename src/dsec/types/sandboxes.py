@@ -12,6 +12,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Di
                       ValidationInfo, WithJsonSchema, field_validator)
 from dsec.types.domains import normalize_pattern
 from dsec.types.ids import SNAPSHOT_ID_PATTERN
+from dsec.types.volumes import VolumeMount, check_mounts
 
 
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._@:+-]{0,127}$"
@@ -233,6 +234,9 @@ class ContainerArgs(_Strict):
     labels: Labels = Field(default_factory=dict)
     network: NetworkPolicy = Field(default_factory=NetworkPolicy,
                                    description="egress allow-list (cgroup-BPF); default: deny all but loopback")
+    volumes: Annotated[list[VolumeMount], AfterValidator(check_mounts),
+                       Field(description="volumes of the sandbox's project to mount (client.create_volume)")
+                       ] = Field(default_factory=list)
 
 
 class _VMArgs(_Strict):
@@ -261,6 +265,7 @@ class _VMArgs(_Strict):
     env: Env = Field(default_factory=dict)
     output_cap_bytes: OutputCap = 1024 * 1024
     labels: Labels = Field(default_factory=dict)
+    volumes: list[dict[str, Any]] = Field(default_factory=list, description="not available for VMs (see the error)")
     accel: Literal["auto", "kvm", "tcg"] = Field(
         "auto", description="auto: KVM when it boots a guest on this node, else TCG software emulation")
     clone: bool = Field(True, description="start as a copy-on-write clone of the environment's template "
@@ -268,6 +273,15 @@ class _VMArgs(_Strict):
     snapshot: Annotated[str | None, Field(pattern=SNAPSHOT_ID_PATTERN,
                                           description="restore a snapshot taken with Sandbox.snapshot() as a "
                                                       "new sandbox (image/layers/size come from the snapshot)")] = None
+
+    @field_validator("volumes")
+    @classmethod
+    def _no_volumes(cls, v: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if v:
+            raise ValueError("volumes: VM sandboxes cannot mount volumes yet (virtiofs is not wired into dsec's "
+                             "VMs: it needs a virtiofsd per VM and shared guest memory, which the template "
+                             "clones do not use); use a container sandbox (backend 'container') to mount volumes")
+        return v
 
     @property
     def cpu_cores(self) -> float:   # what placement and admission count

@@ -42,7 +42,9 @@ from dsec.backends.container.network import NetSettings, SandboxNetworks
 from dsec.backends.container.parking import PARKED_MARKER, CgroupParking, cgroup_gone
 from dsec.backends.container.ports import CONNECT_TIMEOUT_S, connect_in_netns
 from dsec.backends.warm import WarmClaim
-from dsec.backends.container.spec import ContainerSpec, build_config, cgroup_path, dsec_dir, ensure_node_file_max, mask_dir
+from dsec.backends.container.volumes import ContainerVolumeDirs
+from dsec.backends.container.spec import (VOLUME_STAGING, ContainerSpec, build_config, cgroup_path, dsec_dir,
+                                         ensure_node_file_max, mask_dir)
 from dsec.config import Paths
 from dsec.native import compile_static
 from dsec.security.users import resolve_user
@@ -82,7 +84,7 @@ class _ExitWatch:
 
 
 class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernation, MemoryUsage, UsageStats, Reclaim,
-                      WarmClaim):
+                      WarmClaim, ContainerVolumeDirs):
     kinds = ("container",)
     instead = {"snapshot": "use pack_diff to save a container's changes as a layer",
                "console": "read a container's output from its commands"}
@@ -108,6 +110,7 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
                                    NetSettings.of(conf.network))
         # writable-layer quota: sandbox dirs are btrfs subvolumes with a limit (or polled)
         self.disk = open_quotas(paths, conf.storage)
+        self.volumes_dir = conf.storage.volumes_dir     # volumes.py: "" keeps them in the scratch
         # a user namespace per sandbox with its own host id range (idmap.py)
         c = conf.containers
         self.ids = IdRanges(c.idmap_registry, c.idmap_first, c.idmap_slots) if c.userns else None
@@ -161,7 +164,7 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
                              gid=prepared.gid, workdir=args.workdir, network=tuple(prepared.allows),
                              resolv_conf=str(self.net.resolv_conf()),
                              disk_mb=args.disk_mb, nofile=args.nofile, max_file_mb=args.max_file_mb,
-                             cpu_class=args.cpu_class,
+                             cpu_class=args.cpu_class, volumes=tuple(prepared.volumes),
                              cpus=self.cpusets.pick(sandbox_id, args.cpu_cores) if self.cpusets else "")
         await self._start(sandbox_id, spec)
 
@@ -218,8 +221,12 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
             (d / "lower").mkdir(mode=0o700)
             for i in range(len(spec.lower_dirs)):
                 (d / "lower" / str(i)).mkdir(mode=0o700)
+            if spec.volumes:     # crun's unprivileged init binds from here: traversable
+                (d / VOLUME_STAGING).mkdir(mode=0o711)
+            for i in range(len(spec.volumes)):
+                (d / VOLUME_STAGING / str(i)).mkdir(mode=0o700)
         cfg = build_config(spec, self.agent_binary, cgroup_v2=self.cgroup_v2, quota_floor=self.quota_floor,
-                               view=self.view)
+                               view=self.view, bundle=d)
         (d / "config.json").write_text(json.dumps(cfg))
         return spec
 
@@ -245,6 +252,8 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
             idmapped = ["-u", str(spec.id_base), "-N", str(spec.userns_path)]
             for src, dst in zip(lowers, targets):
                 idmapped += ["-l", f"{src}:{dst}"]
+            for i, (host, _, _) in enumerate(spec.volumes):      # spec.volume_mounts binds these
+                idmapped += ["-l", f"{host}:{d / VOLUME_STAGING / str(i)}"]
             lowers = targets
         lower = ":".join(reversed(lowers))  # overlay wants top first
         opts = f"lowerdir={lower},upperdir={d / 'upper'},workdir={d / 'work'}"
@@ -469,7 +478,8 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
         """viewmounts.py, in a process of its own, over every sandbox whose init runs (or `only`)."""
         items = []
         dirs = [self.sandbox_dir(s) for s in only] if only is not None else \
-            (list(self.paths.sandboxes.iterdir()) if self.paths.sandboxes.exists() else [])
+            ([p for p in self.paths.sandboxes.iterdir() if not p.name.startswith(".")]
+             if self.paths.sandboxes.exists() else [])
         for d in dirs:
             try:
                 items.append(f"{int((d / 'run' / 'pid').read_text())}:{cgroup_path(d.name)}")
@@ -772,7 +782,8 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
         for sid, status in known.items():
             if status in ("running", "paused"):
                 known[sid] = PARKED if (self.sandbox_dir(sid) / "run" / PARKED_MARKER).exists() else RUNNING
-        dirs = {p.name for p in self.paths.sandboxes.iterdir()} if self.paths.sandboxes.exists() else set()
+        dirs = {p.name for p in self.paths.sandboxes.iterdir() if not p.name.startswith(".")} \
+            if self.paths.sandboxes.exists() else set()     # dot names: volumes.py's, not sandboxes
         left = {d: PARKED if hibernate.on_disk(self.sandbox_dir(d) / "run") else "leftover"
                 for d in dirs if d not in known}
         return {**left, **known}

@@ -253,7 +253,7 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
             for src, dst in zip(lowers, targets):
                 idmapped += ["-l", f"{src}:{dst}"]
             for i, (host, _, _) in enumerate(spec.volumes):      # spec.volume_mounts binds these
-                idmapped += ["-l", f"{host}:{d / VOLUME_STAGING / str(i)}"]
+                idmapped += ["-v", f"{host}:{d / VOLUME_STAGING / str(i)}"]
             lowers = targets
         lower = ":".join(reversed(lowers))  # overlay wants top first
         opts = f"lowerdir={lower},upperdir={d / 'upper'},workdir={d / 'work'}"

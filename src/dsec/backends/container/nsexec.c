@@ -12,6 +12,8 @@
  *   -N PATH  (with -u) the user namespace is bind-mounted at PATH (an existing file) for crun
  *   -l SRC:DST  (with -u, repeated) an idmapped clone of the layer mount SRC is attached at DST
  *            (inside the private namespace only); the overlay options name DST as lowerdir.
+ *   -v SRC:DST  (with -u, repeated) the same for a volume directory, also nosuid: crun binds
+ *            DST into the sandbox (its own bind options do not carry nosuid here).
  *
  * Why idmapped lowers: the EROFS layers store host ids (root = 0). Through a mount idmapped
  * with the sandbox's mapping, disk uid 0 reads as host BASE, i.e. root inside the sandbox's
@@ -46,6 +48,7 @@
 #endif
 #define DSEC_OPEN_TREE_CLONE 1
 #define DSEC_MOVE_MOUNT_F_EMPTY_PATH 0x00000004
+#define DSEC_MOUNT_ATTR_NOSUID 0x00000002
 #define DSEC_MOUNT_ATTR_NODEV 0x00000004
 #define DSEC_MOUNT_ATTR_IDMAP 0x00100000
 struct dsec_mount_attr { unsigned long long attr_set, attr_clr, propagation, userns_fd; };
@@ -108,10 +111,10 @@ static int userns_fd(unsigned long base) {
 
 /* Attach an idmapped clone of the mount at src on dst (new mount API, kernel >= 5.12 and a
  * filesystem that allows idmapping: erofs does on 6.x). */
-static void idmap_mount(const char *src, const char *dst, int ns) {
+static void idmap_mount(const char *src, const char *dst, int ns, unsigned long long extra) {
     int t = (int)syscall(SYS_open_tree, AT_FDCWD, src, DSEC_OPEN_TREE_CLONE | O_CLOEXEC);
     if (t < 0) die("open_tree(lower)");
-    struct dsec_mount_attr attr = { .attr_set = DSEC_MOUNT_ATTR_IDMAP | DSEC_MOUNT_ATTR_NODEV, .userns_fd = (unsigned long long)ns };
+    struct dsec_mount_attr attr = { .attr_set = DSEC_MOUNT_ATTR_IDMAP | DSEC_MOUNT_ATTR_NODEV | extra, .userns_fd = (unsigned long long)ns };
     if (syscall(SYS_mount_setattr, t, "", AT_EMPTY_PATH, &attr, sizeof attr) < 0)
         die("mount_setattr(MOUNT_ATTR_IDMAP) of a lower layer (kernel or filesystem without idmapped "
             "mounts: set DSEC_USERNS=0)");
@@ -122,6 +125,7 @@ static void idmap_mount(const char *src, const char *dst, int ns) {
 int main(int argc, char **argv) {
     const char *opts = NULL, *target = NULL, *nspath = NULL;
     char *lowers[MAX_LOWERS];
+    int volume[MAX_LOWERS];          /* -v: nosuid too */
     int nlowers = 0;
     unsigned long base = 0;
     int fd = -1, i, userns = 0;
@@ -133,8 +137,9 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "-f")) fd = atoi(argv[++i]);
         else if (!strcmp(argv[i], "-N")) nspath = argv[++i];
         else if (!strcmp(argv[i], "-u")) { base = strtoul(argv[++i], NULL, 10); userns = 1; }
-        else if (!strcmp(argv[i], "-l")) {
-            if (nlowers == MAX_LOWERS) { errno = E2BIG; die("too many -l"); }
+        else if (!strcmp(argv[i], "-l") || !strcmp(argv[i], "-v")) {
+            if (nlowers == MAX_LOWERS) { errno = E2BIG; die("too many -l/-v"); }
+            volume[nlowers] = argv[i][1] == 'v';
             lowers[nlowers++] = argv[++i];
         }
         else { errno = EINVAL; die(argv[i]); }
@@ -149,7 +154,7 @@ int main(int argc, char **argv) {
             char *dst = strchr(lowers[k], ':');
             if (!dst) { errno = EINVAL; die("-l wants SRC:DST"); }
             *dst++ = 0;
-            idmap_mount(lowers[k], dst, ns);
+            idmap_mount(lowers[k], dst, ns, volume[k] ? DSEC_MOUNT_ATTR_NOSUID : 0);
         }
         if (nspath) {   /* crun joins it by path (config.json linux.namespaces user.path) */
             char src[64];

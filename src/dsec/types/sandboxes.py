@@ -354,6 +354,7 @@ class SandboxInfo(BaseModel):
     expires_at: datetime | None = Field(None, description="when the absolute lifetime ends it (lifetime_s, "
                                                           "set_timeout); None: only the idle TTL")
     on_timeout: str = Field("stop", description="what the end of its lifetime does: stop, or pause (auto-pause)")
+    volumes: list[VolumeMount] = Field(default_factory=list, description="the volumes it mounts")
     error: str | None = None
     labels: dict[str, str] = Field(default_factory=dict)
     network: NetworkPolicy | None = Field(None, description="current egress policy (container sandboxes)")

@@ -39,7 +39,7 @@ DSEC_KEYS = {"dsec.backend": "backend", "dsec.cpu_cores": "cpu_cores", "dsec.mem
 ALL_TRAFFIC = ("0.0.0.0/0", "::/0")
 _ARGS = TypeAdapter(SandboxArgs)
 # dsec field -> the E2B field a user wrote it as (for error messages)
-_E2B_FIELD = {"image": "templateID", "lifetime_s": "timeout", "labels": "metadata", "env": "envVars",
+_E2B_FIELD = {"image": "templateID", "volumes": "volumeMounts", "lifetime_s": "timeout", "labels": "metadata", "env": "envVars",
               "network": "network", "cpu_cores": "metadata.dsec.cpu_cores", "vcpus": "metadata.dsec.cpu_cores",
               "memory_mb": "metadata.dsec.memory_mb", "backend": "metadata.dsec.backend"}
 
@@ -59,7 +59,7 @@ def _check_unsupported(body: NewSandbox, backend: str) -> None:
     if body.secure is False:
         raise _refuse("secure", "envd access in dsec always needs the sandbox's access token",
                       "leave secure unset")
-    for name, value in (("mcp", body.mcp), ("iam", body.iam), ("volumeMounts", body.volume_mounts)):
+    for name, value in (("mcp", body.mcp), ("iam", body.iam)):
         if value:
             raise _refuse(name, "not available in dsec", f"leave {name} unset")
     if backend in VM_BACKENDS and (body.allow_internet_access or body.network):
@@ -162,6 +162,8 @@ def sandbox_args(body: NewSandbox, idem: str | None) -> Any:
         "backend": backend, "image": TEMPLATE_ALIASES.get(body.template_id, body.template_id), "lifetime_s": timeout, "ttl_idle_s": MAX_TTL_S,
         "labels": labels, "env": body.env_vars or {}, "idempotency_key": idempotency_key(idem),
         "workdir": E2B_HOME, "on_timeout": "pause" if body.auto_pause else "stop"}
+    if body.volume_mounts:      # [{name, path}]: E2B mounts read-write
+        raw["volumes"] = [{"name": m.get("name"), "path": m.get("path")} for m in body.volume_mounts]
     if backend in VM_BACKENDS:
         if "cpu_cores" in own:
             raw["vcpus"] = own.pop("cpu_cores")
@@ -219,13 +221,12 @@ def listed(info: SandboxInfo) -> dict[str, Any]:
             "cpuCount": max(1, math.ceil(info.cpu_cores)), "memoryMB": info.memory_mb,
             "diskSizeMB": 0,   # not in dsec's SandboxInfo (the quota is disk_mb of the args)
             "state": e2b_state(info) or "running", "envdVersion": ENVD_VERSION, "metadata": dict(info.labels),
-            "volumeMounts": []}
+            "volumeMounts": [{"name": m.name, "path": m.path} for m in info.volumes]}
 
 
 def detail(info: SandboxInfo, tokens: AccessTokens, domain: str | None = None) -> dict[str, Any]:
     """E2B's SandboxDetail (GET /sandboxes/{id})."""
     out = listed(info)
-    out.pop("volumeMounts")
     egress = bool(info.network and (info.network.rules or info.network.domains))
     out.update({"envdAccessToken": tokens.token(info.id), "domain": domain,
                 "allowInternetAccess": egress if info.backend not in VM_BACKENDS else False,

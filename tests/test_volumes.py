@@ -97,3 +97,28 @@ async def test_bad_mounts_and_vms_are_refused_by_name(client, server):
         assert r.status_code == 409 and "already" in r.text
         assert (await h.delete(f"/v1/volumes/{name}")).status_code == 204
         assert (await h.delete(f"/v1/volumes/{name}")).status_code == 404
+
+
+def test_cli_volume_create_ls_rm_and_sandbox_create_volume(server):
+    import subprocess
+    import sys
+
+    def dsec(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
+        p = subprocess.run([sys.executable, "-m", "dsec", *args], env={**server.env, "DSEC_API_KEY": server.key,
+                                                                      "COLUMNS": "200"},
+                           capture_output=True, text=True, timeout=120)
+        assert (p.returncode == 0) == ok, p.stdout + p.stderr
+        return p
+    name = _name()
+    assert f"created volume {name}" in dsec("volume", "create", name, "--size-mb", "32").stdout
+    assert name in dsec("volume", "ls", "--usage").stdout
+    sid = dsec("sandbox", "create", "busybox", "--volume", f"{name}:/v:ro").stdout.strip()
+    try:
+        p = dsec("sandbox", "exec", sid, "--", "sh", "-c", "grep ' /v ' /proc/self/mountinfo", ok=True)
+        assert " ro," in p.stdout or p.stdout.split()[5].startswith("ro"), p.stdout
+        p = dsec("volume", "rm", name, ok=False)
+        assert "mounted by" in p.stdout + p.stderr
+    finally:
+        dsec("sandbox", "rm", sid)
+    dsec("volume", "rm", name)
+    assert name not in dsec("volume", "ls").stdout

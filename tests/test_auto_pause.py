@@ -47,3 +47,16 @@ async def test_on_timeout_stop_still_ends_it(client):
         return (await sb.refresh()).state.value == "stopped"
     await wait_until(ended, timeout_s=60, every_s=0.2, what="the lifetime to stop it")
     assert "lifetime" in (sb.info.error or "")
+
+
+async def test_a_quiescent_sandbox_paused_at_its_timeout_comes_back_with_its_files(client):
+    """Nothing but the agent runs: the timeout parks it to disk (D44), the next request starts
+    it again over its files."""
+    sb = await client.create_container(ContainerArgs(image="busybox", lifetime_s=1, on_timeout="pause"))
+    try:
+        await sb.run("echo kept > /work/f")
+        await wait_until(lambda: _paused(sb), timeout_s=60, every_s=0.2, what="auto-pause")
+        r = await sb.run("cat /work/f")
+        assert r.stdout == "kept\n", r
+    finally:
+        await sb.stop()

@@ -45,6 +45,10 @@ async def test_shared_read_write_read_only_and_outliving_its_sandboxes(client, s
     c = await client.create_container(ContainerArgs(image="busybox", volumes=rw))
     try:
         assert (await c.run("cat /data/f")).stdout == "from-a\nfrom-b\n"    # outlived a, b
+        # parked (to disk when nothing runs: torn down to its files) and started again: mounted again
+        assert (await c.suspend()).state.value == "suspended"
+        r = await c.run("echo after-park >> /data/f && tail -n1 /data/f && grep ' /data ' /proc/self/mountinfo")
+        assert r.stdout.startswith("after-park\n") and "idmapped" in r.stdout and "nosuid" in r.stdout, r
         with pytest.raises(Conflict):
             await client.delete_volume(name)
     finally:

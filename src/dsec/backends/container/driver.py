@@ -586,7 +586,7 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
             await self._remove_runtime(sandbox_id)
         try:
             cfg = build_config(spec, self.agent_binary, cgroup_v2=self.cgroup_v2, quota_floor=self.quota_floor,
-                               view=self.view)
+                               view=self.view, bundle=d)      # volumes: the idmapped clones again
             await asyncio.to_thread((d / "config.json").write_text, json.dumps(cfg))
             listener = self._listen(self.agent_socket(sandbox_id))
             try:

@@ -193,6 +193,8 @@ def create_app(ctx: ApiContext) -> FastAPI:
     from dsec.apiserver.image_routes import add_image_routes
     add_image_routes(app, ctx)    # /v1/images/build (Dockerfile), /import, /pull: NDJSON progress
     app.include_router(nodes.router)   # /v1/nodes, /v1/images, publishing
+    from dsec.apiserver.node_admin import add_node_admin_routes
+    add_node_admin_routes(app, ctx)   # admin: /v1/nodes/{node}/cordon, drain, uncordon, forget
     from dsec.apiserver.metrics_routes import router as metrics_router
     app.include_router(metrics_router)   # /metrics (admin), /v1/metrics, per-node, per-sandbox usage
     return app

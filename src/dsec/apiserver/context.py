@@ -90,6 +90,7 @@ class ApiRuntime:
     reconciled_at: float = 0.0                                          # ... and when it last ran
     # the sandbox index's writer, an index.IndexKeeper (typed loosely: index.py imports this module)
     index_keeper: Any = None
+    node_states: Any = None    # node_states.NodeStates: operator states of nodes (cordon, drain), cached
 
 
 @dataclass

@@ -25,6 +25,7 @@ from dsec.cli.common import _fail, _run, _settings, console, err_console
 from dsec.cli.images import image_app, layer_app
 from dsec.cli.sandboxes import run, sandbox_app
 from dsec.cli import top as _top  # noqa: F401  (registers `dsec sandbox top`)
+from dsec.cli.nodes import nodes_app
 from dsec.cli.tenants import key_app, project_app
 from dsec.cli.vm import vm_app
 from dsec.cli.volumes import volume_app
@@ -36,7 +37,7 @@ from dsec.types import DsecError
 app = typer.Typer(no_args_is_help=True, help="dsec: elastic sandboxes for agent training and evaluation")
 for group, name in ((image_app, "image"), (sandbox_app, "sandbox"), (bench_app, "bench"), (project_app, "project"),
                     (key_app, "key"), (cluster_app, "cluster"), (layer_app, "layer"), (vm_app, "vm"),
-                    (volume_app, "volume")):
+                    (nodes_app, "nodes"), (volume_app, "volume")):
     app.add_typer(group, name=name)
 
 

@@ -322,6 +322,12 @@ class Client:
         resp = await self._request("GET", "/v1/nodes")
         return [NodeStatus.model_validate(n) for n in resp.json()]
 
+    async def node_action(self, node: str, action: str) -> dict[str, Any]:
+        """Admin only: `cordon`, `drain`, `uncordon` or `forget` a node (`dsec nodes`); the
+        answer names its state, a drain's remaining sandboxes, a forget's released quota."""
+        resp = await self._request("POST", f"/v1/nodes/{node}/{action}")
+        return resp.json()
+
     async def images(self) -> builtins.list[ImageInfo]:
         resp = await self._request("GET", "/v1/images")
         return ImageList.model_validate_json(resp.content).images

@@ -93,6 +93,19 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
         # epoch seconds after which the key no longer authenticates; NULL: until revoked
         "ALTER TABLE api_keys ADD COLUMN expires_at DOUBLE PRECISION",
     ]),
+    (5, "cluster nodes: identity, subnet, operator state, absence", [
+        # one row per node name (cluster/names.py, store/nodes.py): its edge's subnet (kept across
+        # restarts: adopted sandboxes keep their addresses), what the operator set (active,
+        # cordoned, draining), and since when discovery has missed it (the durable lost timer)
+        """CREATE TABLE cluster_nodes (
+            node          TEXT PRIMARY KEY,
+            state         TEXT NOT NULL DEFAULT 'active',
+            subnet        TEXT,
+            missing_since DOUBLE PRECISION,
+            updated_at    DOUBLE PRECISION NOT NULL
+        )""",
+        "CREATE UNIQUE INDEX cluster_nodes_subnet ON cluster_nodes(subnet)",
+    ]),
 ]
 
 LATEST = MIGRATIONS[-1][0]

@@ -154,6 +154,9 @@ class StorageSettings(Group):
     volumes_dir: str = env("", "DSEC_VOLUMES_DIR", "where volumes live; empty: in the scratch filesystem "
                            "(btrfs quota per volume). A cluster points every node at one shared POSIX path "
                            "that supports idmapped mounts (size then measured at each mount)")
+    volumes_project_gb: float = env(100.0, "DSEC_VOLUMES_PROJECT_GB", "the sizes (size_mb) of one project's "
+                                    "volumes together may not pass this (GiB): a create beyond it is refused",
+                                    gt=0)
 
 
 class ContainerSettings(Group):

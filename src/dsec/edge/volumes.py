@@ -26,7 +26,8 @@ class VolumeVerbs(EdgeCore):
 
     async def create_volume(self, project: str, req: VolumeCreate) -> VolumeInfo:
         store = self._volumes()
-        r = await asyncio.to_thread(store.create, project, req)
+        limit = int(self.conf.storage.volumes_project_gb * 1024)
+        r = await asyncio.to_thread(store.create, project, req, limit)
         log.info("volume created", extra={"volume": r["id"], "project": project, "size_mb": req.size_mb})
         return store.info(r, 0)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec.backends.base import VolumeDirs
-from dsec.types import Conflict, NotFound, VolumeCreate, VolumeInfo
+from dsec.types import CapacityExceeded as QuotaExceeded, Conflict, NotFound, VolumeCreate, VolumeInfo
 
 
 class VolumeStore:
@@ -69,11 +69,20 @@ class VolumeStore:
     def data_dir(self, r: dict[str, Any]) -> Path:
         return self.root / r["id"]
 
-    def create(self, project: str, req: VolumeCreate) -> dict[str, Any]:
+    def create(self, project: str, req: VolumeCreate, project_limit_mb: int | None = None) -> dict[str, Any]:
+        """A new volume; its size counts against the project's total (sizes are limits that
+        the scratch overcommits, as disk_mb is: this bounds what one project can claim)."""
         with self._locked():
-            if any(r["name"] == req.name for r in self.records(project)):
+            mine = self.records(project)
+            if any(r["name"] == req.name for r in mine):
                 raise Conflict(f"project {project!r} already has a volume {req.name!r}", field="name",
                                fix="choose another name, or delete the existing volume first")
+            held = sum(r["size_mb"] for r in mine)
+            if project_limit_mb is not None and held + req.size_mb > project_limit_mb:
+                raise QuotaExceeded(f"project {project!r} has {held} MiB of volumes; {req.size_mb} more would pass "
+                                    f"its {project_limit_mb} MiB (DSEC_VOLUMES_PROJECT_GB)", field="size_mb",
+                                    fix="delete volumes you no longer need, or ask the operator to raise "
+                                        "DSEC_VOLUMES_PROJECT_GB")
             r = {"id": "vol-" + secrets.token_hex(8), "name": req.name, "project": project,
                  "size_mb": req.size_mb, "created_at": time.time()}
             self.dirs.make_volume_dir(self.data_dir(r), req.size_mb << 20)

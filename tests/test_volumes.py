@@ -126,3 +126,39 @@ def test_cli_volume_create_ls_rm_and_sandbox_create_volume(server):
         dsec("sandbox", "rm", sid)
     dsec("volume", "rm", name)
     assert name not in dsec("volume", "ls").stdout
+
+
+async def test_volumes_outside_the_scratch_are_measured_at_mount(dsec_home, images, tmp_path_factory):
+    """DSEC_VOLUMES_DIR (a cluster's shared store): plain directories, no kernel quota; a volume
+    over its size is refused at its next read-write mount, and can still be mounted read-only."""
+    import signal
+
+    from conftest import LOCAL_DNS_SINK, ServerProc, _cleanup_home, side_home
+    home = side_home(dsec_home, tmp_path_factory, "volumes-dir")
+    store = home / "shared-volumes"
+    srv = ServerProc(home, env={"DSEC_NET_DNS_UPSTREAM": LOCAL_DNS_SINK, "DSEC_VOLUMES_DIR": str(store)})
+    srv.start()
+    try:
+        async with srv.client() as c:
+            vol = await c.create_volume("small", size_mb=1)
+            assert not vol.enforced and (store / f"{vol.id}.json").exists()
+            sb = await c.create_container(ContainerArgs(image="busybox", volumes=[{"name": "small", "path": "/s"}]))
+            try:
+                r = await sb.run("dd if=/dev/zero of=/s/big bs=1M count=3 2>&1 && sync && stat -c %u /s/big")
+                assert r.exit_code == 0 and r.stdout.endswith("1000\n"), r     # not enforced while mounted
+            finally:
+                await sb.stop()
+            with pytest.raises(Exception, match="size_mb=1") as e:
+                await c.create_container(ContainerArgs(image="busybox", volumes=[{"name": "small", "path": "/s"}]))
+            assert getattr(e.value, "field", None) == "volumes[0]"
+            ro = await c.create_container(ContainerArgs(image="busybox",
+                                                        volumes=[{"name": "small", "path": "/s", "read_only": True}]))
+            try:
+                assert (await ro.run("ls /s")).stdout == "big\n"
+            finally:
+                await ro.stop()
+            await c.delete_volume("small")
+            assert not (store / vol.id).exists()
+    finally:
+        srv.kill(signal.SIGTERM)
+        _cleanup_home(home)

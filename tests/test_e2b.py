@@ -208,8 +208,8 @@ def test_pause_and_resume_a_container(e2b_env):
 
 
 def test_fields_dsec_cannot_honour_are_refused_by_name(e2b_env):
-    with pytest.raises(SandboxException, match="autoPause") as e:
-        Sandbox.create("busybox", lifecycle={"on_timeout": "pause"})
+    with pytest.raises(SandboxException, match="autoResume") as e:
+        Sandbox.create("busybox", lifecycle={"on_timeout": "pause", "auto_resume": False})
     assert e.value.status_code == 400
     with pytest.raises(SandboxException, match="network.allowOut.*not a domain name"):
         Sandbox.create("busybox", network={"allow_out": ["bad_name!"]})

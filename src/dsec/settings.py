@@ -167,6 +167,12 @@ class StorageSettings(Group):
                                     "created with (GiB)")
     scratch_check_s: float = env(1.0, "DSEC_SCRATCH_CHECK_S", "how often the scratch filesystem is "
                                  "checked for growth")
+    volumes_dir: str = env("", "DSEC_VOLUMES_DIR", "where volumes live; empty: in the scratch filesystem "
+                           "(btrfs quota per volume). A cluster points every node at one shared POSIX path "
+                           "that supports idmapped mounts (size then measured at each mount)")
+    volumes_project_gb: float = env(100.0, "DSEC_VOLUMES_PROJECT_GB", "the sizes (size_mb) of one project's "
+                                    "volumes together may not pass this (GiB): a create beyond it is refused",
+                                    gt=0)
 
 
 class ContainerSettings(Group):

@@ -1,4 +1,4 @@
-"""Attacks across a fork (D5?, backends/container/snapshots.py): forks of one sandbox share its
+"""Attacks across a fork (D58, backends/container/snapshots.py): forks of one sandbox share its
 snapshot's files copy-on-write, shown to each through a mount idmapped into its own id range.
 What one fork (root inside) writes, deletes or changes must reach neither its parent nor its
 siblings nor the shared snapshot; each fork stays in its own user namespace range."""

@@ -132,3 +132,21 @@ async def test_a_create_in_progress_when_the_edge_closes(node: Node, fake: FakeB
     [rec] = await edge.list(include_ended=True)
     assert rec.state == SandboxState.failed
     assert await fake.list_ids() == {}
+
+
+async def test_on_timeout_pause_parks_and_a_request_resumes_with_a_fresh_lifetime(
+        edge: Edge, parking: ParkingFakeBackend, clock: Clock):
+    sb = (await edge.create("p", MicroVMArgs(image="busybox", lifetime_s=10, on_timeout="pause",
+                                             ttl_idle_s=1000))).id
+    clock.advance(11)
+    assert await edge.reap_once() == []
+    info = await edge.get(sb)
+    assert info.state == SandboxState.suspended and sb in parking.parked and info.expires_at is None
+    clock.advance(500)                      # parked: no lifetime runs (only the idle TTL would end it)
+    assert await edge.reap_once() == []
+    await edge.resume(sb)                   # what any request does first (_live_resumed)
+    info = await edge.get(sb)
+    assert info.state == SandboxState.running and info.expires_at is not None
+    assert info.expires_at.timestamp() > (await edge.get(sb)).created_at.timestamp() + 500   # from the resume
+    clock.advance(11)
+    assert await edge.reap_once() == [] and (await edge.get(sb)).state == SandboxState.suspended

@@ -24,7 +24,7 @@ from dsec.apiserver.context import ApiContext
 from dsec.apiserver.guard import QUERY_KEY_PATHS, BodyTooLarge, RequestGuard
 from dsec.apiserver.index import keeper
 from dsec.apiserver.ui_routes import UI_PATHS, add_ui_routes
-from dsec.apiserver.routes import execs, files, nodes, policy, sandboxes, snapshots
+from dsec.apiserver.routes import execs, files, nodes, policy, sandboxes, snapshots, volumes
 from dsec.types import (CapacityExceeded, ContainerArgs, DsecError, ErrorBody, FnCallRequest, InternalError,
                         InvalidArgument, MicroVMArgs, NotFound, VMArgs)
 
@@ -181,7 +181,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
     async def healthz() -> dict:
         return {"ok": True, "nodes": len(ctx.edges)}
 
-    for resource in (sandboxes, policy, snapshots, execs, files):
+    for resource in (sandboxes, policy, snapshots, execs, files, volumes):
         app.include_router(resource.router)
     from dsec.apiserver.fncall_routes import add_fncall_routes
     add_fncall_routes(app, ctx)   # /v1/fncall, /v1/fncall/batch, SandboxFusion-compatible /run_code

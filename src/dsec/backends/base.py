@@ -59,6 +59,8 @@ class Prepared:
     gid: int
     plan: Any = None
     allows: list["Allow"] = field(default_factory=list)
+    # the sandbox's volumes, resolved by the edge (dsec.volumes): (host dir, path inside, read-only)
+    volumes: list[tuple[str, str, bool]] = field(default_factory=list)
 
 
 class Backend(ABC):
@@ -159,6 +161,27 @@ class Parking(ABC):
 
     @abstractmethod
     async def unpark(self, sandbox_id: str) -> None: ...
+
+
+class VolumeDirs(ABC):
+    """Where this node keeps volumes (dsec.volumes): directories with a byte quota, on the
+    backend's scratch filesystem so that its quota mechanism applies (btrfs qgroups)."""
+
+    volumes_enforced: bool          # True: writes beyond the quota fail (EDQUOT); False: measured
+
+    @abstractmethod
+    def volume_root(self) -> Path: ...
+
+    @abstractmethod
+    def make_volume_dir(self, d: Path, limit_bytes: int) -> None:
+        """Create `d` (not there yet) with that quota where the filesystem can enforce it."""
+
+    @abstractmethod
+    def remove_volume_dir(self, d: Path) -> None: ...
+
+    @abstractmethod
+    def volume_usage(self, d: Path) -> int:
+        """Bytes the directory holds (never following symlinks)."""
 
 
 class Hibernation(ABC):

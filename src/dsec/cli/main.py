@@ -29,6 +29,7 @@ from dsec.cli import top as _top  # noqa: F401  (registers `dsec sandbox top`)
 from dsec.cli.nodes import nodes_app
 from dsec.cli.tenants import key_app, project_app, ruleset_app
 from dsec.cli.vm import vm_app
+from dsec.cli.volumes import volume_app
 from dsec.cluster.cli import cluster_app  # (cluster mode on Ray; imports Ray only when run)
 from dsec.config import DEFAULT_PORT, SERVER_INSTALL, missing_server_module
 from dsec.types import DsecError
@@ -37,7 +38,7 @@ from dsec.types import DsecError
 app = typer.Typer(no_args_is_help=True, help="dsec: elastic sandboxes for agent training and evaluation")
 for group, name in ((image_app, "image"), (sandbox_app, "sandbox"), (bench_app, "bench"), (project_app, "project"),
                     (key_app, "key"), (cluster_app, "cluster"), (layer_app, "layer"), (vm_app, "vm"),
-                    (nodes_app, "nodes"), (ruleset_app, "ruleset"), (secret_app, "secret")):
+                    (nodes_app, "nodes"), (ruleset_app, "ruleset"), (secret_app, "secret"), (volume_app, "volume")):
     app.add_typer(group, name=name)
 
 

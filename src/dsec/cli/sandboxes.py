@@ -36,11 +36,19 @@ def _args(backend: str, image: str, cpu: float, memory_mb: int, ttl_idle_s: int,
 @sandbox_app.command("create")
 def sandbox_create(image: str, cpu: float = 1.0, memory_mb: int = 512, ttl_idle_s: int = 600,
                    user: Optional[str] = None, backend: Backend = "container",
-                   disk: Annotated[Optional[str], typer.Option(help="vm: boot this disk (dsec vm disk build)")] = None
+                   disk: Annotated[Optional[str], typer.Option(help="vm: boot this disk (dsec vm disk build)")] = None,
+                   volume: Annotated[Optional[list[str]], typer.Option(
+                       help="mount a volume (dsec volume create): NAME:PATH or NAME:PATH:ro; repeatable")] = None
                    ) -> None:
     async def go() -> None:
         async with _client() as c:
-            sb = await c.create(_args(backend, image, cpu, memory_mb, ttl_idle_s, user, disk))
+            args = _args(backend, image, cpu, memory_mb, ttl_idle_s, user, disk)
+            if volume:
+                mounts = [dict(zip(("name", "path", "read_only"), v.split(":", 2))) for v in volume]
+                for m in mounts:
+                    m["read_only"] = m.get("read_only") == "ro"          # type: ignore[assignment]
+                args = type(args).model_validate({**args.model_dump(), "volumes": mounts})
+            sb = await c.create(args)
             console.print(sb.id)
     _run(go())
 

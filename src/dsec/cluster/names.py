@@ -1,4 +1,4 @@
-"""Node names: a cluster node's identity, independent of Ray's ids (D5?).
+"""Node names: a cluster node's identity, independent of Ray's ids (D55).
 
 A Ray node id changes whenever its raylet starts again (a crash, a host reboot); a dsec node's
 name must not, since sandbox ids carry it (`sb-<node>.<rand>`) and its DSEC_HOME, subnet and

@@ -46,15 +46,17 @@ from dsec.edge.files import Files
 from dsec.edge.ports import Ports
 from dsec.edge.reaping import Reaping
 from dsec.edge.usage import UsageVerbs
+from dsec.edge.volumes import VolumeVerbs
 from dsec.edge.usage_book import UsageBook
 from dsec import metrics
 
 __all__ = ["Edge", "EdgeSettings", "MAX_WATCHES_PER_PROJECT", "PARTS"]
 
-PARTS = ("core", "lifecycle", "warm", "parking", "verbs", "channel", "execs", "files", "ports", "reaping", "usage")   # the modules Edge is made of
+PARTS = ("core", "lifecycle", "warm", "parking", "verbs", "channel", "execs", "files", "ports", "reaping", "usage", "volumes")   # the modules Edge is made of
 
 
-class Edge(Lifecycle, WarmHooks, ParkingVerbs, CapabilityVerbs, AgentChannel, Execs, Files, Ports, Reaping, UsageVerbs):
+class Edge(Lifecycle, WarmHooks, ParkingVerbs, CapabilityVerbs, AgentChannel, Execs, Files, Ports, Reaping, UsageVerbs,
+           VolumeVerbs):
     def __init__(self, paths: Paths, images: ImageService, backends: Sequence[Backend],
                  settings: EdgeSettings = EdgeSettings(), admission: Admission | None = None,
                  unavailable: Mapping[str, tuple[str, str | None]] | None = None, conf: Settings | None = None):

@@ -123,8 +123,10 @@ class Lifecycle(EdgeCore):
         backend = self._backend(args.backend)
         prepared = await backend.prepare(args, self.stacks)   # DsecErrors name the field
         args = prepared.args
+        prepared.volumes = await self._resolve_volumes(project, args)    # volumes.py
         stages.lap("prepare")
-        warm = self._take_warm(backend, prepared)
+        # a warm sandbox has no volumes mounted: one that asks for some starts afresh
+        warm = None if prepared.volumes else self._take_warm(backend, prepared)
         stages.warm = warm is not None
         if warm is not None:   # its share of the node passes to this sandbox
             self._load.update(warm.rec, live=False)

@@ -143,11 +143,20 @@ class ParkingVerbs(EdgeCore):
                 rec.state = SandboxState.running
                 self._load.update(rec, live=True)
                 self.records.set_state(rec.id, SandboxState.running)
+                self._restart_lifetime(rec)
                 self._watch_exit(live)
                 self._schedule(rec)
                 log.info("sandbox resumed", extra={"sandbox": rec.id, "seconds": round(time.monotonic() - t0, 3)})
         self._touch(rec)
         return rec.info(self.node_id)
+
+    def _restart_lifetime(self, rec: Any) -> None:
+        """A sandbox that its timeout paused (on_timeout='pause', Reaping._pause_at_timeout:
+        no lifetime left) runs lifetime_s again from its resume, as E2B's auto-resume does."""
+        lifetime = getattr(rec.args, "lifetime_s", None)
+        if rec.expires_at is None and lifetime and getattr(rec.args, "on_timeout", "stop") == "pause":
+            rec.expires_at = time.time() + lifetime
+            self.records.set_expires_at(rec.id, rec.expires_at)
 
     async def suspend_many(self, sandbox_ids: builtins.list[str]) -> builtins.list[BulkItem]:
         """Park many at once (trainer preemption), BULK_PARALLEL at a time; each one's outcome."""

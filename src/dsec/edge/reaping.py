@@ -93,6 +93,31 @@ class Reaping(EdgeCore):
             when = min(when, rec.last_active_at + park_after)
         self._deadlines.push(rec.id, when)     # in the past (busy, retrying): the next tick
 
+    async def _pause_at_timeout(self, r: SandboxRecord) -> None:
+        """on_timeout='pause': the end of the lifetime parks the sandbox instead of ending it
+        ; its lifetime is cleared, and the resume that its next
+        request makes starts a fresh one (ParkingVerbs.resume). A park that fails leaves it
+        running with its lifetime due: the next tick tries again. A request in flight defers
+        it to a tick after that request (a pause, unlike a stop, need not cut a reply short);
+        detached commands do not (each holds a request's count while the edge follows it, and
+        they run on across the park)."""
+        live = self._live.get(r.id)
+        followed = sum(1 for t in live.commands.tracked.values() if not t.done and t.task is not None) if live else 0
+        if r.state == SandboxState.running and r.in_flight > followed:
+            return
+        # cleared first: a request that resumes it right after the park must find no lifetime
+        # (and start a fresh one), not the one that just ended
+        ended, r.expires_at = r.expires_at, None
+        if r.state == SandboxState.running:
+            try:
+                await self.suspend(r.id)
+            except DsecError as e:
+                r.expires_at = ended
+                log.warning("could not pause sandbox at its timeout", extra={"sandbox": r.id, "error": e.message})
+                return
+        await asyncio.to_thread(self.records.set_expires_at, r.id, r.expires_at)
+        log.info("sandbox paused at its timeout", extra={"sandbox": r.id})
+
     async def reap_once(self) -> builtins.list[str]:
         """Stop sandboxes idle past their TTL or past their lifetime, park idle ones that ask for
         it. Looks only at sandboxes whose deadline has come (Deadlines), never at all of them."""
@@ -109,6 +134,10 @@ class Reaping(EdgeCore):
             if r.in_flight == 0 and now - r.last_active_at > r.ttl_idle_s:
                 await self.stop(r.id, reason=f"idle for more than ttl_idle_s={r.ttl_idle_s}s")
                 reaped.append(r.id)
+                continue
+            if r.expires_at is not None and now >= r.expires_at and getattr(r.args, "on_timeout", "stop") == "pause":
+                await self._pause_at_timeout(r)
+                self._schedule(r)
                 continue
             if r.expires_at is not None and now >= r.expires_at:   # busy or not
                 await self.stop(r.id, reason="its lifetime ended (lifetime_s / set_timeout)")

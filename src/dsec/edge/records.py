@@ -97,7 +97,8 @@ class SandboxRecord:
                            ttl_idle_s=self.ttl_idle_s, created_at=ts(self.created_at),
                            last_active_at=ts(self.last_active_at), error=self.error,
                            expires_at=ts(self.expires_at) if self.expires_at is not None else None,
-                           labels=self.args.labels,
+                           labels=self.args.labels, on_timeout=getattr(self.args, "on_timeout", "stop"),
+                           volumes=getattr(self.args, "volumes", None) or [],
                            network=self.args.network if isinstance(self.args, ContainerArgs) else None,
                            accel=getattr(self.args, "accel", None))
 

@@ -32,6 +32,7 @@ from dsec.types import BulkItem, BulkResult, ExecInfo, ExecList, PackDiffRequest
 from dsec.types import MicroVMArgs, SandboxArgs, SnapshotInfo, SnapshotList, UsageList, UsageSample, VMArgs
 from dsec.types import ImageBuildResult, ImageConfig, ImageProgress, ImagePullRequest
 from dsec.types import ForkRequest, ForkResult
+from dsec.types import VolumeCreate, VolumeInfo, VolumeList
 from dsec.types import (ERRORS_BY_CODE, SDK_KEY_PREFIX, ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult, FsEvent,
                         FileEntry, FileList, ImageInfo, ImageList, NetworkPolicy, NodeStatus, SandboxInfo, SandboxList,
                         Unavailable)
@@ -479,6 +480,22 @@ class Client:
     async def delete_snapshot(self, snapshot_id: str) -> None:
         """Free its disk; sandboxes restored from it keep working."""
         await self._request("DELETE", f"/v1/snapshots/{snapshot_id}")
+
+    # -- volumes (mounted with create_container(..., volumes=[{"name", "path", "read_only"}])) --
+    async def create_volume(self, name: str, size_mb: int = 1024) -> VolumeInfo:
+        """A named, persistent directory of this key's project, quota size_mb MiB."""
+        resp = await self._request("POST", "/v1/volumes",
+                                   content=VolumeCreate(name=name, size_mb=size_mb).model_dump_json(), headers=JSON)
+        return VolumeInfo.model_validate_json(resp.content)
+
+    async def volumes(self, usage: bool = False) -> builtins.list[VolumeInfo]:
+        """This project's volumes; usage=True also measures what each holds."""
+        resp = await self._request("GET", "/v1/volumes", params={"usage": "true"} if usage else None)
+        return VolumeList.model_validate_json(resp.content).volumes
+
+    async def delete_volume(self, name: str) -> None:
+        """Delete it and its files (refused while a sandbox mounts it)."""
+        await self._request("DELETE", f"/v1/volumes/{name}")
 
     # -- fncall: short stateless code in warm pool containers ----------------------------
     async def fncall(self, code: str | FnCallRequest, language: str = "python", *, stdin: str | None = None,

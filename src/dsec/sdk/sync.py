@@ -26,7 +26,7 @@ from dsec.sdk.iam_types import KeyInfo, NewKey, ProjectInfo, QuotaInfo
 from dsec.types import (BulkItem, ContainerArgs, DsecError, ExecEvent, ExecInfo, ExecResult, FileEntry,
                         FnCallRequest, FnCallResult, FsEvent, ImageBuildResult, ImageConfig, ImageInfo,
                         ImageProgress, MicroVMArgs, NetworkPolicy, NodeStatus, SandboxArgs, SandboxInfo,
-                        SandboxList, SnapshotInfo, UsageSample, VMArgs)
+                        SandboxList, SnapshotInfo, UsageSample, VMArgs, VolumeInfo)
 
 __all__ = ["SyncClient", "SyncCreated", "SyncForked", "SyncSandbox", "SyncFiles", "SyncPty"]
 
@@ -255,6 +255,18 @@ class SyncClient(_sync.Synchronized):
     def delete_snapshot(self, snapshot_id: str) -> None:
         """Free its disk; sandboxes restored from it keep working."""
         _sync.call(self, "delete_snapshot", snapshot_id)
+
+    def create_volume(self, name: str, size_mb: int = 1024) -> VolumeInfo:
+        """A named, persistent directory of this key's project, quota size_mb MiB."""
+        return cast("VolumeInfo", _sync.call(self, "create_volume", name, size_mb))
+
+    def volumes(self, usage: bool = False) -> builtins.list[VolumeInfo]:
+        """This project's volumes; usage=True also measures what each holds."""
+        return cast("builtins.list[VolumeInfo]", _sync.call(self, "volumes", usage))
+
+    def delete_volume(self, name: str) -> None:
+        """Delete it and its files (refused while a sandbox mounts it)."""
+        _sync.call(self, "delete_volume", name)
 
     def fncall(self, code: str | FnCallRequest, language: str = "python", *, stdin: str | None = None,
                files: dict[str, str | bytes] | None = None, timeout_s: float = 10.0,

@@ -30,8 +30,10 @@ from dsec.types.builds import (ImageConfig, ImageBuildResult, ImageProgress, Ima
 from dsec.types.usage import (UsageSample, UsageList)
 from dsec.types.secrets import (SecretCreate, SecretInfo, SecretList, EgressSecret, E2B_INLINE_MARK)
 from dsec.types.forks import (MAX_FORKS, ForkRequest, ForkItem, ForkResult)
+from dsec.types.volumes import (VolumeMount, VolumeCreate, VolumeInfo, VolumeList)
 
 __all__ = [
+    "VolumeMount", "VolumeCreate", "VolumeInfo", "VolumeList",
     "SecretCreate", "SecretInfo", "SecretList", "EgressSecret", "E2B_INLINE_MARK",
     "UsageSample", "UsageList", "MAX_FORKS", "ForkRequest", "ForkItem", "ForkResult",
     "DsecError", "InvalidArgument", "NotFound", "Unauthorized", "Forbidden", "Conflict", "CapacityExceeded",

@@ -12,6 +12,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Di
                       ValidationInfo, WithJsonSchema, field_validator)
 from dsec.types.domains import normalize_pattern
 from dsec.types.ids import SNAPSHOT_ID_PATTERN
+from dsec.types.volumes import VolumeMount, check_mounts
 
 
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._@:+-]{0,127}$"
@@ -106,6 +107,10 @@ Lifetime = Annotated[float | None, Field(gt=0, le=MAX_TTL_S,
                                          description="absolute lifetime, s: the sandbox is stopped this long after "
                                                      "creation, busy or not (extend with set_timeout); None: only "
                                                      "the idle TTL ends it")]
+OnTimeout = Annotated[Literal["stop", "pause"], Field(
+    description="what the end of lifetime_s (or set_timeout) does: stop ends the sandbox; pause parks it "
+                "(files, processes, env kept) and its next request, native, E2B or port traffic, resumes it "
+                "with a fresh lifetime_s")]
 IDEMPOTENCY_KEY_RE = r"^[A-Za-z0-9_.:-]{1,128}$"
 SDK_KEY_PREFIX = "sdk-"     # idempotency keys the SDK makes for its own resends (kept an hour, not a week)
 IdempotencyKey = Annotated[str | None, Field(pattern=IDEMPOTENCY_KEY_RE,
@@ -230,6 +235,7 @@ class ContainerArgs(_Strict):
                                                             "(frozen, memory pushed to compressed swap; the next "
                                                             "request resumes it); None: never")] = None
     lifetime_s: Lifetime = None
+    on_timeout: OnTimeout = "stop"
     idempotency_key: IdempotencyKey = None
     user: SandboxUser = None
     workdir: Annotated[str, Field(pattern=r"^/[^\x00]{0,255}$")] = "/work"
@@ -250,6 +256,9 @@ class ContainerArgs(_Strict):
         pattern=SNAPSHOT_ID_PATTERN,
         description="start from a snapshot taken with Sandbox.snapshot() (its filesystem, copy-on-write): image, "
                     "layers, limits, env, workdir, labels and network policy come from it unless given here")] = None
+    volumes: Annotated[list[VolumeMount], AfterValidator(check_mounts),
+                       Field(description="volumes of the sandbox's project to mount (client.create_volume)")
+                       ] = Field(default_factory=list)
 
 
 class _VMArgs(_Strict):
@@ -268,6 +277,7 @@ class _VMArgs(_Strict):
                                   description="size of the guest's writable disk, MiB (sparse on the host)")] = 2048
     ttl_idle_s: IdleTtl = 600
     lifetime_s: Lifetime = None
+    on_timeout: OnTimeout = "stop"
     idempotency_key: IdempotencyKey = None
     suspend_idle_s: Annotated[int | None, Field(gt=0, le=MAX_TTL_S,
                                                 description="park the VM on disk after this long without a request "
@@ -277,6 +287,7 @@ class _VMArgs(_Strict):
     env: Env = Field(default_factory=dict)
     output_cap_bytes: OutputCap = 1024 * 1024
     labels: Labels = Field(default_factory=dict)
+    volumes: list[dict[str, Any]] = Field(default_factory=list, description="not available for VMs (see the error)")
     accel: Literal["auto", "kvm", "tcg"] = Field(
         "auto", description="auto: KVM when it boots a guest on this node, else TCG software emulation")
     clone: bool = Field(True, description="start as a copy-on-write clone of the environment's template "
@@ -284,6 +295,15 @@ class _VMArgs(_Strict):
     snapshot: Annotated[str | None, Field(pattern=SNAPSHOT_ID_PATTERN,
                                           description="restore a snapshot taken with Sandbox.snapshot() as a "
                                                       "new sandbox (image/layers/size come from the snapshot)")] = None
+
+    @field_validator("volumes")
+    @classmethod
+    def _no_volumes(cls, v: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if v:
+            raise ValueError("volumes: VM sandboxes cannot mount volumes yet (virtiofs is not wired into dsec's "
+                             "VMs: it needs a virtiofsd per VM and shared guest memory, which the template "
+                             "clones do not use); use a container sandbox (backend 'container') to mount volumes")
+        return v
 
     @property
     def cpu_cores(self) -> float:   # what placement and admission count
@@ -355,6 +375,8 @@ class SandboxInfo(BaseModel):
     last_active_at: datetime
     expires_at: datetime | None = Field(None, description="when the absolute lifetime ends it (lifetime_s, "
                                                           "set_timeout); None: only the idle TTL")
+    on_timeout: str = Field("stop", description="what the end of its lifetime does: stop, or pause (auto-pause)")
+    volumes: list[VolumeMount] = Field(default_factory=list, description="the volumes it mounts")
     error: str | None = None
     labels: dict[str, str] = Field(default_factory=dict)
     network: NetworkPolicy | None = Field(None, description="current egress policy (container sandboxes)")

@@ -40,7 +40,7 @@ DSEC_KEYS = {"dsec.backend": "backend", "dsec.cpu_cores": "cpu_cores", "dsec.mem
 ALL_TRAFFIC = ("0.0.0.0/0", "::/0")
 _ARGS = TypeAdapter(SandboxArgs)
 # dsec field -> the E2B field a user wrote it as (for error messages)
-_E2B_FIELD = {"image": "templateID", "lifetime_s": "timeout", "labels": "metadata", "env": "envVars",
+_E2B_FIELD = {"image": "templateID", "volumes": "volumeMounts", "lifetime_s": "timeout", "labels": "metadata", "env": "envVars",
               "network": "network", "cpu_cores": "metadata.dsec.cpu_cores", "vcpus": "metadata.dsec.cpu_cores",
               "memory_mb": "metadata.dsec.memory_mb", "backend": "metadata.dsec.backend"}
 
@@ -51,18 +51,16 @@ def _refuse(field: str, why: str, fix: str) -> Unsupported:
 
 def _check_unsupported(body: NewSandbox, backend: str) -> None:
     """Every field dsec cannot honour, by name."""
-    if body.auto_pause:
-        raise _refuse("autoPause", "dsec ends a sandbox when its timeout passes; it cannot pause it instead",
-                      "leave lifecycle.on_timeout unset or 'kill'; extend the timeout with set_timeout")
-    if body.auto_pause_memory is not None:
-        raise _refuse("autoPauseMemory", "there is no auto-pause in dsec", "leave lifecycle.on_timeout unset")
-    if body.auto_resume is not None:     # containers and VMs alike (both can be paused)
-        raise _refuse("autoResume", "a paused dsec sandbox resumes on its next request; this cannot be changed",
-                      "leave lifecycle.auto_resume unset")
+    if body.auto_pause_memory is not None and not body.auto_pause:
+        raise _refuse("autoPauseMemory", "it only applies with lifecycle.on_timeout 'pause'",
+                      "set lifecycle.on_timeout to 'pause', or leave its mode unset")
+    if body.auto_resume is not None and body.auto_resume.get("enabled") is False and body.auto_pause:
+        raise _refuse("autoResume.enabled", "a paused dsec sandbox always resumes on its next request "
+                                            "(native, envd or port traffic)", "leave lifecycle.auto_resume unset or True")
     if body.secure is False:
         raise _refuse("secure", "envd access in dsec always needs the sandbox's access token",
                       "leave secure unset")
-    for name, value in (("mcp", body.mcp), ("iam", body.iam), ("volumeMounts", body.volume_mounts)):
+    for name, value in (("mcp", body.mcp), ("iam", body.iam)):
         if value:
             raise _refuse(name, "not available in dsec", f"leave {name} unset")
     if backend in VM_BACKENDS and (body.allow_internet_access or body.network):
@@ -227,7 +225,9 @@ def sandbox_args(body: NewSandbox, idem: str | None, internet_default: bool = Fa
     raw: dict[str, Any] = {
         "backend": backend, "image": TEMPLATE_ALIASES.get(body.template_id, body.template_id), "lifetime_s": timeout, "ttl_idle_s": MAX_TTL_S,
         "labels": labels, "env": body.env_vars or {}, "idempotency_key": idempotency_key(idem),
-        "workdir": E2B_HOME}
+        "workdir": E2B_HOME, "on_timeout": "pause" if body.auto_pause else "stop"}
+    if body.volume_mounts:      # [{name, path}]: E2B mounts read-write
+        raw["volumes"] = [{"name": m.get("name"), "path": m.get("path")} for m in body.volume_mounts]
     if backend in VM_BACKENDS:
         if "cpu_cores" in own:
             raw["vcpus"] = own.pop("cpu_cores")
@@ -289,16 +289,17 @@ def listed(info: SandboxInfo) -> dict[str, Any]:
             "cpuCount": max(1, math.ceil(info.cpu_cores)), "memoryMB": info.memory_mb,
             "diskSizeMB": 0,   # not in dsec's SandboxInfo (the quota is disk_mb of the args)
             "state": e2b_state(info) or "running", "envdVersion": ENVD_VERSION, "metadata": dict(info.labels),
-            "volumeMounts": []}
+            "volumeMounts": [{"name": m.name, "path": m.path} for m in info.volumes]}
 
 
 def detail(info: SandboxInfo, tokens: AccessTokens, domain: str | None = None) -> dict[str, Any]:
     """E2B's SandboxDetail (GET /sandboxes/{id})."""
     out = listed(info)
-    out.pop("volumeMounts")
     egress = bool(info.network and (info.network.rules or info.network.domains or any(info.network.rulesets.values())))
     out.update({"envdAccessToken": tokens.token(info.id), "domain": domain,
-                "allowInternetAccess": egress if info.backend not in VM_BACKENDS else False})
+                "allowInternetAccess": egress if info.backend not in VM_BACKENDS else False,
+                # a paused dsec sandbox resumes on its next request whatever its on_timeout
+                "lifecycle": {"onTimeout": "pause" if info.on_timeout == "pause" else "kill", "autoResume": True}})
     return out
 
 

@@ -195,11 +195,13 @@ def build_rest_app(ctx: ApiContext, tokens: AccessTokens, domain: str | None = N
     add_snapshot_routes(app, ctx, tokens, domain)     # fork, snapshots (before the catch-all)
     from dsec.apiserver.e2b.templates import add_template_routes
     add_template_routes(app, ctx)      # before the catch-all below
+    from dsec.apiserver.e2b.volumes import add_volume_routes
+    add_volume_routes(app, ctx)
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     async def not_served(path: str, request: Request) -> Response:
         parts = path.split("/")
-        if parts and parts[-1] in NOT_SERVED or "templates" in parts or "volumes" in parts:
+        if parts and parts[-1] in NOT_SERVED or "templates" in parts or "volumecontent" in parts:
             raise NotImplementedE2B(f"E2B route {request.method} /{path[:120]} is not served by dsec",
                                     field="path", fix="see docs/e2b.md for the routes dsec serves")
         raise NotFound(f"no E2B route {request.method} /{path[:120]} in dsec", field="path",

@@ -43,7 +43,9 @@ from dsec.backends.container.parking import PARKED_MARKER, CgroupParking, cgroup
 from dsec.backends.container.ports import CONNECT_TIMEOUT_S, connect_in_netns
 from dsec.backends.container.snapshots import ContainerSnapshots
 from dsec.backends.warm import WarmClaim
-from dsec.backends.container.spec import ContainerSpec, build_config, cgroup_path, dsec_dir, ensure_node_file_max, mask_dir
+from dsec.backends.container.volumes import ContainerVolumeDirs
+from dsec.backends.container.spec import (VOLUME_STAGING, ContainerSpec, build_config, cgroup_path, dsec_dir,
+                                         ensure_node_file_max, mask_dir)
 from dsec.config import Paths
 from dsec.native import compile_static
 from dsec.security.users import resolve_user
@@ -83,7 +85,7 @@ class _ExitWatch:
 
 
 class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Parking, Hibernation, MemoryUsage, UsageStats, Reclaim,
-                      WarmClaim, Snapshots):
+                      WarmClaim, Snapshots, ContainerVolumeDirs):
     kinds = ("container",)
     instead = {"console": "read a container's output from its commands"}
 
@@ -109,6 +111,7 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
         # writable-layer quota: sandbox dirs are btrfs subvolumes with a limit (or polled)
         self.disk = open_quotas(paths, conf.storage)
         self.snaps = ContainerSnapshots(paths.sandboxes, self.disk)   # snapshots and forks (snapshots.py)
+        self.volumes_dir = conf.storage.volumes_dir     # volumes.py: "" keeps them in the scratch
         # a user namespace per sandbox with its own host id range (idmap.py)
         c = conf.containers
         self.ids = IdRanges(c.idmap_registry, c.idmap_first, c.idmap_slots) if c.userns else None
@@ -165,7 +168,7 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
                              resolv_conf=str(self.net.resolv_conf()),
                              ca_bundle=str(self._ca_bundle()) if args.secrets else None,
                              disk_mb=args.disk_mb, nofile=args.nofile, max_file_mb=args.max_file_mb,
-                             cpu_class=args.cpu_class, snapshot=args.snapshot,
+                             cpu_class=args.cpu_class, snapshot=args.snapshot, volumes=tuple(prepared.volumes),
                              cpus=self.cpusets.pick(sandbox_id, args.cpu_cores) if self.cpusets else "")
         await self._start(sandbox_id, spec)
 
@@ -227,8 +230,12 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
                 (d / "lower" / str(i)).mkdir(mode=0o700)
             for i in range(len(spec.snap_lowers)):
                 (d / "lower" / f"s{i}").mkdir(mode=0o700)
+            if spec.volumes:     # crun's unprivileged init binds from here: traversable
+                (d / VOLUME_STAGING).mkdir(mode=0o711)
+            for i in range(len(spec.volumes)):
+                (d / VOLUME_STAGING / str(i)).mkdir(mode=0o700)
         cfg = build_config(spec, self.agent_binary, cgroup_v2=self.cgroup_v2, quota_floor=self.quota_floor,
-                               view=self.view)
+                               view=self.view, bundle=d)
         (d / "config.json").write_text(json.dumps(cfg))
         return spec
 
@@ -254,6 +261,8 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
             idmapped = ["-u", str(spec.id_base), "-N", str(spec.userns_path)]
             for src, dst in zip(lowers, targets):
                 idmapped += ["-l", f"{src}:{dst}"]
+            for i, (host, _, _) in enumerate(spec.volumes):      # spec.volume_mounts binds these
+                idmapped += ["-v", f"{host}:{d / VOLUME_STAGING / str(i)}"]
             lowers = targets
             # a snapshot's layer holds its source's host ids: shown shifted into this range (nsexec -s)
             for i, (src, base) in enumerate(spec.snap_lowers):
@@ -547,7 +556,8 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
         """viewmounts.py, in a process of its own, over every sandbox whose init runs (or `only`)."""
         items = []
         dirs = [self.sandbox_dir(s) for s in only] if only is not None else \
-            (list(self.paths.sandboxes.iterdir()) if self.paths.sandboxes.exists() else [])
+            ([p for p in self.paths.sandboxes.iterdir() if not p.name.startswith(".")]
+             if self.paths.sandboxes.exists() else [])
         for d in dirs:
             try:
                 items.append(f"{int((d / 'run' / 'pid').read_text())}:{cgroup_path(d.name)}")
@@ -654,7 +664,7 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
             await self._remove_runtime(sandbox_id)
         try:
             cfg = build_config(spec, self.agent_binary, cgroup_v2=self.cgroup_v2, quota_floor=self.quota_floor,
-                               view=self.view)
+                               view=self.view, bundle=d)      # volumes: the idmapped clones again
             await asyncio.to_thread((d / "config.json").write_text, json.dumps(cfg))
             listener = self._listen(self.agent_socket(sandbox_id))
             try:
@@ -851,7 +861,7 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
             if status in ("running", "paused"):
                 known[sid] = PARKED if (self.sandbox_dir(sid) / "run" / PARKED_MARKER).exists() else RUNNING
         dirs = {p.name for p in self.paths.sandboxes.iterdir() if not p.name.startswith(".")} \
-            if self.paths.sandboxes.exists() else set()   # .snap: snapshots (snapshots.py)
+            if self.paths.sandboxes.exists() else set()   # dot names: .snap (snapshots.py), volumes.py's
         left = {d: PARKED if hibernate.on_disk(self.sandbox_dir(d) / "run") else "leftover"
                 for d in dirs if d not in known}
         return {**left, **known}

@@ -51,6 +51,7 @@ def load_spec(run_dir: Path) -> ContainerSpec:
     d = json.loads((run_dir / SPEC_FILE).read_text())
     d["lower_dirs"] = [Path(p) for p in d["lower_dirs"]]
     d["network"] = tuple(Allow.from_json(a) for a in d["network"])
+    d["volumes"] = tuple(tuple(v) for v in d.get("volumes", ()))
     return ContainerSpec(**d)
 
 

@@ -15,6 +15,8 @@
  *   -s DISK:SRC:DST  (with -u, repeated) the same for a directory whose files carry another
  *            sandbox's host ids DISK..DISK+65535 (a fork's view of its parent's writable layer,
  *            a btrfs snapshot): mapped DISK+n -> BASE+n, so no chown pass is needed.
+ *   -v SRC:DST  (with -u, repeated) the same for a volume directory, also nosuid: crun binds
+ *            DST into the sandbox (its own bind options do not carry nosuid here).
  *
  * Why idmapped lowers: the EROFS layers store host ids (root = 0). Through a mount idmapped
  * with the sandbox's mapping, disk uid 0 reads as host BASE, i.e. root inside the sandbox's
@@ -49,6 +51,7 @@
 #endif
 #define DSEC_OPEN_TREE_CLONE 1
 #define DSEC_MOVE_MOUNT_F_EMPTY_PATH 0x00000004
+#define DSEC_MOUNT_ATTR_NOSUID 0x00000002
 #define DSEC_MOUNT_ATTR_NODEV 0x00000004
 #define DSEC_MOUNT_ATTR_IDMAP 0x00100000
 struct dsec_mount_attr { unsigned long long attr_set, attr_clr, propagation, userns_fd; };
@@ -113,10 +116,10 @@ static int userns_fd(unsigned long base) { return userns_fd_map(0, base); }
 
 /* Attach an idmapped clone of the mount at src on dst (new mount API, kernel >= 5.12 and a
  * filesystem that allows idmapping: erofs does on 6.x). */
-static void idmap_mount(const char *src, const char *dst, int ns) {
+static void idmap_mount(const char *src, const char *dst, int ns, unsigned long long extra) {
     int t = (int)syscall(SYS_open_tree, AT_FDCWD, src, DSEC_OPEN_TREE_CLONE | O_CLOEXEC);
     if (t < 0) die("open_tree(lower)");
-    struct dsec_mount_attr attr = { .attr_set = DSEC_MOUNT_ATTR_IDMAP | DSEC_MOUNT_ATTR_NODEV, .userns_fd = (unsigned long long)ns };
+    struct dsec_mount_attr attr = { .attr_set = DSEC_MOUNT_ATTR_IDMAP | DSEC_MOUNT_ATTR_NODEV | extra, .userns_fd = (unsigned long long)ns };
     if (syscall(SYS_mount_setattr, t, "", AT_EMPTY_PATH, &attr, sizeof attr) < 0)
         die("mount_setattr(MOUNT_ATTR_IDMAP) of a lower layer (kernel or filesystem without idmapped "
             "mounts: set DSEC_USERNS=0)");
@@ -127,6 +130,7 @@ static void idmap_mount(const char *src, const char *dst, int ns) {
 int main(int argc, char **argv) {
     const char *opts = NULL, *target = NULL, *nspath = NULL;
     char *lowers[MAX_LOWERS], *shifted[MAX_LOWERS];
+    int volume[MAX_LOWERS];          /* -v: nosuid too */
     int nlowers = 0, nshifted = 0;
     unsigned long base = 0;
     int fd = -1, i, userns = 0;
@@ -138,8 +142,9 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "-f")) fd = atoi(argv[++i]);
         else if (!strcmp(argv[i], "-N")) nspath = argv[++i];
         else if (!strcmp(argv[i], "-u")) { base = strtoul(argv[++i], NULL, 10); userns = 1; }
-        else if (!strcmp(argv[i], "-l")) {
-            if (nlowers == MAX_LOWERS) { errno = E2BIG; die("too many -l"); }
+        else if (!strcmp(argv[i], "-l") || !strcmp(argv[i], "-v")) {
+            if (nlowers == MAX_LOWERS) { errno = E2BIG; die("too many -l/-v"); }
+            volume[nlowers] = argv[i][1] == 'v';
             lowers[nlowers++] = argv[++i];
         }
         else if (!strcmp(argv[i], "-s")) {
@@ -158,7 +163,7 @@ int main(int argc, char **argv) {
             char *dst = strchr(lowers[k], ':');
             if (!dst) { errno = EINVAL; die("-l wants SRC:DST"); }
             *dst++ = 0;
-            idmap_mount(lowers[k], dst, ns);
+            idmap_mount(lowers[k], dst, ns, volume[k] ? DSEC_MOUNT_ATTR_NOSUID : 0);
         }
         for (int k = 0; k < nshifted; k++) {
             char *src = strchr(shifted[k], ':'), *dst = src ? strchr(src + 1, ':') : NULL;
@@ -166,7 +171,7 @@ int main(int argc, char **argv) {
             *src++ = 0;
             *dst++ = 0;
             int sns = userns_fd_map(strtoul(shifted[k], NULL, 10), base);
-            idmap_mount(src, dst, sns);
+            idmap_mount(src, dst, sns, 0);
             close(sns);
         }
         if (nspath) {   /* crun joins it by path (config.json linux.namespaces user.path) */

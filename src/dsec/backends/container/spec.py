@@ -48,6 +48,9 @@ class ContainerSpec:
     cpus: str = ""                  # its cpuset ("0,1", cpusets.py); "": every CPU of the host
     snapshot: str | None = None     # the snapshot its filesystem starts from (snapshots.py)
     snap_lowers: tuple = ()         # [layer dir, disk id base] of that snapshot's chain, oldest first
+    # volumes (dsec.volumes): (host directory, path inside, read-only); with a user namespace
+    # nsexec attaches an idmapped clone of each at VOLUME_STAGING/N, which crun binds at the path
+    volumes: tuple[tuple[str, str, bool], ...] = ()
 
 
 def cgroup_path(sandbox_id: str) -> str:
@@ -140,8 +143,25 @@ def view_mounts(view: Path | None) -> list[dict]:
              "options": ["bind", "ro", "nosuid", "nodev", "noexec"]} for f in VIEW_FILES]
 
 
+VOLUME_STAGING = "vol"      # bundle subdirectory of the volumes' idmapped clones (nsexec -l)
+
+
+def volume_mounts(spec: ContainerSpec, bundle: Path | None) -> list[dict]:
+    """Binds of the sandbox's volumes. With its own user namespace (bundle given) the source is
+    the idmapped clone nsexec attached in the private mount namespace: files on the volume
+    keep in-sandbox ids (uid 1000 on disk is uid 1000 in every sandbox), each sandbox's host
+    range seen through its own mapping, never a chown. nosuid/nodev: a volume is data."""
+    out = []
+    for i, (host, path, ro) in enumerate(spec.volumes):
+        src = str(bundle / VOLUME_STAGING / str(i)) if bundle is not None and spec.id_base is not None else host
+        out.append({"destination": path, "type": "bind", "source": src,
+                    "options": ["bind", "nosuid", "nodev", "ro" if ro else "rw"]})
+    return out
+
+
 def build_config(spec: ContainerSpec, agent_binary: Path, *, cgroup_v2: bool,
-                 quota_floor: float = qos.DEFAULT_QUOTA_FLOOR_CORES, view: Path | None = None) -> dict:
+                 quota_floor: float = qos.DEFAULT_QUOTA_FLOOR_CORES, view: Path | None = None,
+                 bundle: Path | None = None) -> dict:
     mem = spec.memory_mb * 1024 * 1024
     nofile = min(resource.getrlimit(resource.RLIMIT_NOFILE)[1], 65536)
     namespaces = [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")]
@@ -205,6 +225,7 @@ def build_config(spec: ContainerSpec, agent_binary: Path, *, cgroup_v2: bool,
             *([{"destination": BUNDLE_IN_SANDBOX, "type": "bind", "source": spec.ca_bundle,
                 "options": ["bind", "ro", "nosuid", "nodev", "noexec"]}] if spec.ca_bundle else []),
             *view_mounts(view),
+            *volume_mounts(spec, bundle),
         ],
         "linux": {
             "namespaces": namespaces,

@@ -1,0 +1,41 @@
+"""Volumes: create, list, delete (of the caller's own project). A volume lives on the node that
+keeps it: in a single-machine deployment the one edge, in a cluster whose nodes share
+DSEC_VOLUMES_DIR any node (they read the same records)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import Response
+
+from dsec.apiserver.context import ApiContext, EdgeHandle
+from dsec.apiserver.deps import Ctx, Who
+from dsec.types import Unavailable, VolumeCreate, VolumeInfo, VolumeList
+
+router = APIRouter()
+
+
+def volume_edge(ctx: ApiContext) -> EdgeHandle:
+    """The edge that answers for volumes: the first node (every node reads the shared root)."""
+    for _, edge in sorted(ctx.edges.items()):
+        return edge
+    raise Unavailable("no node is up to keep volumes", fix="start a node (dsec up), then retry")
+
+
+@router.post("/v1/volumes", status_code=201, response_model=VolumeInfo)
+async def create_volume(req: VolumeCreate, who: Who, ctx: Ctx) -> VolumeInfo:
+    """A named directory of the caller's project with a byte quota (size_mb), mounted into its
+    sandboxes with `volumes=[{"name", "path", "read_only"}]`; it outlives them."""
+    return await volume_edge(ctx).create_volume(who.project_id, req)
+
+
+@router.get("/v1/volumes", response_model=VolumeList)
+async def list_volumes(who: Who, ctx: Ctx, usage: bool = False) -> VolumeList:
+    """The caller's project's volumes; usage=true also measures what each holds."""
+    return VolumeList(volumes=await volume_edge(ctx).list_volumes(who.project_id, usage))
+
+
+@router.delete("/v1/volumes/{name}", status_code=204)
+async def delete_volume(name: str, who: Who, ctx: Ctx) -> Response:
+    """Delete a volume and its files; refused (409) while a sandbox mounts it."""
+    await volume_edge(ctx).delete_volume(who.project_id, name)
+    return Response(status_code=204)

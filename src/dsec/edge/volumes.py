@@ -1,0 +1,79 @@
+"""Volume verbs of the edge: create, list, delete, and resolving a create's mounts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+from typing import Any
+
+from dsec.backends.base import VolumeDirs
+from dsec.types import Conflict, InvalidArgument, SandboxArgs, SandboxState, Unavailable, VolumeCreate, VolumeInfo
+from dsec.volumes.store import VolumeStore
+from dsec.edge.core import EdgeCore, log
+
+_HOLDING = (SandboxState.creating, SandboxState.running, SandboxState.suspended)
+
+
+class VolumeVerbs(EdgeCore):
+    def _volumes(self) -> VolumeStore:
+        for b in self._distinct_backends():
+            if isinstance(b, VolumeDirs):
+                return VolumeStore(b)
+        raise Unavailable(f"node {self.node_id} has no container backend, which keeps volumes",
+                          field="volumes", fix="run the container backend on this node (dsec up), or use "
+                                               "a node that has it")
+
+    async def create_volume(self, project: str, req: VolumeCreate) -> VolumeInfo:
+        store = self._volumes()
+        limit = int(self.conf.storage.volumes_project_gb * 1024)
+        r = await asyncio.to_thread(store.create, project, req, limit)
+        log.info("volume created", extra={"volume": r["id"], "project": project, "size_mb": req.size_mb})
+        return store.info(r, 0)
+
+    async def list_volumes(self, project: str | None = None, usage: bool = False) -> builtins.list[VolumeInfo]:
+        store = self._volumes()
+
+        def read() -> builtins.list[VolumeInfo]:
+            return [store.info(r, store.usage(r) if usage else None) for r in store.records(project)]
+        return await asyncio.to_thread(read)
+
+    def _holders(self, project: str, name: str) -> builtins.list[str]:
+        return sorted(live.id for live in self._live.values()
+                      if live.rec.project == project and live.rec.state in _HOLDING
+                      and any(m.name == name for m in getattr(live.rec.args, "volumes", ())))
+
+    async def delete_volume(self, project: str, name: str) -> None:
+        """Refused while a sandbox of this node (running, parked or being created) mounts it."""
+        store = self._volumes()
+        r = await asyncio.to_thread(store.find, project, name)
+        holders = self._holders(project, name)
+        if holders:
+            raise Conflict(f"volume {name!r} is mounted by {len(holders)} sandbox(es): {', '.join(holders[:5])}",
+                           field="name", fix="stop those sandboxes first, then delete the volume")
+        await asyncio.to_thread(store.delete, r)
+        log.info("volume deleted", extra={"volume": r["id"], "project": project})
+
+    async def _resolve_volumes(self, project: str, args: SandboxArgs) -> builtins.list[tuple[str, str, bool]]:
+        """(host dir, path, read-only) of each mount of a create: volumes of the sandbox's own
+        project only. Where the quota is measured rather than enforced, a read-write mount of a
+        volume over its size is refused here."""
+        mounts: Any = getattr(args, "volumes", None) or []
+        if not mounts:
+            return []
+        store = self._volumes()
+
+        def resolve() -> builtins.list[tuple[str, str, bool]]:
+            out = []
+            for i, m in enumerate(mounts):
+                r = store.find(project, m.name, field=f"volumes[{i}].name")
+                if not store.dirs.volumes_enforced and not m.read_only:
+                    used = store.usage(r)
+                    if used > r["size_mb"] << 20:
+                        raise InvalidArgument(
+                            f"volume {m.name!r} holds {used >> 20} MiB, more than its size_mb={r['size_mb']}",
+                            field=f"volumes[{i}]", fix="mount it read_only to read it, or delete it and create "
+                                                       "a larger volume")
+                out.append((str(store.data_dir(r)), m.path, m.read_only))
+            return out
+        return await asyncio.to_thread(resolve)

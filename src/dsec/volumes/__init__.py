@@ -1,0 +1,1 @@
+"""Volumes: named, persistent, project-owned directories that sandboxes mount (store.py)."""

@@ -239,6 +239,13 @@ class ClusterEnvSettings(Group):
                              "files in DSEC_HOME", secret=True)
     db_retry_s: float = env(30.0, "DSEC_DB_RETRY_S", "how long to ride out a PostgreSQL restart")
     db_pool: int = env(8, "DSEC_DB_POOL", "PostgreSQL connections per process at most", ge=1)
+    db_request_wait_s: float = env(0.5, "DSEC_DB_REQUEST_WAIT_S", "how long an API request waits for an "
+                                   "unreachable control database before 503 + Retry-After (then at once, "
+                                   "until it answers again)", gt=0)
+    auth_cache_s: float = env(5.0, "DSEC_AUTH_CACHE_S", "API keys, project trees and policies are read again "
+                              "after this long (a key revoked elsewhere stops working within it)", ge=0, le=10)
+    auth_stale_s: float = env(3600.0, "DSEC_AUTH_STALE_S", "while the control database is unreachable, keys "
+                              "and policies read within this long keep working", ge=0)
     index_sync_s: float = env(15.0, "DSEC_INDEX_SYNC_S", "how often the sandbox index is synced with the edges")
     index_lost_s: float = env(300.0, "DSEC_INDEX_LOST_S", "a node gone from discovery this long has its "
                               "index rows ended")

@@ -16,7 +16,7 @@ from dsec.apiserver.tenancy import check_usable, check_usable_on
 from dsec.iam import Principal
 from dsec.iam.policy import check_create, check_network, check_root, is_root
 from dsec.types import (CapacityExceeded, DsecError, ExecRequest, NetworkPolicy, NodeUnreachable, NotFound, SandboxArgs,
-                        SandboxInfo, node_of_snapshot)
+                        SandboxInfo, Unavailable, node_of_snapshot)
 
 PLACEMENT_TRIES = 3      # nodes tried in turn when the chosen one refuses at its own final check
 
@@ -137,11 +137,27 @@ async def _place(ctx: ApiContext, who: Principal, args: SandboxArgs, image: str 
             excluded.add(node)      # gone since the watcher's last poll: the next node
             last = e
             metrics.PLACEMENTS.labels("retried").inc()
+        except Unavailable as e:    # a fault of the node (its lazy layer view, ...): the next node
+            ctx.placer.release(node, args.cpu_cores, args.memory_mb)
+            log.warning("node fault at create, placing elsewhere", extra={"node": node, "error": e.message[:200]})
+            excluded.add(node)
+            last = _on_node(node, e)
+            metrics.PLACEMENTS.labels("retried").inc()
         except BaseException:
             ctx.placer.release(node, args.cpu_cores, args.memory_mb)
             raise
     assert last is not None
     raise last
+
+
+def _on_node(node: str, e: Unavailable) -> Unavailable:
+    """The node's fault, naming the node (503: never the caller's error)."""
+    if f"node {node}" in e.message:
+        return e
+    out = Unavailable(f"node {node}: {e.message}", field=e.field, fix=e.fix)
+    if getattr(e, "retry_after_s", None):
+        out.retry_after_s = e.retry_after_s   # type: ignore[attr-defined]
+    return out
 
 
 def loosens(req: ExecRequest) -> bool:

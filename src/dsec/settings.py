@@ -86,6 +86,14 @@ class ServerSettings(Group):
                                  "sandboxes (<port>-<id>.<domain>); unset: no host routing")
     pod_name: str | None = env(None, "MY_POD_NAME", "SandboxFusion compatibility: reported as "
                                "executor_pod_name")
+    create_concurrency: int = env(64, "DSEC_CREATE_CONCURRENCY", "creates an apiserver places at once; more "
+                                  "wait, served round-robin between projects", ge=1)
+    create_queue_max: int = env(10000, "DSEC_CREATE_QUEUE_MAX", "creates of one project waiting at an "
+                                "apiserver at most; more are refused (429)", ge=0)
+    create_rate_per_s: float = env(0.0, "DSEC_CREATE_RATE", "creates/s per project and apiserver of projects "
+                                   "whose policy sets no max_creates_per_s (0: no limit); beyond: 429", ge=0)
+    create_burst: int = env(0, "DSEC_CREATE_BURST", "creates a project may make at once above its rate "
+                            "(0: one second's worth)", ge=0)
 
 
 class AdmissionSettings(Group):

@@ -87,6 +87,8 @@ class ApiRuntime:
     reconciled_at: float = 0.0                                          # ... and when it last ran
     # the sandbox index's writer, an index.IndexKeeper (typed loosely: index.py imports this module)
     index_keeper: Any = None
+    # fair creates between projects, a fair_creates.FairCreates (typed loosely, as above)
+    create_gate: Any = None
 
 
 @dataclass

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 
 from dsec import metrics
 from dsec.apiserver import idempotent, quotas
+from dsec.apiserver.fair_creates import create_gate
 from dsec.apiserver.context import ApiContext, EdgeHandle
 from dsec.apiserver.index import keeper
 from dsec.apiserver.tenancy import check_usable, check_usable_on
@@ -60,15 +61,21 @@ async def create_sandbox(ctx: ApiContext, who: Principal, args: SandboxArgs) -> 
     """Create on the least-loaded node that admits it, bounded by the project's policy and
     its (and every ancestor's) quota; other projects' layers look missing. A restore from a
     snapshot goes to the snapshot's node."""
-    check_create(ctx.iam.effective_policy(who.project_id), args, who.project_id)
+    policy = ctx.iam.effective_policy(who.project_id)
+    check_create(policy, args, who.project_id)
+    gate = create_gate(ctx)           # fair between projects: rate (429), then a round-robin turn
+    gate.admit(who.project_id, policy)
     snapshot = getattr(args, "snapshot", None)
     if snapshot:
-        return await create_on(ctx, await owned_snapshot(ctx, snapshot, who, field="snapshot"), who, args)
+        edge = await owned_snapshot(ctx, snapshot, who, field="snapshot")
+        async with gate.turn(who.project_id):
+            return await create_on(ctx, edge, who, args)
     image: str | None = None      # its digest: placement prefers nodes that hold it (D34)
     if ctx.images is not None:
         image = check_usable(ctx.iam, ctx.images, who, args)[0].digest
-    return await _indexed(ctx, who, args, lambda: quotas.with_quota(ctx, who.project_id, args,
-                                                                     lambda: _place(ctx, who, args, image)))
+    async with gate.turn(who.project_id):
+        return await _indexed(ctx, who, args, lambda: quotas.with_quota(ctx, who.project_id, args,
+                                                                         lambda: _place(ctx, who, args, image)))
 
 
 async def create_on(ctx: ApiContext, edge: EdgeHandle, who: Principal, args: SandboxArgs) -> SandboxInfo:

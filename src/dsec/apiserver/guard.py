@@ -158,6 +158,9 @@ class RequestGuard:
         self.public_paths = public_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":     # start-up and shut-down work: the store's own retry window
+            await self.app(scope, receive, send)
+            return
         # every database call of this request (and its threads) waits at most that for the store
         with waiting_at_most(self.store_wait_s):
             await self._guarded(scope, receive, send)

@@ -289,6 +289,7 @@ class IAM:
                        (int(want[0]), float(want[1]), int(want[2]), project_id))
             return p.model_copy(update=dict(zip(QUOTA_FIELDS, (int(want[0]), float(want[1]), int(want[2])))))
         p = self.db.run(go)
+        self._changed()
         log.info("set quota of project %s: %s", project_id, {f: getattr(p, f) for f in QUOTA_FIELDS})
         return p
 

@@ -53,9 +53,21 @@ def _create(srv: ServerProc, key: str | None = None) -> tuple[httpx.Response, fl
     return r, time.monotonic() - t0
 
 
-async def test_running_sandboxes_answer_through_a_store_outage(pg_server, pg):
+@pytest.fixture
+def e2b_sdk(pg_server, monkeypatch):
+    """The stock e2b SDK pointed at the PostgreSQL-backed server (as conftest's e2b_env does)."""
+    e2b = pytest.importorskip("e2b", reason="the e2b SDK is not installed: pip install -e '.[e2b]'")
+    for k, v in {"E2B_API_URL": f"{pg_server.url}/e2b", "E2B_SANDBOX_URL": f"{pg_server.url}/e2b",
+                 "E2B_API_KEY": pg_server.key, "E2B_DOMAIN": "dsec.invalid"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("E2B_DEBUG", raising=False)
+    return e2b
+
+
+async def test_running_sandboxes_answer_through_a_store_outage(pg_server, pg, e2b_sdk):
     async with pg_server.client() as c:
         sb = await c.create_container(image="debian-python")
+        sbx = await asyncio.to_thread(e2b_sdk.Sandbox.create, "debian-python", timeout=600)
         try:
             await sb.files.write("/tmp/web/hi.txt", "hello")
             await sb.start(f"python3 -m http.server {PORT} --bind 127.0.0.1 --directory /tmp/web", timeout_s=600)
@@ -80,6 +92,12 @@ async def test_running_sandboxes_answer_through_a_store_outage(pg_server, pg):
                         assert await sb.files.read_text("/tmp/during.txt") == "outage"
                         r = await http.get(port_url, headers=auth)
                         assert r.status_code == 200 and r.text == "hello", r.text
+
+                        def with_e2b() -> None:     # envd: the sandbox's access token, no store
+                            assert sbx.commands.run("echo e2b").stdout == "e2b\n"
+                            sbx.files.write("/tmp/e2b.txt", "during")
+                            assert sbx.files.read("/tmp/e2b.txt") == "during"
+                        await asyncio.to_thread(with_e2b)
                     for i in range(2):      # past the first refusal too (the store marked down)
                         # the old code held each call ~60 s (two 30 s retries against the store)
                         t0 = time.monotonic()
@@ -99,6 +117,10 @@ async def test_running_sandboxes_answer_through_a_store_outage(pg_server, pg):
                     r = await http.get(f"{pg_server.url}/v1/projects",
                                        headers={"Authorization": "Bearer dsk_" + "x" * 43})
                     assert r.status_code == 503 and r.headers.get("retry-after"), r.text
+                    t0 = time.monotonic()           # the e2b SDK's create: refused, not hung
+                    with pytest.raises(Exception, match="unreachable"):
+                        await asyncio.to_thread(e2b_sdk.Sandbox.create, "debian-python")
+                    assert time.monotonic() - t0 < 5.0
                 finally:
                     pg.start()
                 back = time.monotonic()
@@ -118,6 +140,7 @@ async def test_running_sandboxes_answer_through_a_store_outage(pg_server, pg):
             if not pg.running():
                 pg.start()
             await sb.stop()
+            await asyncio.to_thread(sbx.kill)
 
 
 @pytest.mark.parametrize("store", ["postgres", "sqlite"])

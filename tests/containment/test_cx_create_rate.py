@@ -29,7 +29,7 @@ async def test_a_project_cannot_raise_its_own_create_rate(server, cx):
         try:
             with pytest.raises(CapacityExceeded) as e:
                 await own.create_container(image="busybox", memory_mb=32)
-            assert e.value.field == "max_creates_per_s"
+            assert e.value.field == "max_creates_per_s" and e.value.retry_after_s >= 1   # the SDK reads Retry-After
             neighbour = await cx.create_container(image="busybox", memory_mb=32)   # the root project is not held
             await neighbour.stop()
         finally:

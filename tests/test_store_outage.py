@@ -197,3 +197,28 @@ def test_cached_keys_outlive_an_outage_and_unseen_ones_are_503(pg, tmp_path):
                 except Unavailable:
                     assert time.monotonic() - t0 < 2.0, "the store was not used again within 2 s"
                     time.sleep(0.05)
+
+
+def test_the_first_request_after_a_restart_is_served(pg):
+    """After a quick restart every pooled connection is stale: a request's budget (0.5 s) is not
+    spent waiting between them (the next one is tried at once), so it is served, not refused."""
+    import threading
+
+    from dsec.store.db import connect
+    from dsec.store.wait import waiting_at_most
+    db = connect(pg.create_database(f"restart_{time.monotonic_ns()}"), pool_max=8)
+    try:
+        busy = [threading.Thread(target=db.run, args=(lambda tx: tx.one("SELECT pg_sleep(0.3) AS x"),),
+                                 kwargs={"write": False}) for _ in range(8)]
+        for t in busy:
+            t.start()
+        for t in busy:
+            t.join()                         # eight idle connections in the pool
+        pg.restart()
+        with waiting_at_most(0.5):
+            assert db.run(lambda tx: tx.one("SELECT 1 AS x"), write=False) == {"x": 1}
+        assert db.down_for_s is None
+    finally:
+        db.close()
+        if not pg.running():
+            pg.start()

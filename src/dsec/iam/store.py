@@ -166,7 +166,9 @@ class IAM:
         admin_key_file = Path(admin_key_file)
         root = self._ensure_root()
         if admin_key_file.exists():
-            return self._adopt_key_file(admin_key_file, root)
+            adopted = self._adopt_key_file(admin_key_file, root)
+            self._changed()            # it may have been registered again
+            return adopted
         key, key_id = self._new_key(root.id)
         admin_key_file.parent.mkdir(parents=True, exist_ok=True)
         try:

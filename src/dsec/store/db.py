@@ -244,13 +244,15 @@ class PostgresDatabase(Database):
             raise self._unavailable()      # known down: a request does not wait for it
         budget = self.retry_s if wait is None else min(wait, self.retry_s)
         deadline = time.monotonic() + budget
-        delay, attempt = 0.02, 0
+        delay, attempt, at_once = 0.02, 0, 0
         while True:
             attempt += 1
+            used: Any = None
             try:
                 # a write transaction commits on a clean exit, rolls back on an exception; a
                 # broken connection is discarded when it goes back to the pool
                 with self._pool.connection(timeout=max(0.05, deadline - time.monotonic())) as conn:
+                    used = conn
                     if not write:     # autocommit: one round trip per statement, no BEGIN/COMMIT
                         with conn.cursor() as cur:
                             return self._enter(Tx(cur, self.dialect), fn)
@@ -266,6 +268,11 @@ class PostgresDatabase(Database):
                                       fix="check the database server; dsec retries by itself meanwhile "
                                           "(DSEC_DB_RETRY_S)") from e
                 log.warning("database transaction retried", extra={"attempt": attempt, "error": str(e)[:200]})
+                if used is not None and used.broken and at_once <= self._pool_max:
+                    # an idle connection the server closed (it restarted): the pool's next one at
+                    # once; waiting here would spend a request's budget on stale connections
+                    at_once += 1
+                    continue
                 time.sleep(min(delay, left))
                 delay = min(delay * 2, 0.5)
 

@@ -227,6 +227,9 @@ class PostgresDatabase(Database):
                 pool.wait(timeout=CONNECT_TIMEOUT_S)
             except (self._psycopg.Error, PoolTimeout, OSError):
                 continue
+            except Exception as e:      # never leave the store marked down for good: try again
+                log.warning("control store probe failed", extra={"db": self.url, "error": repr(e)[:200]})
+                continue
             old, self._pool = self._pool, pool
             down = self.down_for_s or 0.0
             with self._state:

@@ -220,15 +220,17 @@ class PostgresDatabase(Database):
         """Until the server answers: try a plain connection every PROBE_S; then a fresh pool."""
         from psycopg_pool import PoolTimeout
         while not self._closed.wait(PROBE_S):
+            pool: Any = None
             try:
                 with self._psycopg.connect(self._dsn, autocommit=True, **self._connect_kwargs()) as conn:
                     conn.execute("SELECT 1")
                 pool = self._new_pool()
                 pool.wait(timeout=CONNECT_TIMEOUT_S)
-            except (self._psycopg.Error, PoolTimeout, OSError):
-                continue
-            except Exception as e:      # never leave the store marked down for good: try again
-                log.warning("control store probe failed", extra={"db": self.url, "error": repr(e)[:200]})
+            except Exception as e:      # not yet (or a surprise: never leave the store marked down for good)
+                if pool is not None:
+                    pool.close()
+                if not isinstance(e, (self._psycopg.Error, PoolTimeout, OSError)):
+                    log.warning("control store probe failed", extra={"db": self.url, "error": repr(e)[:200]})
                 continue
             old, self._pool = self._pool, pool
             down = self.down_for_s or 0.0

@@ -59,7 +59,8 @@ async def test_child_policy_only_narrows_and_is_inherited(server, tree):
         eff = (await child.get_policy(tree["child"]))["effective"]
         assert eff == {"egress": None, "rulesets": ["pol-a"], "cidrs": ["10.0.0.0/8"], "allow_root": False, "max_cpu_cores": None,
                        "max_memory_mb": 512, "max_disk_mb": None, "max_pids_limit": None, "max_nofile": None,
-                       "max_output_cap_bytes": None, "max_output_total_bytes": None}, eff
+                       "max_output_cap_bytes": None, "max_output_total_bytes": None,
+                       "max_creates_per_s": None, "max_create_burst": None}, eff
         await admin.set_policy(tree["parent"], {"rulesets": [], "max_memory_mb": 256})   # parent narrows later
         eff = (await child.get_policy(tree["child"]))["effective"]
         assert eff["rulesets"] == [] and eff["max_memory_mb"] == 256 and eff["cidrs"] is None, eff

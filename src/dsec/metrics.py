@@ -48,7 +48,8 @@ EXECS = Counter("dsec_execs", "commands started, by how (run: wait for the resul
 EXEC_SECONDS = Histogram("dsec_exec_seconds", "seconds from a run's request to its result (the command's own "
                          "time included)", ["backend"], buckets=EXEC_BUCKETS)
 PLACEMENTS = Counter("dsec_placements", "placement decisions of the apiserver: placed, retried elsewhere "
-                     "(a node refused or was unreachable), or none left", ["outcome"])
+                     "(a node refused or was unreachable), none left, or refused before placement "
+                     "(rate_limited, queue_full: apiserver/fair_creates.py)", ["outcome"])
 USAGE_SAMPLES = Counter("dsec_usage_samples", "per-sandbox usage samples taken (edge/usage.py)", ["backend"])
 USAGE_SAMPLE_SECONDS = Histogram("dsec_usage_sample_seconds", "seconds one sandbox's usage sample takes",
                                  buckets=SAMPLE_BUCKETS)

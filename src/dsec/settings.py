@@ -94,6 +94,14 @@ class ServerSettings(Group):
     tls_key: Path | None = env(None, "DSEC_TLS_KEY", "PEM private key of DSEC_TLS_CERT")
     pod_name: str | None = env(None, "MY_POD_NAME", "SandboxFusion compatibility: reported as "
                                "executor_pod_name")
+    create_concurrency: int = env(64, "DSEC_CREATE_CONCURRENCY", "creates an apiserver places at once; more "
+                                  "wait, served round-robin between projects", ge=1)
+    create_queue_max: int = env(10000, "DSEC_CREATE_QUEUE_MAX", "creates of one project waiting at an "
+                                "apiserver at most; more are refused (429)", ge=0)
+    create_rate_per_s: float = env(0.0, "DSEC_CREATE_RATE", "creates/s per project and apiserver of projects "
+                                   "whose policy sets no max_creates_per_s (0: no limit); beyond: 429", ge=0)
+    create_burst: int = env(0, "DSEC_CREATE_BURST", "creates a project may make at once above its rate "
+                            "(0: one second's worth)", ge=0)
     secrets_key_file: Path | None = env(None, "DSEC_SECRETS_KEY_FILE", "the key that encrypts stored egress "
                                         "secrets (`dsec secret`), made 0600 on first use; every apiserver of a "
                                         "cluster needs the same file; unset: secrets.key beside the IAM database")
@@ -264,6 +272,13 @@ class ClusterEnvSettings(Group):
                              "files in DSEC_HOME", secret=True)
     db_retry_s: float = env(30.0, "DSEC_DB_RETRY_S", "how long to ride out a PostgreSQL restart")
     db_pool: int = env(8, "DSEC_DB_POOL", "PostgreSQL connections per process at most", ge=1)
+    db_request_wait_s: float = env(0.5, "DSEC_DB_REQUEST_WAIT_S", "how long an API request waits for an "
+                                   "unreachable control database before 503 + Retry-After (then at once, "
+                                   "until it answers again)", gt=0)
+    auth_cache_s: float = env(5.0, "DSEC_AUTH_CACHE_S", "API keys, project trees and policies are read again "
+                              "after this long (a key revoked elsewhere stops working within it)", ge=0, le=10)
+    auth_stale_s: float = env(3600.0, "DSEC_AUTH_STALE_S", "while the control database is unreachable, keys "
+                              "and policies read within this long keep working", ge=0)
     index_sync_s: float = env(15.0, "DSEC_INDEX_SYNC_S", "how often the sandbox index is synced with the edges")
     index_lost_s: float = env(300.0, "DSEC_INDEX_LOST_S", "a node gone from discovery this long has its "
                               "index rows ended")

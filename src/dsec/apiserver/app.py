@@ -26,7 +26,7 @@ from dsec.apiserver.index import keeper
 from dsec.apiserver.ui_routes import UI_PATHS, add_ui_routes
 from dsec.apiserver.routes import execs, files, nodes, policy, sandboxes, snapshots, volumes
 from dsec.types import (CapacityExceeded, ContainerArgs, DsecError, ErrorBody, FnCallRequest, InternalError,
-                        InvalidArgument, MicroVMArgs, NotFound, VMArgs)
+                        InvalidArgument, MicroVMArgs, NotFound, Unavailable, VMArgs)
 
 log = logging.getLogger("dsec.apiserver")
 
@@ -133,7 +133,8 @@ def create_app(ctx: ApiContext) -> FastAPI:
                                    app.swagger_ui_oauth2_redirect_url) if p) | UI_PATHS
     # authenticate from the headers, then bound the body per route (guard.py)
     app.add_middleware(RequestGuard, authenticate=ctx.iam.authenticate, public_paths=public,
-                       image_body_bytes=ctx.settings.server.image_upload_max_bytes)
+                       image_body_bytes=ctx.settings.server.image_upload_max_bytes,
+                       store_wait_s=ctx.settings.cluster.db_request_wait_s)
     _add_openapi(app, public)
 
     # -- errors: always JSON {"error": {code, message, field, fix}} ------------------------
@@ -141,7 +142,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
     async def _dsec_error(_: Request, e: DsecError) -> JSONResponse:
         # a refusal that passes (a sandbox's exec slots, edge/live.py) says when to retry
         retry = getattr(e, "retry_after_s", None)
-        headers = {"Retry-After": str(retry)} if isinstance(e, CapacityExceeded) and retry else None
+        headers = {"Retry-After": str(retry)} if isinstance(e, (CapacityExceeded, Unavailable)) and retry else None
         return JSONResponse(e.to_body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)

@@ -95,6 +95,8 @@ class ApiRuntime:
     index_keeper: Any = None
     node_states: Any = None    # node_states.NodeStates: operator states of nodes (cordon, drain), cached
     secrets: Any = None   # the egress secrets' store, an iam.secrets.SecretStore (made on first use)
+    # fair creates between projects, a fair_creates.FairCreates (typed loosely, as above)
+    create_gate: Any = None
 
 
 @dataclass

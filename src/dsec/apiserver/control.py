@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 
 from dsec import metrics
 from dsec.apiserver import egress_secrets, idempotent, quotas
+from dsec.apiserver.fair_creates import FairCreates, create_gate
 from dsec.apiserver.context import ApiContext, EdgeHandle
 from dsec.apiserver.index import keeper
 from dsec.apiserver.node_states import node_states
@@ -63,22 +64,28 @@ async def create_sandbox(ctx: ApiContext, who: Principal, args: SandboxArgs,
     its (and every ancestor's) quota; other projects' layers look missing. A restore from a
     snapshot goes to the snapshot's node. Secret rules (egress_secrets.py) reach the edge
     before the caller gets the sandbox."""
-    check_create(ctx.iam.effective_policy(who.project_id), args, who.project_id)
+    policy = ctx.iam.effective_policy(who.project_id)
+    check_create(policy, args, who.project_id)
+    gate = create_gate(ctx)           # fair between projects: rate (429), then a round-robin turn
+    gate.admit(who.project_id, policy)
     args, rules = egress_secrets.prepare(ctx, who.project_id, args, inline_secrets)
-    info = await _create_sandbox(ctx, who, args)
+    info = await _create_sandbox(ctx, who, args, gate)
     await egress_secrets.push(ctx, info, rules)
     return info
 
 
-async def _create_sandbox(ctx: ApiContext, who: Principal, args: SandboxArgs) -> SandboxInfo:
+async def _create_sandbox(ctx: ApiContext, who: Principal, args: SandboxArgs, gate: FairCreates) -> SandboxInfo:
     snapshot = getattr(args, "snapshot", None)
     if snapshot:
-        return await create_on(ctx, await owned_snapshot(ctx, snapshot, who, field="snapshot"), who, args)
+        edge = await owned_snapshot(ctx, snapshot, who, field="snapshot")
+        async with gate.turn(who.project_id):
+            return await create_on(ctx, edge, who, args)
     image: str | None = None      # its digest: placement prefers nodes that hold it (D34)
     if ctx.images is not None:
         image = check_usable(ctx.iam, ctx.images, who, args)[0].digest
-    return await _indexed(ctx, who, args, lambda: quotas.with_quota(ctx, who.project_id, args,
-                                                                     lambda: _place(ctx, who, args, image)))
+    async with gate.turn(who.project_id):
+        return await _indexed(ctx, who, args, lambda: quotas.with_quota(ctx, who.project_id, args,
+                                                                         lambda: _place(ctx, who, args, image)))
 
 
 async def create_on(ctx: ApiContext, edge: EdgeHandle, who: Principal, args: SandboxArgs) -> SandboxInfo:
@@ -157,11 +164,27 @@ async def _place(ctx: ApiContext, who: Principal, args: SandboxArgs, image: str 
             excluded.add(node)      # gone since the watcher's last poll: the next node
             last = e
             metrics.PLACEMENTS.labels("retried").inc()
+        except Unavailable as e:    # a fault of the node (its lazy layer view, ...): the next node
+            ctx.placer.release(node, args.cpu_cores, args.memory_mb)
+            log.warning("node fault at create, placing elsewhere", extra={"node": node, "error": e.message[:200]})
+            excluded.add(node)
+            last = _on_node(node, e)
+            metrics.PLACEMENTS.labels("retried").inc()
         except BaseException:
             ctx.placer.release(node, args.cpu_cores, args.memory_mb)
             raise
     assert last is not None
     raise last
+
+
+def _on_node(node: str, e: Unavailable) -> Unavailable:
+    """The node's fault, naming the node (503: never the caller's error)."""
+    if f"node {node}" in e.message:
+        return e
+    out = Unavailable(f"node {node}: {e.message}", field=e.field, fix=e.fix)
+    if getattr(e, "retry_after_s", None):
+        out.retry_after_s = e.retry_after_s   # type: ignore[attr-defined]
+    return out
 
 
 def loosens(req: ExecRequest) -> bool:

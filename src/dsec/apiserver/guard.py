@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
 from dsec.iam import Principal
+from dsec.store.wait import waiting_at_most
 from dsec.types import DsecError, InternalError, PayloadTooLarge, Unauthorized
 
 log = logging.getLogger("dsec.apiserver")
@@ -148,13 +149,23 @@ class RequestGuard:
     for errors no route handled: a JSON 500 on a connection that stays usable."""
 
     def __init__(self, app: ASGIApp, *, authenticate: Callable[[str | None], Principal],
-                 public_paths: frozenset[str], image_body_bytes: int = IMAGE_BODY_BYTES):
+                 public_paths: frozenset[str], image_body_bytes: int = IMAGE_BODY_BYTES,
+                 store_wait_s: float | None = None):
         self.app = app
+        self.store_wait_s = store_wait_s             # DSEC_DB_REQUEST_WAIT_S (store/wait.py)
         self.image_body_bytes = image_body_bytes     # DSEC_IMAGE_UPLOAD_MAX_BYTES
         self.authenticate = authenticate
         self.public_paths = public_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":     # start-up and shut-down work: the store's own retry window
+            await self.app(scope, receive, send)
+            return
+        # every database call of this request (and its threads) waits at most that for the store
+        with waiting_at_most(self.store_wait_s):
+            await self._guarded(scope, receive, send)
+
+    async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -233,5 +244,8 @@ async def _reply(send: Send, error: DsecError, close: bool = True, e2b: bool = F
         headers.append((b"connection", b"close"))
     if isinstance(error, Unauthorized):
         headers.append((b"www-authenticate", b"Bearer"))
+    retry = getattr(error, "retry_after_s", None)
+    if retry:       # the control store is down (store/db.py): when to try again
+        headers.append((b"retry-after", str(retry).encode()))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

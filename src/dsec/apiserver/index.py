@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections.abc import Sequence
@@ -114,8 +115,9 @@ class IndexKeeper:
         if self._tasks:
             return
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._writer(), name="dsec-index-writer"),
-                       loop.create_task(self._loop(), name="dsec-index-sync")]
+        # a context of their own: not the first request's (its short store budget, store/wait.py)
+        self._tasks = [loop.create_task(self._writer(), name="dsec-index-writer", context=contextvars.Context()),
+                       loop.create_task(self._loop(), name="dsec-index-sync", context=contextvars.Context())]
 
     async def _writer(self) -> None:
         while True:

@@ -33,6 +33,8 @@ LIMITS = {"max_cpu_cores": "cpu_cores", "max_memory_mb": "memory_mb", "max_disk_
 EGRESS_LEVELS = ("none", "rulesets", "internet")
 Egress = Literal["none", "rulesets", "internet"]
 INTERNET = ("0.0.0.0/0", "::/0")
+# bounds on how fast a project creates (apiserver/fair_creates.py), narrowed down the tree like LIMITS
+RATES = ("max_creates_per_s", "max_create_burst")
 
 
 class SandboxPolicy(BaseModel):
@@ -56,6 +58,10 @@ class SandboxPolicy(BaseModel):
     max_nofile: Annotated[int | None, Field(ge=1)] = None
     max_output_cap_bytes: Annotated[int | None, Field(ge=1)] = None
     max_output_total_bytes: Annotated[int | None, Field(ge=1)] = None
+    max_creates_per_s: float | None = Field(None, gt=0, description="sandbox creates per second (per apiserver); "
+                                                                     "beyond: 429 with Retry-After")
+    max_create_burst: int | None = Field(None, ge=1, description="creates at once above max_creates_per_s "
+                                                                 "(default: one second's worth)")
 
     @field_validator("cidrs")
     @classmethod
@@ -93,7 +99,7 @@ def narrow(parent: SandboxPolicy, child: SandboxPolicy) -> SandboxPolicy:
                     else [c for c in child.cidrs if _within(c, parent.cidrs)])
     out["allow_root"] = None if parent.allow_root is None and child.allow_root is None else \
         bool((parent.allow_root is not False) and (child.allow_root is not False))
-    for f in LIMITS:
+    for f in (*LIMITS, *RATES):
         vals = [v for v in (getattr(parent, f), getattr(child, f)) if v is not None]
         out[f] = min(vals) if vals else None
     return SandboxPolicy(**out)
@@ -116,7 +122,7 @@ def check_narrows(parent: SandboxPolicy, child: SandboxPolicy) -> None:
             raise Forbidden(f"networks {extra} lie outside the parent project's {parent.cidrs}", field="cidrs", fix=fix)
     if child.allow_root and parent.allow_root is False:
         raise Forbidden("allow_root=true but the parent project forbids root", field="allow_root", fix=fix)
-    for f in LIMITS:
+    for f in (*LIMITS, *RATES):
         c, p = getattr(child, f), getattr(parent, f)
         if c is not None and p is not None and c > p:
             raise Forbidden(f"{f}={c} exceeds the parent project's {p}", field=f, fix=fix)

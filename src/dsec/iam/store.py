@@ -5,6 +5,10 @@ it. A project's quota caps what it and everything below it hold at once (iam/quo
 it at every level); a sub-project is never given more than its parent holds, and only a key of
 a strict ancestor changes a project's quota or policy (a project cannot raise its own). Only
 SHA-256 hashes of API keys are stored; the plaintext is shown once.
+
+What every request reads (a key, a project's ancestors, its effective policy) is cached for
+DSEC_AUTH_CACHE_S and, while the store is unreachable, served up to DSEC_AUTH_STALE_S old
+(iam/cache.py): a control-store outage does not stop the sandboxes callers already run.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from dsec.config import DEFAULT_HOME
+from dsec.iam.cache import StaleCache
 from dsec.iam.policy import SandboxPolicy, check_narrows, narrow
 from dsec.iam.quota import QuotaLedger
 from dsec.iam.rulesets import RulesetStore
@@ -126,6 +131,17 @@ class IAM:
             Path(DEFAULT_HOME) if is_postgres_dsn(dsn) else Path(dsn).parent)
         self.quotas = QuotaLedger(self.db)
         self.rulesets = RulesetStore(self.db)   # operators' named network rule sets
+        fresh, stale = db.auth_cache_s, db.auth_stale_s
+        self._keys: StaleCache[str, Row | None] = StaleCache(fresh, stale)          # key hash -> row
+        self._ancestry: StaleCache[str, list[str]] = StaleCache(fresh, stale)     # project -> ancestors
+        self._policies: StaleCache[str, tuple[list[str], dict[str, str]]] = StaleCache(fresh, stale)
+        self._root: StaleCache[str, Row | None] = StaleCache(fresh, stale)
+
+    def _changed(self) -> None:
+        """This process changed keys, projects or policies: read them again (other replicas
+        see the change within DSEC_AUTH_CACHE_S)."""
+        for c in (self._keys, self._ancestry, self._policies, self._root):
+            c.clear()
 
     @property
     def db_path(self) -> Path:
@@ -152,7 +168,9 @@ class IAM:
         admin_key_file = Path(admin_key_file)
         root = self._ensure_root()
         if admin_key_file.exists():
-            return self._adopt_key_file(admin_key_file, root)
+            adopted = self._adopt_key_file(admin_key_file, root)
+            self._changed()            # it may have been registered again
+            return adopted
         key, key_id = self._new_key(root.id)
         admin_key_file.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -163,6 +181,7 @@ class IAM:
             return self._adopt_key_file(admin_key_file, root)
         with os.fdopen(fd, "w") as f:
             f.write(key + "\n")
+        self._changed()
         log.info("bootstrapped IAM: root project %s, admin key %s written to %s",
                  root.id, key_id, admin_key_file)
         return key
@@ -234,6 +253,7 @@ class IAM:
                                fix="pick another name or use the existing project")
             return self._insert_project(tx, name, parent_id, int(want[0]), float(want[1]), int(want[2]))
         p = self.db.run(go)
+        self._changed()
         log.info("created project %s (%s) under %s", p.id, name, parent_id)
         return p
 
@@ -273,6 +293,7 @@ class IAM:
                        (int(want[0]), float(want[1]), int(want[2]), project_id))
             return p.model_copy(update=dict(zip(QUOTA_FIELDS, (int(want[0]), float(want[1]), int(want[2])))))
         p = self.db.run(go)
+        self._changed()
         log.info("set quota of project %s: %s", project_id, {f: getattr(p, f) for f in QUOTA_FIELDS})
         return p
 
@@ -297,6 +318,7 @@ class IAM:
                                fix="stop its sandboxes first (`dsec sandbox ls`, `dsec sandbox rm`)")
             tx.execute("DELETE FROM projects WHERE id=?", (project_id,))
         self.db.run(go)
+        self._changed()
         log.info("removed project %s", project_id)
 
     def project(self, project_id: str) -> Project:
@@ -304,8 +326,8 @@ class IAM:
 
     def root(self) -> Project:
         """The root project created by bootstrap()."""
-        r = self.db.run(lambda tx: tx.one("SELECT * FROM projects WHERE parent_id IS NULL AND name=?",
-                                          (ROOT_PROJECT,)), write=False)
+        r = self._root.get("", lambda: self.db.run(lambda tx: tx.one(
+            "SELECT * FROM projects WHERE parent_id IS NULL AND name=?", (ROOT_PROJECT,)), write=False))
         if r is None:
             raise NotFound("IAM is not bootstrapped: no root project", fix="call IAM.bootstrap() first")
         return _row_project(r)
@@ -328,7 +350,8 @@ class IAM:
 
     def ancestors(self, project_id: str) -> list[str]:
         """Ids from project_id itself up to its top-level project (empty if unknown)."""
-        return self.db.run(lambda tx: self._ancestors(tx, project_id), write=False)
+        return list(self._ancestry.get(project_id, lambda: self.db.run(
+            lambda tx: self._ancestors(tx, project_id), write=False)))
 
     def can_access(self, principal: Principal, project_id: str) -> bool:
         """True if the principal's project is project_id or one of its ancestors."""
@@ -352,7 +375,7 @@ class IAM:
             marks = ",".join("?" * len(chain))
             return chain, {r["project_id"]: r["policy"] for r in tx.all(
                 f"SELECT project_id, policy FROM project_policies WHERE project_id IN ({marks})", chain)}
-        chain, rows = self.db.run(go, write=False)
+        chain, rows = self._policies.get(project_id, lambda: self.db.run(go, write=False))
         if not chain:
             raise NotFound(f"no project {project_id!r}", field="project_id", fix=_PROJECT_FIX)
         eff = SandboxPolicy()
@@ -378,6 +401,7 @@ class IAM:
             "INSERT INTO project_policies (project_id, policy, updated_at) VALUES (?,?,?) "
             "ON CONFLICT(project_id) DO UPDATE SET policy=excluded.policy, updated_at=excluded.updated_at",
             (project_id, policy.model_dump_json(exclude_none=True), time.time())))
+        self._changed()
         log.info("set sandbox policy of project %s: %s", project_id, policy.model_dump(exclude_none=True))
         return policy
 
@@ -412,6 +436,7 @@ class IAM:
             raise NotFound(f"no api key {key_id!r}", field="key_id", fix="use a key id from `dsec key ls`")
         if self.db.run(lambda tx: tx.execute("UPDATE api_keys SET revoked=1 WHERE id=?", (key_id,))) == 0:
             raise NotFound(f"no api key {key_id!r}", field="key_id", fix="use a key id from list_keys()")
+        self._changed()
         log.info("revoked api key %s", key_id)
 
     def rotate_key(self, key_id: str, *, grace_s: float = DEFAULT_ROTATION_GRACE_S,
@@ -437,6 +462,7 @@ class IAM:
                        (ends, key_id, ends))
             return new_id
         new_id = self.db.run(go)
+        self._changed()
         log.info("rotated api key %s -> %s (old one ends in %.0fs)", key_id, new_id, grace_s)
         return key, new_id
 
@@ -454,9 +480,9 @@ class IAM:
                                field="authorization", fix=_AUTH_FIX)
         # Looking up by hash means no comparison ever runs over the secret itself.
         h = _hash(key)
-        r = self.db.run(lambda tx: tx.one(
+        r = self._keys.get(h, lambda: self.db.run(lambda tx: tx.one(
             "SELECT k.id, k.hash, k.revoked, k.expires_at, p.id AS pid, p.name FROM api_keys k "
-            "JOIN projects p ON p.id = k.project_id WHERE k.hash=?", (h,)), write=False)
+            "JOIN projects p ON p.id = k.project_id WHERE k.hash=?", (h,)), write=False))
         if r is None or not hmac.compare_digest(r["hash"], h):
             raise Unauthorized("unknown API key", field="authorization", fix=_AUTH_FIX)
         if r["revoked"]:

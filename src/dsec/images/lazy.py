@@ -8,6 +8,13 @@ python3 with python3-pyfuse3) mounted at <home>/lazy/mnt, which exposes every la
 build time (<hex>.chunks.json next to the layer). EROFS is then mounted file-backed from that
 view. A failing or slow store turns into EIO for the reading process, never a hang.
 
+A daemon that died leaves its mount listed but dead (every access: ENOTCONN, errno 107), and
+the EROFS layer mounts on it with it. Before a create uses the view (ImageService.check_layer_view)
+its daemon is checked; a dead one is replaced: the dead mount and the layer mounts on it are
+detached (sandboxes already running from them keep failing reads of what they had not cached),
+a new daemon is started and the layers are mounted from it again. If that fails, the create is
+refused with 503 (Unavailable), never a client error.
+
 With a shared layer store (DSEC_LAYER_STORE, shared.py) the view also reads layers built on
 other nodes: their verified manifests are in the local store, their bytes are range-read
 from the shared store, chunk by chunk, into the same bounded cache.
@@ -149,14 +156,38 @@ class LazyView:
         mp = os.path.realpath(self.mnt)
         return any(m.mountpoint == mp and m.fstype == FS_TYPE for m in mountinfo())
 
+    def alive(self) -> bool:
+        """The view answers: its daemon runs and its mount is not a dead FUSE connection."""
+        try:
+            pid = int((self.root / "pid").read_text())
+        except (OSError, ValueError):
+            return False
+        if not _cmdline_has(pid, str(LAZYFS)):     # gone (a zombie's cmdline is empty)
+            return False
+        try:
+            os.stat(self.mnt)
+        except OSError:                             # ENOTCONN: the connection is dead
+            return False
+        return True
+
+    def ensure_alive(self) -> bool:
+        """Restart a view whose daemon died (a view not started yet is left to its first
+        use). True if it was restarted; Unavailable if it could not be."""
+        if not self.is_mounted() or self.alive():
+            return False
+        self.start()
+        return True
+
     def start(self) -> None:
-        if self.is_mounted():
+        if self.is_mounted() and self.alive():
             self._check_remote()
             return
         with self._lock:
             if self.is_mounted():
-                self._check_remote()
-                return
+                if self.alive():
+                    self._check_remote()
+                    return
+                self._clear_dead()
             if not os.path.exists(SYSTEM_PYTHON) or subprocess.run(
                     [SYSTEM_PYTHON, "-c", "import pyfuse3, trio"], capture_output=True).returncode:
                 raise Unavailable("the lazy layer view needs Debian's python3-pyfuse3",
@@ -172,19 +203,12 @@ class LazyView:
                 sys_umount(str(self.mnt), MNT_DETACH)
             except OSError:
                 pass
-            logf = open(self.root / "lazyfs.log", "ab")
-            proc = subprocess.Popen(
-                [SYSTEM_PYTHON, str(LAZYFS), "--store", str(self.store), "--cache", str(self.cache),
-                 "--mount", str(self.mnt), "--cache-bytes", str(self.cache_bytes),
-                 "--latency-ms", str(self.latency_ms), "--timeout-s", str(self.timeout_s),
-                 "--bandwidth-mbps", str(self.bandwidth_mbps),
-                 *([] if self.prefetch else ["--no-prefetch"]),
-                 *([] if self.meta else ["--no-meta"]),
-                 *(["--trace"] if self.trace else []),
-                 *(["--remote", self.remote] if self.remote else [])],
-                stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True,
-                close_fds=True)
-            logf.close()
+            try:
+                proc = self._spawn()
+            except OSError as e:   # the node's own fault (its disk, its python3): never the caller's
+                raise Unavailable(f"the lazy layer view at {self.mnt} could not be started: {e}",
+                                  fix=f"check {self.root} (free space, permissions) and {SYSTEM_PYTHON}; "
+                                      "the next create tries again") from e
             (self.root / "pid").write_text(str(proc.pid))
             (self.root / "remote").write_text(self.remote or "")
             deadline = time.monotonic() + 20
@@ -197,6 +221,40 @@ class LazyView:
                 time.sleep(0.02)
             _no_readahead(self.mnt)
             log.info("lazy layer view of %s at %s (pid %d)", self.store, self.mnt, proc.pid)
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        """The FUSE daemon, its output appended to lazyfs.log."""
+        with open(self.root / "lazyfs.log", "ab") as logf:
+            proc = subprocess.Popen(
+                [SYSTEM_PYTHON, str(LAZYFS), "--store", str(self.store), "--cache", str(self.cache),
+                 "--mount", str(self.mnt), "--cache-bytes", str(self.cache_bytes),
+                 "--latency-ms", str(self.latency_ms), "--timeout-s", str(self.timeout_s),
+                 "--bandwidth-mbps", str(self.bandwidth_mbps),
+                 *([] if self.prefetch else ["--no-prefetch"]),
+                 *([] if self.meta else ["--no-meta"]),
+                 *(["--trace"] if self.trace else []),
+                 *(["--remote", self.remote] if self.remote else [])],
+                stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True,
+                close_fds=True)
+        return proc
+
+    def _clear_dead(self) -> None:
+        """Detach a dead view and the layer mounts made from it, so that new ones are made
+        from the daemon started next (under self._lock)."""
+        mnt = os.path.realpath(self.mnt) + "/"
+        stale = [m.mountpoint for m in mountinfo() if m.fstype == "erofs" and m.source.startswith(mnt)]
+        log.error("the lazy layer view's daemon died: restarting it", extra={"mount": str(self.mnt),
+                                                                              "layer_mounts": len(stale)})
+        for mp in stale:
+            try:
+                sys_umount(mp, MNT_DETACH)
+            except OSError as e:
+                log.warning("could not detach layer mount %s of the dead view: %s", mp, e)
+        try:
+            pid = int((self.root / "pid").read_text())
+            os.waitpid(pid, os.WNOHANG)             # our child: reap it
+        except (OSError, ValueError, ChildProcessError):
+            pass
 
     def _check_remote(self) -> None:
         """A view started with another shared store (or none) keeps serving until it is

@@ -562,11 +562,17 @@ class ImageService:
                            fix="rebuild the image that uses this layer")
         return path
 
+    def check_layer_view(self) -> None:
+        """Restart the lazy view if its daemon died (lazy.py); Unavailable if it cannot be."""
+        if self.lazy is not None:
+            self.lazy.ensure_alive()
+
     def mount_image(self, name_or_digest: str | ImageInfo) -> list[Path]:
         """Mount every layer of the image (once per node); returns the dirs, base first. Given
         the ImageInfo a create resolved, its layers are mounted even if the name was replaced
         meanwhile (they are held for REPLACED_GRACE_S), without looking the image up again."""
         info = name_or_digest if isinstance(name_or_digest, ImageInfo) else self.get(name_or_digest)
+        self.check_layer_view()
         out = []
         for lay in info.layers:
             try:

@@ -52,6 +52,8 @@ class Stacks:
         """Mounted layers of the stack, bottom first. A layer listed twice is kept only at its
         topmost position (overlayfs refuses a lowerdir used twice)."""
         lower: list[Path] = []
+        if self.images.lazy is not None:      # a dead lazy view: restarted first (lazy.py)
+            await asyncio.to_thread(self.images.check_layer_view)
         for part in stack:
             lower += await self._lower_dirs(part)
         seen: set[Path] = set()

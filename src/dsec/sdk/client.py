@@ -55,9 +55,13 @@ def _raise_for(resp: httpx.Response, body: bytes) -> None:
     try:
         err = json.loads(body)["error"]
         cls = ERRORS_BY_CODE.get(err.get("code"), DsecError)
-        raise cls(err.get("message", "error"), field=err.get("field"), fix=err.get("fix"))
+        e = cls(err.get("message", "error"), field=err.get("field"), fix=err.get("fix"))
     except (ValueError, KeyError, TypeError):
         raise DsecError(f"HTTP {resp.status_code}: {body[:500].decode(errors='replace')}") from None
+    retry = resp.headers.get("retry-after", "")
+    if retry.isdigit():       # a refusal that passes (429 rate/queue, 503 control store): when to retry
+        e.retry_after_s = int(retry)   # type: ignore[attr-defined]
+    raise e
 
 
 def _sdk_key() -> str:

@@ -6,6 +6,11 @@ statements on. On PostgreSQL a lost connection (the server restarted, a failover
 serialization/deadlock abort rolls the transaction back and runs the function again on a fresh
 connection until DSEC_DB_RETRY_S passes, so a restart mid-use costs latency, not data. The
 function must therefore only touch the database (no side effects outside it).
+
+An API request waits less (store/wait.py): a call that finds the store unreachable for its
+budget marks it down; while down, requests are refused at once (503, Retry-After) and a probe
+thread reconnects every PROBE_S, replacing the pool when the server answers again (the pool's
+own reconnection backs off exponentially: ~15 s late after a one-minute outage).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from dsec.store.dialect import POSTGRES, SQLITE, Dialect
+from dsec.store.wait import STORE_RETRY_AFTER_S, request_wait
 from dsec.types import Unavailable
 
 log = logging.getLogger("dsec.store")
@@ -28,6 +34,11 @@ T = TypeVar("T")
 Row = dict[str, Any]
 RETRY_S = 30.0   # how long to ride out a PostgreSQL restart: the default of DSEC_DB_RETRY_S
 POOL_MAX = 8     # connections per process: the default of DSEC_DB_POOL
+PROBE_S = 0.25   # while the store is down: how often it is tried again
+CONNECT_TIMEOUT_S = 2   # libpq's connect_timeout (whole seconds, at least 2): an unreachable host fails fast
+# a connection whose peer vanished (host down, network cut) is noticed in ~10 s, not TCP's ~15 min
+KEEPALIVES = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2, "keepalives_count": 2,
+              "tcp_user_timeout": 10_000}
 
 
 def is_postgres_dsn(dsn: str | Path) -> bool:
@@ -145,15 +156,17 @@ class PostgresDatabase(Database):
     def __init__(self, dsn: str, *, retry_s: float = RETRY_S, pool_max: int = POOL_MAX):
         super().__init__()
         import psycopg
-        from psycopg.rows import dict_row
-        from psycopg_pool import ConnectionPool, PoolTimeout
+        from psycopg_pool import PoolClosed, PoolTimeout
         self._psycopg = psycopg
-        self._transient: tuple[type[BaseException], ...] = (psycopg.OperationalError, PoolTimeout)
+        self._transient: tuple[type[BaseException], ...] = (psycopg.OperationalError, PoolTimeout, PoolClosed)
+        self._dsn = dsn
         self.url = redact(dsn)
         self.retry_s = retry_s
-        self._pool = ConnectionPool(dsn, min_size=1, max_size=pool_max, open=False, name="dsec",
-                                    kwargs={"row_factory": dict_row, "autocommit": True})
-        self._pool.open()
+        self._pool_max = pool_max
+        self._state = threading.Lock()
+        self._down_since: float | None = None     # monotonic; None: the store answers
+        self._closed = threading.Event()
+        self._pool = self._new_pool()
         try:
             self._pool.wait(timeout=retry_s)
         except PoolTimeout:
@@ -163,15 +176,88 @@ class PostgresDatabase(Database):
                               fix="check that the server runs and the DSN (user, password, host, port, "
                                   "database) is right, e.g. postgresql://dsec:PASS@db-host:5432/dsec") from None
 
+    def _connect_kwargs(self) -> dict[str, Any]:
+        """libpq options the DSN does not set itself: a short connect timeout, TCP keepalives."""
+        given = self._dsn.split("?", 1)[1] if "?" in self._dsn else ""
+        extra: dict[str, Any] = {"connect_timeout": CONNECT_TIMEOUT_S, **KEEPALIVES}
+        return {k: v for k, v in extra.items() if f"{k}=" not in given}
+
+    def _new_pool(self) -> Any:
+        from psycopg.rows import dict_row
+        from psycopg_pool import ConnectionPool
+        pool = ConnectionPool(self._dsn, min_size=1, max_size=self._pool_max, open=False, name="dsec",
+                              kwargs={"row_factory": dict_row, "autocommit": True, **self._connect_kwargs()})
+        pool.open()
+        return pool
+
+    @property
+    def down_for_s(self) -> float | None:
+        """How long the store has been unreachable (None: it answers)."""
+        since = self._down_since
+        return None if since is None else time.monotonic() - since
+
+    def _unavailable(self, error: BaseException | None = None) -> Unavailable:
+        down = self.down_for_s
+        why = f" for {down:.1f} s" if down is not None else ""
+        e = Unavailable(f"the control store (PostgreSQL at {self.url}) is unreachable{why}"
+                        + (f": {str(error)[:200]}" if error is not None else ""),
+                        field="DSEC_DB_URL",
+                        fix=f"retry in {STORE_RETRY_AFTER_S} s (Retry-After): dsec reconnects by itself; running "
+                            "sandboxes keep answering meanwhile. Operators: check the database server")
+        e.retry_after_s = STORE_RETRY_AFTER_S   # type: ignore[attr-defined]
+        return e
+
+    def _mark_down(self, error: BaseException) -> None:
+        with self._state:
+            if self._down_since is not None or self._closed.is_set():
+                return
+            self._down_since = time.monotonic()
+        log.error("control store unreachable: requests that need it are refused until it answers",
+                  extra={"db": self.url, "error": str(error)[:200]})
+        threading.Thread(target=self._probe, name="dsec-db-probe", daemon=True).start()
+
+    def _probe(self) -> None:
+        """Until the server answers: try a plain connection every PROBE_S; then a fresh pool."""
+        from psycopg_pool import PoolTimeout
+        while not self._closed.wait(PROBE_S):
+            pool: Any = None
+            try:
+                with self._psycopg.connect(self._dsn, autocommit=True, **self._connect_kwargs()) as conn:
+                    conn.execute("SELECT 1")
+                pool = self._new_pool()
+                pool.wait(timeout=CONNECT_TIMEOUT_S)
+            except Exception as e:      # not yet (or a surprise: never leave the store marked down for good)
+                if pool is not None:
+                    pool.close()
+                if not isinstance(e, (self._psycopg.Error, PoolTimeout, OSError)):
+                    log.warning("control store probe failed", extra={"db": self.url, "error": repr(e)[:200]})
+                continue
+            old, self._pool = self._pool, pool
+            down = self.down_for_s or 0.0
+            with self._state:
+                self._down_since = None
+            log.warning("control store answers again", extra={"db": self.url, "down_s": round(down, 1)})
+            # the old pool's waiters get PoolClosed (transient: they retry on the new one)
+            threading.Thread(target=old.close, kwargs={"timeout": 1.0}, daemon=True).start()
+            if self._closed.is_set():
+                pool.close()
+            return
+
     def _run(self, fn: Callable[[Tx], T], write: bool) -> T:
-        deadline = time.monotonic() + self.retry_s
-        delay, attempt = 0.02, 0
+        wait = request_wait()
+        if wait is not None and self._down_since is not None:
+            raise self._unavailable()      # known down: a request does not wait for it
+        budget = self.retry_s if wait is None else min(wait, self.retry_s)
+        deadline = time.monotonic() + budget
+        delay, attempt, at_once = 0.02, 0, 0
         while True:
             attempt += 1
+            used: Any = None
             try:
                 # a write transaction commits on a clean exit, rolls back on an exception; a
                 # broken connection is discarded when it goes back to the pool
-                with self._pool.connection(timeout=max(0.1, deadline - time.monotonic())) as conn:
+                with self._pool.connection(timeout=max(0.05, deadline - time.monotonic())) as conn:
+                    used = conn
                     if not write:     # autocommit: one round trip per statement, no BEGIN/COMMIT
                         with conn.cursor() as cur:
                             return self._enter(Tx(cur, self.dialect), fn)
@@ -180,14 +266,23 @@ class PostgresDatabase(Database):
             except self._transient as e:
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    self._mark_down(e)
+                    if wait is not None:
+                        raise self._unavailable(e) from e
                     raise Unavailable(f"PostgreSQL at {self.url} unreachable for {self.retry_s:.0f} s: {e}",
                                       fix="check the database server; dsec retries by itself meanwhile "
                                           "(DSEC_DB_RETRY_S)") from e
                 log.warning("database transaction retried", extra={"attempt": attempt, "error": str(e)[:200]})
+                if used is not None and used.broken and at_once <= self._pool_max:
+                    # an idle connection the server closed (it restarted): the pool's next one at
+                    # once; waiting here would spend a request's budget on stale connections
+                    at_once += 1
+                    continue
                 time.sleep(min(delay, left))
                 delay = min(delay * 2, 0.5)
 
     def close(self) -> None:
+        self._closed.set()
         self._pool.close()
 
 

@@ -36,6 +36,9 @@ def gone(e2b_id: str) -> SandboxGone:
 
 def e2b_response(error: DsecError, headers: dict[str, str] | None = None) -> JSONResponse:
     body = e2b_error_body(error)
+    retry = getattr(error, "retry_after_s", None)
+    if retry and headers is None:     # a refusal that passes (the control store is down): when to retry
+        headers = {"Retry-After": str(retry)}
     return JSONResponse(body, status_code=body["code"], headers=headers)
 
 

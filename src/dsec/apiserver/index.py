@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from dsec.apiserver.events import pump     # node_lost events (docs/events.md)
 from dsec.apiserver.fanout import fan_out
 from dsec.store.idempotency import IdempotencyClaims
 from dsec.store.sandboxes import IndexedSandbox, SandboxIndex
@@ -147,7 +148,9 @@ class IndexKeeper:
         self._missing_since = {n: self._missing_since.get(n, now) for n in absent}
         for node, since in list(self._missing_since.items()):
             if now - since >= self.ctx.settings.cluster.index_lost_s:
+                rows = await asyncio.to_thread(self.index.list, node=node)
                 n = await asyncio.to_thread(self.index.end_node, node, "lost")
+                await pump(self.ctx).node_lost(node, rows)
                 log.warning("node gone: its sandboxes left the index", extra={"node": node, "sandboxes": n})
                 del self._missing_since[node]
 

@@ -334,6 +334,8 @@ class SandboxInfo(BaseModel):
     expires_at: datetime | None = Field(None, description="when the absolute lifetime ends it (lifetime_s, "
                                                           "set_timeout); None: only the idle TTL")
     error: str | None = None
+    end_reason: str | None = Field(None, description="why it ended, one word of docs/events.md's vocabulary "
+                                                     "(error keeps the free-text message)")
     labels: dict[str, str] = Field(default_factory=dict)
     network: NetworkPolicy | None = Field(None, description="current egress policy (container sandboxes)")
     accel: str | None = Field(None, description="VM sandboxes: the accelerator in use, 'kvm' or 'tcg'")

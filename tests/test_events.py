@@ -10,15 +10,13 @@ import asyncio
 import hashlib
 import hmac
 import json
-import socket
-import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
 
 from dsec.sdk.client import Client
-from dsec.testing.waiting import wait_until
+from dsec.testing.receiver import Receiver
+from dsec.testing.waiting import wait_until, wait_until_sync
 from dsec.types import (Conflict, EndedByUser, EventType, InfrastructureFailure, SandboxEnded, SandboxFailed,
                         is_infrastructure)
 from conftest import stranger_key
@@ -125,43 +123,12 @@ async def test_a_project_sees_only_its_own_events(client, server):
 
 
 # -- webhooks ----------------------------------------------------------------------------------
-class Receiver:
-    """A real HTTP receiver on a fixed port, in this process; down until start()."""
-
-    def __init__(self) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.got: list[tuple[dict[str, str], bytes]] = []
-        self._srv: HTTPServer | None = None
-
-    def start(self) -> None:
-        got = self.got
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("content-length", 0)))
-                got.append(({k.lower(): v for k, v in self.headers.items()}, body))
-                self.send_response(204)
-                self.end_headers()
-
-            def log_message(self, *a: object) -> None:
-                pass
-        self._srv = HTTPServer(("127.0.0.1", self.port), Handler)
-        threading.Thread(target=self._srv.serve_forever, daemon=True).start()
-
-    def stop(self) -> None:
-        if self._srv is not None:
-            self._srv.shutdown()
-            self._srv.server_close()
-
-
 async def test_webhook_retried_while_the_receiver_is_down(client):
     """Events of a sandbox made while the receiver is down are queued durably and retried
     (the delivery status says so); once it is up they arrive, signed (HMAC-SHA256 over
     timestamp.body), each event at least once."""
     rx = Receiver()
-    hook = await client.add_webhook(f"http://127.0.0.1:{rx.port}/hook", secret="s" * 32,
+    hook = await client.add_webhook(rx.url, secret="s" * 32,
                                     events=["created", "ended"])
     try:
         assert hook.secret == "s" * 32 and hook.id in {h.id for h in await client.webhooks()}
@@ -201,3 +168,27 @@ async def test_webhook_retried_while_the_receiver_is_down(client):
 def test_vocabulary_split():
     assert is_infrastructure("oom_killed") and is_infrastructure("node_lost") and is_infrastructure("agent_died")
     assert not is_infrastructure("killed") and not is_infrastructure("ttl") and not is_infrastructure("lifetime")
+
+
+def test_cli_webhook_and_events(server):
+    """`dsec webhook add|ls|deliveries|rm` and `dsec events --sandbox`."""
+    import subprocess
+    import sys
+    env = {**server.env, "DSEC_API_KEY": server.key}
+
+    def dsec(*args: str) -> str:
+        p = subprocess.run([sys.executable, "-m", "dsec", *args], env=env, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stdout + p.stderr
+        return p.stdout
+
+    hook_id, secret = dsec("webhook", "add", "http://127.0.0.1:9/cli", "--events", "ended").split()[:3:2]
+    assert hook_id.startswith("wh_") and secret.startswith("whsec_"), (hook_id, secret)
+    assert hook_id in dsec("webhook", "ls")
+    assert "pending" in dsec("webhook", "deliveries", hook_id)
+    dsec("webhook", "rm", hook_id)
+    assert hook_id not in dsec("webhook", "ls")
+    sid = dsec("sandbox", "create", "busybox").strip()
+    dsec("sandbox", "rm", sid)
+    lines = wait_until_sync(lambda: [json.loads(x) for x in dsec("events", "--sandbox", sid).splitlines()
+                                     if '"ended"' in x], timeout_s=30, what="the CLI's ended event")
+    assert lines[0]["reason"] == "killed", lines

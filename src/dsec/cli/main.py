@@ -22,6 +22,7 @@ import typer
 
 from dsec.cli.bench import bench_app
 from dsec.cli.common import _fail, _run, _settings, console, err_console
+from dsec.cli.events import events as events_cmd, webhook_app
 from dsec.cli.images import image_app, layer_app
 from dsec.cli.sandboxes import run, sandbox_app
 from dsec.cli import top as _top  # noqa: F401  (registers `dsec sandbox top`)
@@ -36,6 +37,8 @@ app = typer.Typer(no_args_is_help=True, help="dsec: elastic sandboxes for agent 
 for group, name in ((image_app, "image"), (sandbox_app, "sandbox"), (bench_app, "bench"), (project_app, "project"),
                     (key_app, "key"), (cluster_app, "cluster"), (layer_app, "layer"), (vm_app, "vm")):
     app.add_typer(group, name=name)
+app.add_typer(webhook_app, name="webhook")
+app.command("events")(events_cmd)
 
 
 # -- server ----------------------------------------------------------------------------------

@@ -189,6 +189,8 @@ def build_rest_app(ctx: ApiContext, tokens: AccessTokens, domain: str | None = N
 
     from dsec.apiserver.e2b.templates import add_template_routes
     add_template_routes(app, ctx)      # before the catch-all below
+    from dsec.apiserver.e2b.events import add_event_routes
+    add_event_routes(app, ctx)         # /events/sandboxes, /events/webhooks (docs/events.md)
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     async def not_served(path: str, request: Request) -> Response:

@@ -67,6 +67,8 @@ async def test_end_reasons_and_typed_exceptions(client, server):
         assert exc2.value.reason == "killed" and not exc2.value.infrastructure
         assert isinstance(exc2.value, Conflict) and isinstance(exc2.value, SandboxEnded)
 
+        text = (await client._request("GET", "/metrics")).text     # counted by reason, no sandbox label
+        assert 'reason="oom_killed"' in text and "dsec_sandbox_ends_total" in text
         created = [e for e in (await client.events(sandbox_id=oom.id)).events if e.type == EventType.created]
         assert created and created[0].details["memory_mb"] == 32 and created[0].project == e.project
     finally:

@@ -11,6 +11,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from dsec import metrics
 from dsec.backends.base import Backend
 from dsec.config import Paths
 from dsec.edge.admission import Admission
@@ -25,7 +26,7 @@ from dsec.images.service import ImageService
 from dsec.images.stacks import Stacks
 from dsec.placement.locality import CacheSummary
 from dsec.settings import Settings
-from dsec.types import Conflict, EventType, InvalidArgument, NotFound, SandboxInfo, SandboxState, Unavailable
+from dsec.types import Conflict, EventType, InvalidArgument, is_infrastructure, NotFound, SandboxInfo, SandboxState, Unavailable
 
 if TYPE_CHECKING:
     from dsec.edge.usage_book import UsageBook
@@ -122,6 +123,8 @@ class EdgeCore:
               message: str | None = None, **details: Any) -> None:
         """A lifecycle event of `rec` (the apiserver pulls it: events, webhooks)."""
         self.events.append(type_, rec.id, rec.project, reason=reason, message=message, details=details)
+        if type_ == EventType.ended and reason:
+            metrics.ENDS.labels(rec.project, rec.backend, reason, str(is_infrastructure(reason)).lower()).inc()
 
     def _record(self, sandbox_id: str) -> SandboxRecord:
         live = self._live.get(sandbox_id)

@@ -106,6 +106,25 @@ async def test_stream_resumes_from_an_id(client):
     ids = [e.id for e in seen]
     assert ids == sorted(set(ids)), ids
 
+    # SSE: a client reconnecting with Last-Event-ID gets what came after it, each with its id
+    import httpx
+    h = {"Authorization": f"Bearer {client._api_key}", "Accept": "text/event-stream", "Last-Event-ID": str(ids[0])}
+    got: list[tuple[str, str]] = []
+    async with httpx.AsyncClient(base_url=client.url, headers=h, timeout=30) as c:
+        async with c.stream("GET", "/v1/events", params={"follow": "true", "sandbox_id": sb.id}) as r:
+            assert r.headers["content-type"].startswith("text/event-stream"), r.headers
+            field: dict[str, str] = {}
+            async for line in r.aiter_lines():
+                if line.startswith(("id: ", "event: ")):
+                    k, _, v = line.partition(": ")
+                    field[k] = v
+                elif not line and field:
+                    got.append((field["id"], field["event"]))
+                    field = {}
+                    if got[-1][1] == "ended":
+                        break
+    assert got == [(str(ids[1]), "updated"), (str(ids[2]), "ended")], got
+
 
 async def test_a_project_sees_only_its_own_events(client, server):
     other = Client(server.url, stranger_key(server, "events"), autostart=False)

@@ -213,3 +213,20 @@ def test_cli_webhook_and_events(server):
     lines = wait_until_sync(lambda: [json.loads(x) for x in dsec("events", "--sandbox", sid).splitlines()
                                      if '"ended"' in x], timeout_s=30, what="the CLI's ended event")
     assert lines[0]["reason"] == "killed", lines
+
+
+async def test_pause_and_resume_are_events(client):
+    """Parking a sandbox and its next request's resume are `paused` (saying where its memory
+    went) and `resumed`, in that order, after `created`."""
+    sb = await client.create_container(image="busybox")
+    try:
+        await sb.suspend()
+        assert (await sb.run("echo back")).stdout == "back\n"       # resumes it
+
+        async def both():
+            evs = (await client.events(sandbox_id=sb.id)).events
+            return evs if [e.type for e in evs][:3] == [EventType.created, EventType.paused, EventType.resumed] else None
+        evs = await wait_until(both, timeout_s=30, what="created, paused, resumed")
+        assert evs[1].details.get("where") in ("memory", "disk"), evs[1]
+    finally:
+        await sb.stop()

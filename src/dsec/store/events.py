@@ -32,6 +32,7 @@ class Due:
     webhook: WebhookInfo
     secret: str
     event: SandboxEvent
+    private_ok: bool           # registered by an admin (or with DSEC_WEBHOOK_PRIVATE_OK): any address
 
 
 def _event(r: Row) -> SandboxEvent:
@@ -142,13 +143,13 @@ class EventStore:
 
     # -- webhooks ----------------------------------------------------------------------------
     def add_webhook(self, project: str, url: str, name: str, events: list[str] | None, secret: str,
-                    scheme: str) -> WebhookInfo:
+                    scheme: str, private_ok: bool = False) -> WebhookInfo:
         wid = "wh_" + secrets.token_hex(8)
         now = time.time()
         self.db.run(lambda tx: tx.execute(
-            "INSERT INTO webhooks (id, project_id, url, name, events, secret, scheme, enabled, created_at) "
-            "VALUES (?,?,?,?,?,?,?,1,?)", (wid, project, url, name, json.dumps(events) if events is not None else None,
-                                           secret, scheme, now)))
+            "INSERT INTO webhooks (id, project_id, url, name, events, secret, scheme, enabled, private_ok, created_at) "
+            "VALUES (?,?,?,?,?,?,?,1,?,?)", (wid, project, url, name, json.dumps(events) if events is not None else None,
+                                             secret, scheme, int(private_ok), now)))
         return WebhookInfo(id=wid, project=project, url=url, name=name, events=events, scheme=scheme,
                            created_at=now, secret=secret)
 
@@ -174,7 +175,8 @@ class EventStore:
         return _webhook(r)
 
     def update_webhook(self, webhook_id: str, **fields: object) -> None:
-        cols = {k: (json.dumps(v) if k == "events" and v is not None else int(bool(v)) if k == "enabled" else v)
+        cols = {k: (json.dumps(v) if k == "events" and v is not None else int(bool(v)) if k in ("enabled", "private_ok")
+                    else v)
                 for k, v in fields.items()}
         if cols:
             self.db.run(lambda tx: tx.execute(f"UPDATE webhooks SET {', '.join(f'{k}=?' for k in cols)} WHERE id=?",
@@ -201,7 +203,8 @@ class EventStore:
                 if tx.execute("UPDATE webhook_deliveries SET lease_until=? WHERE id=? AND lease_until < ?",
                               (now + lease_s, r["did"], now)):
                     ev = _event({**r, "id": r["eid"], "project_id": r["eproject"]})
-                    out.append(Due(r["did"], int(r["attempts"]), float(r["dcreated"]), _webhook(r), r["secret"], ev))
+                    out.append(Due(r["did"], int(r["attempts"]), float(r["dcreated"]), _webhook(r), r["secret"], ev,
+                                   bool(r["private_ok"])))
             return out
         return self.db.run(run)
 

@@ -125,6 +125,7 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
             secret     TEXT NOT NULL,
             scheme     TEXT NOT NULL,
             enabled    INTEGER NOT NULL DEFAULT 1,
+            private_ok INTEGER NOT NULL DEFAULT 0,
             created_at DOUBLE PRECISION NOT NULL
         )""",
         "CREATE INDEX webhooks_project ON webhooks(project_id)",

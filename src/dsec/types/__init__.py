@@ -27,13 +27,13 @@ from dsec.types.fncall import (FNCALL_MAX_TIMEOUT_S, FNCALL_MAX_BYTES, FNCALL_DE
                                FnCallStatus, FnCallStep, FnCallResult, FnCallBatch, FnCallBatchItem)
 from dsec.types.builds import (ImageConfig, ImageBuildResult, ImageProgress, ImagePullRequest)
 from dsec.types.usage import (UsageSample, UsageList)
-from dsec.types.events import (INFRASTRUCTURE_REASONS, USER_REASONS, END_REASONS, is_infrastructure, EventType,
+from dsec.types.events import (MAX_EVENT_ID, INFRASTRUCTURE_REASONS, USER_REASONS, END_REASONS, is_infrastructure, EventType,
                                SandboxEvent, EdgeEvents, EventList, WebhookCreate, WebhookInfo, WebhookList,
                                DeliveryInfo, DeliveryList, SandboxEnded, InfrastructureFailure, EndedByUser,
                                ended_error)
 
 __all__ = [
-    "INFRASTRUCTURE_REASONS", "USER_REASONS", "END_REASONS", "is_infrastructure", "EventType", "SandboxEvent",
+    "MAX_EVENT_ID", "INFRASTRUCTURE_REASONS", "USER_REASONS", "END_REASONS", "is_infrastructure", "EventType", "SandboxEvent",
     "EdgeEvents", "EventList", "WebhookCreate", "WebhookInfo", "WebhookList", "DeliveryInfo", "DeliveryList",
     "SandboxEnded", "InfrastructureFailure", "EndedByUser", "ended_error",
     "UsageSample", "UsageList",

@@ -81,17 +81,18 @@ class EventList(BaseModel):
 
 
 WEBHOOK_EVENTS = tuple(t.value for t in EventType)
-URL_RE = re.compile(r"^https?://[^\s/?#]+[^\s]*$")
+URL_RE = re.compile(r"^https?://[^\s/?#\x00-\x1f]+[^\s\x00-\x1f]*$")
+MAX_EVENT_ID = 2 ** 62      # a BIGINT on both engines
 
 
 class WebhookCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
     url: str = Field(max_length=2048, pattern=URL_RE.pattern, description="http(s) URL the events are POSTed to")
     events: list[EventType] | None = Field(None, description="the event types to send; None: all")
-    secret: str | None = Field(None, min_length=16, max_length=256,
+    secret: str | None = Field(None, min_length=16, max_length=256, pattern=r"^[\x21-\x7e]+$",
                                description="the HMAC key deliveries are signed with; None: one is made "
                                            "and returned once")
-    name: str = Field("", max_length=200)
+    name: str = Field("", max_length=200, pattern=r"^[^\x00-\x1f]*$")
     project: str | None = Field(None, description="admin only: the project whose events it gets "
                                                   "(default: the key's own)")
 

@@ -127,8 +127,9 @@ def add_event_routes(app: FastAPI, ctx: ApiContext) -> None:
         fields: dict[str, Any] = {}
         if "url" in body:
             url = str(body["url"])
-            check_target(url, ctx.settings.events.webhook_private_ok or is_admin(ctx, _who(request)))
-            fields["url"] = url
+            allow = ctx.settings.events.webhook_private_ok or is_admin(ctx, _who(request))
+            await asyncio.to_thread(check_target, url, allow)
+            fields["url"], fields["private_ok"] = url, allow
         if "enabled" in body:
             fields["enabled"] = bool(body["enabled"])
         if "events" in body:

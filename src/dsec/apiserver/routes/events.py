@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request
+from fastapi import Path as PathParam
 from fastapi.responses import Response, StreamingResponse
 
 from dsec.apiserver.deps import Ctx, Who, admin_only, is_admin
@@ -18,9 +19,10 @@ from dsec.apiserver.context import ApiContext
 from dsec.apiserver.events import pump
 from dsec.apiserver.webhooks import check_target, worker
 from dsec.iam import Principal
-from dsec.types import DeliveryList, EventList, InvalidArgument, WebhookCreate, WebhookInfo, WebhookList
+from dsec.types import MAX_EVENT_ID, DeliveryList, EventList, InvalidArgument, WebhookCreate, WebhookInfo, WebhookList
 
 router = APIRouter()
+WebhookId = Annotated[str, PathParam(pattern=r"^wh_[0-9a-f]{16}$", description="the id POST /v1/webhooks answered")]
 HEARTBEAT_S = 15.0      # a comment line on an idle stream: proxies keep it open, a gone client is noticed
 
 
@@ -33,14 +35,14 @@ def visible_projects(ctx: ApiContext, who: Principal) -> list[str] | None:
 
 @router.get("/v1/events", response_model=EventList)
 async def list_events(request: Request, who: Who, ctx: Ctx,
-                      after: Annotated[int, Query(ge=0, description="only events with a larger id")] = 0,
-                      sandbox_id: Annotated[str | None, Query(max_length=200)] = None,
+                      after: Annotated[int, Query(ge=0, le=MAX_EVENT_ID, description="only events with a larger id")] = 0,
+                      sandbox_id: Annotated[str | None, Query(pattern=r"^[A-Za-z0-9._-]{1,200}$")] = None,
                       limit: Annotated[int, Query(ge=1, le=1000)] = 500,
                       follow: Annotated[bool, Query(description="stream: send new events as they come")] = False,
                       last_event_id: Annotated[str | None, Header()] = None) -> Response | EventList:
     """Lifecycle events (created, paused, resumed, updated, ended with a reason), oldest first."""
     projects = await asyncio.to_thread(visible_projects, ctx, who)
-    if last_event_id and last_event_id.isdigit():
+    if last_event_id and last_event_id.isascii() and last_event_id.isdigit() and len(last_event_id) < 19:
         after = max(after, int(last_event_id))       # an SSE client's reconnect
     p = pump(ctx)
     if not follow:
@@ -84,7 +86,7 @@ def add_webhook(ctx: ApiContext, who: Principal, req: WebhookCreate, scheme: str
                               fix="leave events out for all types, or list some")
     secret = req.secret or "whsec_" + secrets.token_urlsafe(24)
     events = [e.value for e in req.events] if req.events is not None else None
-    return pump(ctx).store.add_webhook(project, req.url, req.name, events, secret, scheme)
+    return pump(ctx).store.add_webhook(project, req.url, req.name, events, secret, scheme, private_ok=allow)
 
 
 @router.post("/v1/webhooks", status_code=201, response_model=WebhookInfo)
@@ -103,13 +105,13 @@ async def list_webhooks(who: Who, ctx: Ctx) -> WebhookList:
 
 
 @router.get("/v1/webhooks/{webhook_id}", response_model=WebhookInfo)
-async def get_webhook(webhook_id: str, who: Who, ctx: Ctx) -> WebhookInfo:
+async def get_webhook(webhook_id: WebhookId, who: Who, ctx: Ctx) -> WebhookInfo:
     projects = await asyncio.to_thread(visible_projects, ctx, who)
     return await asyncio.to_thread(pump(ctx).store.webhook, webhook_id, projects)
 
 
 @router.delete("/v1/webhooks/{webhook_id}", status_code=204)
-async def delete_webhook(webhook_id: str, who: Who, ctx: Ctx) -> Response:
+async def delete_webhook(webhook_id: WebhookId, who: Who, ctx: Ctx) -> Response:
     """Remove it and its queued deliveries."""
     projects = await asyncio.to_thread(visible_projects, ctx, who)
     store = pump(ctx).store
@@ -119,7 +121,7 @@ async def delete_webhook(webhook_id: str, who: Who, ctx: Ctx) -> Response:
 
 
 @router.get("/v1/webhooks/{webhook_id}/deliveries", response_model=DeliveryList)
-async def list_deliveries(webhook_id: str, who: Who, ctx: Ctx,
+async def list_deliveries(webhook_id: WebhookId, who: Who, ctx: Ctx,
                           limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> DeliveryList:
     """The webhook's latest deliveries (newest first) and how many are pending, delivered, failed."""
     projects = await asyncio.to_thread(visible_projects, ctx, who)

@@ -68,7 +68,7 @@ def test_two_replicas_ingest_each_event_once_in_order(stores):
     for t in threads:
         t.join()
     assert not errors, errors
-    got = one.list(0, None, limit=1000)
+    got = one.list_events(0, None, limit=1000)
     assert [e.id for e in got] == list(range(1, 41)) and [e.seq for e in got] == list(range(1, 41))
     assert got[-1].reason == "oom_killed" and got[-1].infrastructure is True
     assert one.last_id() == 40
@@ -76,7 +76,7 @@ def test_two_replicas_ingest_each_event_once_in_order(stores):
     assert len(one.deliveries(hooks["https://a.example/h"])[0]) == 40           # all types
     assert len(one.deliveries(hooks["https://root.example/h"])[0]) == 1        # an ancestor's, ended only
     assert one.deliveries(hooks["https://b.example/h"])[0] == []                # another project's: none
-    assert two.list(38, ["prj-b"]) == [] and [e.id for e in two.list(38, ["prj-a"])] == [39, 40]
+    assert two.list_events(38, ["prj-b"]) == [] and [e.id for e in two.list_events(38, ["prj-a"])] == [39, 40]
 
 
 def test_leases_backoff_and_outcomes(stores):
@@ -105,4 +105,4 @@ def test_a_reset_edge_log_and_node_lost_once(stores):
     assert one.ingest("n1", [ev(1, EventType.ended, reason="killed")], 1, audience) == 1   # log began again
     lost = ev(0, EventType.ended, reason="node_lost", sid="sb-n1.000000000002")
     assert one.add_once(lost, audience) and not two.add_once(lost, audience)
-    assert [e.reason for e in one.list(0)] == [None, None, "killed", "node_lost"]
+    assert [e.reason for e in one.list_events(0)] == [None, None, "killed", "node_lost"]

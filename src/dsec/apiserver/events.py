@@ -20,7 +20,7 @@ from dsec.store.sandboxes import IndexedSandbox
 from dsec.types import EventType, SandboxEvent
 
 if TYPE_CHECKING:
-    from dsec.apiserver.context import ApiContext
+    from dsec.apiserver.context import ApiContext, EdgeHandle
 
 log = logging.getLogger("dsec.apiserver.events")
 
@@ -82,12 +82,12 @@ class EventPump:
             self._notify()
         return stored
 
-    async def _pull(self, node: str, edge: object) -> int:
+    async def _pull(self, node: str, edge: "EdgeHandle") -> int:
         deadline = self.ctx.settings.server.list_node_deadline_s
         total = 0
         while True:
             cursor = await asyncio.to_thread(self._cursor, node)
-            batch = await asyncio.wait_for(edge.events_since(cursor, BATCH), deadline)   # type: ignore[attr-defined]
+            batch = await asyncio.wait_for(edge.events_since(cursor, BATCH), deadline)
             if not batch.events and batch.last_seq >= cursor:
                 return total
             for e in batch.events:

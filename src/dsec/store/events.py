@@ -114,10 +114,11 @@ class EventStore:
                                "VALUES (?,?,?,?,?,?)", (secrets.token_hex(10), h["id"], head, "pending", now, now))
         return head
 
-    def list(self, after: int = 0, projects: Sequence[str] | None = None, *, sandbox_id: str | None = None,
+    def list_events(self, after: int = 0, projects: Sequence[str] | None = None, *, sandbox_id: str | None = None,
              limit: int = 500) -> list[SandboxEvent]:
         """Events after id `after`, oldest first; `projects` None: every project's."""
-        where, params = ["id > ?"], [after]
+        where: list[str] = ["id > ?"]
+        params: list[object] = [after]
         if projects is not None:
             if not projects:
                 return []
@@ -154,7 +155,8 @@ class EventStore:
                            created_at=now, secret=secret)
 
     def webhooks(self, projects: Sequence[str] | None = None, scheme: str | None = None) -> list[WebhookInfo]:
-        where, params = ["1=1"], []
+        where: list[str] = ["1=1"]
+        params: list[object] = []
         if projects is not None:
             if not projects:
                 return []

@@ -151,7 +151,7 @@ class EndedByUser(SandboxEnded):
     """The sandbox ended by the user's own doing (killed, ttl, lifetime, disk_quota, exited)."""
 
 
-_TYPED: dict[tuple[type, bool], type] = {}
+_TYPED: dict[tuple[type, bool], type[DsecError]] = {}
 
 
 def ended_error(base: type[DsecError], reason: str, message: str, *, field: str | None = None,
@@ -160,10 +160,10 @@ def ended_error(base: type[DsecError], reason: str, message: str, *, field: str 
     `except SandboxFailed` and an `except InfrastructureFailure` both catch it."""
     infra = is_infrastructure(reason)
     key = (base, infra)
-    cls = _TYPED.get(key)
+    cls: type[DsecError] | None = _TYPED.get(key)
     if cls is None:
         kind = InfrastructureFailure if infra else EndedByUser
         cls = _TYPED[key] = type(f"{kind.__name__}{base.__name__}", (kind, base), {"__module__": __name__})
-    e = cls(message, field=field, fix=fix)
+    e: DsecError = cls(message, field=field, fix=fix)
     e.reason = reason
     return e

@@ -67,7 +67,7 @@ def add_event_routes(app: FastAPI, ctx: ApiContext) -> None:
     async def page(request: Request, sandbox_id: str | None, offset: int, limit: int, asc: bool) -> list[dict]:
         projects = await asyncio.to_thread(visible_projects, ctx, _who(request))
         store = pump(ctx).store
-        events = await asyncio.to_thread(store.list, 0, projects, sandbox_id=sandbox_id, limit=100_000)
+        events = await asyncio.to_thread(store.list_events, 0, projects, sandbox_id=sandbox_id, limit=100_000)
         if not asc:
             events.reverse()
         return [_event(e) for e in events[offset:offset + limit]]

@@ -46,7 +46,7 @@ async def list_events(request: Request, who: Who, ctx: Ctx,
         after = max(after, int(last_event_id))       # an SSE client's reconnect
     p = pump(ctx)
     if not follow:
-        events = await asyncio.to_thread(p.store.list, after, projects, sandbox_id=sandbox_id, limit=limit)
+        events = await asyncio.to_thread(p.store.list_events, after, projects, sandbox_id=sandbox_id, limit=limit)
         return EventList(events=events, last_id=events[-1].id if events else after)
     sse = "text/event-stream" in request.headers.get("accept", "")
 
@@ -54,7 +54,7 @@ async def list_events(request: Request, who: Who, ctx: Ctx,
         cursor = after
         while True:
             changed = p.changed
-            events = await asyncio.to_thread(p.store.list, cursor, projects, sandbox_id=sandbox_id, limit=limit)
+            events = await asyncio.to_thread(p.store.list_events, cursor, projects, sandbox_id=sandbox_id, limit=limit)
             for e in events:
                 body = e.model_dump_json()
                 yield (f"id: {e.id}\nevent: {e.type.value}\ndata: {body}\n\n" if sse else body + "\n").encode()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dsec.testing.isolated import ServerProcess, cleanup_home, link_node_downloads
+from dsec.testing.isolated import ServerProcess, cleanup_home, free_port, link_node_downloads
 from dsec.testing.postgres import pg_cluster, pg_dsn  # noqa: F401 - fixtures: a real throwaway PostgreSQL
 from dsec.config import Paths
 from dsec.testing.waiting import wait_until
@@ -92,7 +92,9 @@ LOCAL_DNS_SINK = "127.0.0.1:9"
 def server(dsec_home, images):
     # hung-guest checks within seconds; E2B get_host() names under a test domain (resolved by hand)
     # sandboxes' DNS goes to a closed local port (SERVFAIL): no test query leaves the machine
-    srv = ServerProc(dsec_home, env={"DSEC_VM_PING_S": "2", "DSEC_E2B_DOMAIN": E2B_TEST_DOMAIN,
+    # HTTPS for that domain on a port of its own (a certificate from the home's own CA, tls/ca.pem)
+    srv = ServerProc(dsec_home, env={"DSEC_VM_PING_S": "2", "DSEC_DOMAIN": E2B_TEST_DOMAIN,
+                                     "DSEC_HTTPS_PORT": str(free_port()),
                                      "DSEC_NET_DNS_UPSTREAM": LOCAL_DNS_SINK})
     srv.start()
     yield srv

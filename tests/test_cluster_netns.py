@@ -26,6 +26,7 @@ import pytest
 from conftest import NO_PSI_ADMISSION, requires_root
 
 from dsec import Client
+from dsec.cluster.names import bridge_name
 from dsec.types import DsecError
 
 pytest.importorskip("ray", reason="cluster mode needs ray: pip install -e '.[cluster]'")
@@ -186,8 +187,8 @@ async def test_each_edge_network_lives_only_in_its_netns(cluster, peer, host_lis
         image="busybox", memory_mb=64, cpu_cores=0.1, network={"rules": rules}))
     assert all(by_node.values()), {n: len(v) for n, v in by_node.items()}
     for node in nodes:
-        bridge = f"dc{node}"[:15]
-        table = f"dsec_{bridge}"
+        bridge = bridge_name(node)
+        table = f"dsec_{bridge}".replace("-", "_")      # network.py's nft_table
         other = next(n for n in nodes if n != node)
         # the bridge and its nft table: in this edge's netns only
         assert _in_ns(node, "ip", "link", "show", bridge).returncode == 0

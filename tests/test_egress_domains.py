@@ -140,6 +140,60 @@ async def test_mixed_cidr_and_domain_rules(dserver, peer):
             await sb.stop()
 
 
+async def test_operator_rule_set_by_name_then_changed_for_new_connections(dserver, peer):
+    """A rule set defined once in the control store (PUT /v1/network/rulesets/{name}), turned on
+    by name; the operator changes it and the running sandbox's next connections follow; removed,
+    it allows nothing (no DNS either). Only the root project's keys change rule sets."""
+    from dsec.iam import IAM
+    from dsec.sdk.client import Client
+    from dsec.types import Forbidden
+    async with dserver.client() as c:
+        out = await c.set_ruleset("t-web", domains=["allowed.test"], rules=[{"cidr": peer.ip2, "ports": [8080],
+                                                                                "protocol": "tcp"}])
+        assert out["rulesets"]["t-web"]["domains"] == ["allowed.test"] and out["nodes"]["local"]["ok"], out
+        sb = await c.create_container(image="debian-python", network={"rulesets": {"t-web": True}})
+        try:
+            r = await probe(sb, [["a", "http", "allowed.test", 80, "allowed.test"],
+                                 ["o", "http", peer.ip, 80, "other.test"], ["port", "tcp", peer.ip2, 8080]])
+            assert r["a"] == f"ok:200 {peer.ip} allowed.test -" and r["o"].startswith("ok:403"), r
+            assert r["port"] != "err:PermissionError:1", r                   # its CIDR rule: let out
+            out = await c.set_ruleset("t-web", domains=["other.test"])      # the operator changes it
+            assert out["nodes"]["local"] == {"ok": True, "sandboxes": 1, "error": None}, out
+            r = await probe(sb, [["a", "http", peer.ip, 80, "allowed.test"],
+                                 ["o", "http", "other.test", 80, "other.test"], ["port", "tcp", peer.ip2, 8080]])
+            assert r["a"].startswith("ok:403") and r["o"] == f"ok:200 {peer.ip} other.test -", r
+            assert r["port"] == "err:PermissionError:1", r                   # its CIDR rule went too
+            assert json.loads((dserver.home / "network-rulesets.json").read_text()) == \
+                {"t-web": {"domains": ["other.test"]}}                       # the node's copy
+            await c.delete_ruleset("t-web")
+            r = await probe(sb, [["dns", "resolve", "other.test"], ["o", "http", peer.ip, 80, "other.test"]])
+            assert r["dns"].startswith("err:gaierror") and r["o"] == "err:PermissionError:1", r
+            assert (await c.get(sb.id)).info.network.rulesets == {"t-web": True}   # its own policy is kept
+        finally:
+            await sb.stop()
+    with IAM(dserver.paths.iam_db) as iam:
+        key = iam.create_key(iam.create_project(f"rs-{os.urandom(3).hex()}", iam.root().id).id)
+    async with Client(dserver.url, key) as other:
+        with pytest.raises(Forbidden) as e:
+            await other.set_ruleset("t-web", domains=["evil.test"])
+        assert e.value.field == "name" and "root" in e.value.message, e.value
+        assert "t-web" not in (await other.rulesets())["rulesets"]
+    # the operator's CLI
+    import subprocess
+    import sys
+
+    def cli(*args: str) -> str:
+        r = subprocess.run([sys.executable, "-m", "dsec", "ruleset", *args], capture_output=True, text=True,
+                           timeout=60, env={**os.environ, "DSEC_URL": dserver.url, "DSEC_API_KEY": dserver.key})
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+    cli("set", "t-cli", "--domain", "X.test", "--cidr", "10.9.0.0/16")
+    assert json.loads(cli("ls"))["t-cli"] == {"rules": [{"cidr": "10.9.0.0/16", "ports": None, "protocol": "any"}],
+                                             "domains": ["x.test"]}
+    cli("rm", "t-cli")
+    assert "t-cli" not in json.loads(cli("ls"))
+
+
 async def test_invalid_domains_name_the_field(dserver):
     import httpx
     with pytest.raises(ValidationError, match="network.domains"):

@@ -57,7 +57,7 @@ async def test_child_policy_only_narrows_and_is_inherited(server, tree):
             await child.set_policy(tree["child"], {})
         assert e.value.field == "project_id"
         eff = (await child.get_policy(tree["child"]))["effective"]
-        assert eff == {"rulesets": ["pol-a"], "cidrs": ["10.0.0.0/8"], "allow_root": False, "max_cpu_cores": None,
+        assert eff == {"egress": None, "rulesets": ["pol-a"], "cidrs": ["10.0.0.0/8"], "allow_root": False, "max_cpu_cores": None,
                        "max_memory_mb": 512, "max_disk_mb": None, "max_pids_limit": None, "max_nofile": None,
                        "max_output_cap_bytes": None, "max_output_total_bytes": None}, eff
         await admin.set_policy(tree["parent"], {"rulesets": [], "max_memory_mb": 256})   # parent narrows later

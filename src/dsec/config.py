@@ -22,7 +22,8 @@ SERVER_INSTALL = "pip install 'dsec-sandbox[server]'"
 # Top-level modules only the server side imports: the [server] extra's packages and what they
 # alone pull in (starlette comes with fastapi). tests/test_packaging.py keeps this and
 # pyproject.toml in step.
-SERVER_MODULES = frozenset({"fastapi", "starlette", "uvicorn", "qemu", "structlog", "wsproto", "dnslib", "prometheus_client"})
+SERVER_MODULES = frozenset({"fastapi", "starlette", "uvicorn", "qemu", "structlog", "wsproto", "dnslib", "prometheus_client",
+                            "cryptography"})
 _SERVER_ENTRY_MODULES = ("fastapi", "uvicorn", "structlog", "qemu.qmp")   # all present: extra installed
 
 

@@ -82,10 +82,23 @@ class ServerSettings(Group):
                                       "node; later ones are reported as not answering")
     image_upload_max_bytes: int = env(16 * 1024 * (1 << 20), "DSEC_IMAGE_UPLOAD_MAX_BYTES",
                                       "largest request body of an image build or import")
-    e2b_domain: str | None = env(None, "DSEC_E2B_DOMAIN", "the DNS name under which E2B clients reach "
-                                 "sandboxes (<port>-<id>.<domain>); unset: no host routing")
+    domain: str | None = env(None, "DSEC_DOMAIN", "the DNS name under which clients (native and E2B) reach "
+                             "sandboxes' ports as <port>-<id>.<domain>, over HTTP and HTTPS (point *.<domain> "
+                             "at the server); unset: no host routing (E2B's get_host names a .invalid host)")
+    e2b_domain: str | None = env(None, "DSEC_E2B_DOMAIN", "the older name of DSEC_DOMAIN (used when "
+                                 "DSEC_DOMAIN is unset)")
+    https_port: int = env(8443, "DSEC_HTTPS_PORT", "with a domain set, the port HTTPS is served on (same "
+                          "address as HTTP, same routes); 0: no HTTPS", ge=0, le=65535)
+    tls_cert: Path | None = env(None, "DSEC_TLS_CERT", "PEM certificate (chain) for *.<domain> and <domain>; "
+                                "unset: dsec makes a CA in DSEC_HOME/tls/ (distribute tls/ca.pem) and signs one")
+    tls_key: Path | None = env(None, "DSEC_TLS_KEY", "PEM private key of DSEC_TLS_CERT")
     pod_name: str | None = env(None, "MY_POD_NAME", "SandboxFusion compatibility: reported as "
                                "executor_pod_name")
+
+    @property
+    def ingress_domain(self) -> str | None:
+        """DSEC_DOMAIN, else the older DSEC_E2B_DOMAIN."""
+        return self.domain or self.e2b_domain
 
 
 class EventSettings(Group):

@@ -5,6 +5,7 @@ HTTP/HTTPS peers are local (tests/egress_peer.py)."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import httpx
@@ -77,3 +78,35 @@ def test_network_errors_name_the_field(e2b_at):
         assert r.status_code == 400 and "network.egressProxy" in r.text, r.text
     finally:
         sbx.kill()
+
+
+def test_without_a_domain_get_host_names_a_host_that_fails_clearly(e2b_at):
+    """No DSEC_DOMAIN on this server: get_host names a `.invalid` host (it resolves nowhere, and
+    the SDK's traffic no longer goes to e2b.app with the sandbox's tokens); a request that reaches
+    the server under that name anyway is told what to set."""
+    sbx = Sandbox.create("busybox")
+    try:
+        host = sbx.get_host(8000)
+        assert host == f"8000-{sbx.sandbox_id}.dsec-domain-unset.invalid", host
+        r = httpx.get(e2b_at.removesuffix("/e2b") + "/", headers={"Host": host, "E2B-Traffic-Access-Token": sbx.traffic_access_token})
+        assert r.status_code == 421 and "DSEC_DOMAIN" in r.text, r.text
+    finally:
+        sbx.kill()
+
+
+def test_allow_out_names_an_operators_rule_set_with_an_at(e2b_at, peer):
+    """E2B's allowOut takes '@name' for an operator's rule set (dsec's own: E2B has none)."""
+    key = {"Authorization": f"Bearer {os.environ['E2B_API_KEY']}"}
+    base = e2b_at.removesuffix("/e2b")
+    r = httpx.put(f"{base}/v1/network/rulesets/e2b-web", headers=key, json={"domains": ["allowed.test"]})
+    assert r.status_code == 200, r.text
+    sbx = Sandbox.create("debian-python", network={"allow_out": ["@e2b-web"], "deny_out": ["0.0.0.0/0"]})
+    try:
+        assert sbx.get_info().allow_internet_access is True      # some egress
+        r = probe(sbx, [["a", "http", "allowed.test", 80, "allowed.test"], ["o", "http", peer.ip, 80, "other.test"]])
+        assert r["a"] == f"ok:200 {peer.ip} allowed.test -" and r["o"].startswith("ok:403"), r
+    finally:
+        sbx.kill()
+        httpx.delete(f"{base}/v1/network/rulesets/e2b-web", headers=key)
+    with pytest.raises(SandboxException, match="network.allowOut.*rule set name"):
+        Sandbox.create("busybox", network={"allow_out": ["@bad name"]})

@@ -40,7 +40,8 @@ def test_js_sdk(script, e2b_env, server, images):
         ensure_builtin(images, name)
     # DSEC_SERVER_URL / DSEC_E2B_DOMAIN: for scripts that reach the server by a sandbox's name
     env = {**os.environ, "NODE_NO_WARNINGS": "1", "DSEC_SERVER_URL": server.url,
-           "DSEC_E2B_DOMAIN": E2B_TEST_DOMAIN}
+           "DSEC_E2B_DOMAIN": E2B_TEST_DOMAIN, "DSEC_HTTPS_PORT": server.env.get("DSEC_HTTPS_PORT", ""),
+           "DSEC_CA_FILE": str(server.paths.home / "tls" / "ca.pem")}
     r = subprocess.run(["node", script], cwd=JS, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), \
         f"node {script} exited {r.returncode}\nstdout:\n{r.stdout[-4000:]}\nstderr:\n{r.stderr[-4000:]}"

@@ -122,6 +122,8 @@ def _add_openapi(app: FastAPI, public_paths: frozenset[str]) -> None:
 def create_app(ctx: ApiContext) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        from dsec.apiserver.rulesets import push_at_start
+        await push_at_start(ctx)     # operators' network rule sets, to every edge
         pump(ctx).start()            # lifecycle events from the edges into the control store
         worker(ctx).start()          # ... and their webhook deliveries (apiserver/webhooks.py)
         yield
@@ -199,6 +201,10 @@ def create_app(ctx: ApiContext) -> FastAPI:
     from dsec.apiserver.image_routes import add_image_routes
     add_image_routes(app, ctx)    # /v1/images/build (Dockerfile), /import, /pull: NDJSON progress
     app.include_router(nodes.router)   # /v1/nodes, /v1/images, publishing
+    from dsec.apiserver.node_admin import add_node_admin_routes
+    add_node_admin_routes(app, ctx)   # admin: /v1/nodes/{node}/cordon, drain, uncordon, forget
     from dsec.apiserver.metrics_routes import router as metrics_router
     app.include_router(metrics_router)   # /metrics (admin), /v1/metrics, per-node, per-sandbox usage
+    from dsec.apiserver.rulesets import router as rulesets_router
+    app.include_router(rulesets_router)   # /v1/network/rulesets: operators' named rule sets
     return app

@@ -21,7 +21,7 @@ from dsec.images.service import ImageService
 from dsec.placement import Placer
 from dsec.settings import Settings
 from dsec.types import (EdgeEvents, BulkItem, ExecEvent, ExecInfo, ExecRequest, ExecResult, FileEntry, FnCallRequest, FsEvent, FnCallResult, ImageInfo,
-                        NetworkPolicy, NodeStatus, NotFound, PackDiffRequest, SandboxArgs, SandboxInfo, SnapshotInfo, UsageSample,
+                        NetworkPolicy, NetworkRuleSet, NodeStatus, NotFound, PackDiffRequest, SandboxArgs, SandboxInfo, SnapshotInfo, UsageSample,
                         node_of)
 from dsec.watcher import Watcher
 
@@ -42,6 +42,7 @@ class EdgeHandle(Protocol):
     async def list(self, project: str | None = None, include_ended: bool = False) -> builtins.list[SandboxInfo]: ...
     async def stop(self, sandbox_id: str, reason: str | None = None) -> SandboxInfo: ...
     async def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo: ...
+    async def set_rulesets(self, rulesets: dict[str, NetworkRuleSet]) -> int: ...
     def exec_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]: ...
     async def run(self, sandbox_id: str, req: ExecRequest) -> ExecResult: ...
     async def attach(self, sandbox_id: str, exec_id: str) -> ExecResult: ...
@@ -90,6 +91,7 @@ class ApiRuntime:
     index_keeper: Any = None
     event_pump: Any = None      # events.EventPump, and the webhooks.WebhookWorker (same reason)
     webhook_worker: Any = None
+    node_states: Any = None    # node_states.NodeStates: operator states of nodes (cordon, drain), cached
 
 
 @dataclass

@@ -12,11 +12,12 @@ from dsec import metrics
 from dsec.apiserver import idempotent, quotas
 from dsec.apiserver.context import ApiContext, EdgeHandle
 from dsec.apiserver.index import keeper
+from dsec.apiserver.node_states import node_states
 from dsec.apiserver.tenancy import check_usable, check_usable_on
 from dsec.iam import Principal
 from dsec.iam.policy import check_create, check_network, check_root, is_root
 from dsec.types import (CapacityExceeded, DsecError, ExecRequest, NetworkPolicy, NodeUnreachable, NotFound, SandboxArgs,
-                        SandboxInfo, node_of_snapshot)
+                        SandboxInfo, Unavailable, node_of_snapshot)
 
 PLACEMENT_TRIES = 3      # nodes tried in turn when the chosen one refuses at its own final check
 
@@ -72,7 +73,13 @@ async def create_sandbox(ctx: ApiContext, who: Principal, args: SandboxArgs) -> 
 
 
 async def create_on(ctx: ApiContext, edge: EdgeHandle, who: Principal, args: SandboxArgs) -> SandboxInfo:
-    """Create on a given edge (a snapshot's node), holding the project's quota for it."""
+    """Create on a given edge (a snapshot's node), holding the project's quota for it; not on a
+    draining node (a cordoned one still takes restores of its own snapshots)."""
+    node = getattr(edge, "node_id", None)
+    state = (await node_states(ctx).unschedulable()).get(node or "")
+    if state in ("draining", "forgotten"):
+        raise Unavailable(f"node {node} is {state}: it takes no new sandboxes", field="snapshot",
+                          fix=f"restore elsewhere from another snapshot, or `dsec nodes uncordon {node}`")
     return await _indexed(ctx, who, args, lambda: quotas.with_quota(ctx, who.project_id, args,
                                                                      lambda: edge.create(who.project_id, args)))
 
@@ -106,7 +113,8 @@ async def stop_sandbox(ctx: ApiContext, edge: EdgeHandle, sandbox_id: str,
 
 
 async def _place(ctx: ApiContext, who: Principal, args: SandboxArgs, image: str | None = None) -> SandboxInfo:
-    excluded: set[str] = set()
+    held = await node_states(ctx).unschedulable()     # cordoned, draining, forgotten (`dsec nodes`)
+    excluded: set[str] = set(held)
     last: DsecError | None = None
     for _ in range(PLACEMENT_TRIES):
         try:
@@ -116,6 +124,9 @@ async def _place(ctx: ApiContext, who: Principal, args: SandboxArgs, image: str 
             metrics.PLACEMENTS.labels("none_left").inc()
             if last is not None:   # every node refused: the last edge's reason names what is short
                 raise last from None
+            if held and not set(ctx.edges) - set(held):
+                raise Unavailable("every node is " + ", ".join(f"{n} {s}" for n, s in sorted(held.items())),
+                                  field="node", fix="`dsec nodes uncordon <node>`, or add nodes") from None
             raise
         try:
             if ctx.images is None:    # no registry of its own (cluster replicas): the node's says the owners

@@ -7,8 +7,9 @@
   themselves (TTL, failure, a stop through the E2B API) leave the index.
 - A loop every DSEC_INDEX_SYNC_S lists every node the same way (so the index follows nodes
   nobody lists), ends the rows of a node that has been absent from discovery for DSEC_INDEX_LOST_S
-  (a node that comes back within it, or whose edge restarts, keeps its sandboxes), and prunes
-  old ended rows and idempotency claims.
+  (counted in the control store from the first replica's notice: store/nodes.py; a node that
+  comes back within it, or whose edge restarts, keeps its sandboxes), stops what a forgotten node
+  that came back still runs (`dsec nodes forget`), and prunes old ended rows and idempotency claims.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 from dsec.apiserver.events import pump     # node_lost events (docs/events.md)
 from dsec.apiserver.fanout import fan_out
 from dsec.store.idempotency import IdempotencyClaims
+from dsec.store.nodes import NodeRegistry
 from dsec.store.sandboxes import IndexedSandbox, SandboxIndex
 from dsec.types import SandboxInfo, SandboxState
 
@@ -54,13 +56,13 @@ class IndexKeeper:
         self.ctx = ctx
         self.index = SandboxIndex(ctx.iam.db)
         self.claims = IdempotencyClaims(ctx.iam.db)
+        self.nodes = NodeRegistry(ctx.iam.db)
         self._put: dict[str, IndexedSandbox] = {}
         self._end: dict[str, str] = {}
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._bg: set[asyncio.Task[None]] = set()
         self._synced: dict[str, float] = {}         # node -> monotonic time of its last sync
-        self._missing_since: dict[str, float] = {}  # node with live rows, absent from discovery since
         self._lock = asyncio.Lock()                 # one flush at a time
 
     # -- writes from the create and stop paths -------------------------------------------
@@ -134,25 +136,50 @@ class IndexKeeper:
                                                                       self.ctx.settings.server.list_node_deadline_s)
                 for node, infos in answers.items():
                     self.listed(node, infos, listed_at)
+                await self._end_forgotten(answers)
                 await self._end_lost()
                 await asyncio.to_thread(self.index.prune, time.time() - KEEP_ENDED_S)
                 await asyncio.to_thread(self.claims.prune)
             except Exception as e:
                 log.warning("sandbox index upkeep failed", extra={"error": f"{type(e).__name__}: {e}"})
 
+    async def _end_forgotten(self, answers: dict[str, list[SandboxInfo]]) -> None:
+        """A node forgotten (`dsec nodes forget`) that came back still runs sandboxes whose quota
+        and index rows were given up: stop them, then the node is active (empty) again."""
+        rows = await asyncio.to_thread(self.nodes.all)
+        for node, infos in answers.items():
+            row = rows.get(node)
+            if row is None or row.state != "forgotten" or node not in self.ctx.edges:
+                continue
+            edge = self.ctx.edges[node]
+            for info in infos:
+                try:
+                    await edge.stop(info.id, reason="its node was forgotten (dsec nodes forget)")
+                    self.ended(info.id, "stopped")
+                except Exception as e:
+                    log.warning("could not stop a forgotten node's sandbox",
+                                extra={"node": node, "sandbox": info.id, "error": f"{type(e).__name__}: {e}"})
+                    break
+            else:
+                await asyncio.to_thread(self.nodes.set_state, node, "active")
+                log.warning("forgotten node came back: its sandboxes were stopped",
+                            extra={"node": node, "sandboxes": len(infos)})
+
     async def _end_lost(self) -> None:
         """End the rows of nodes discovery has not known for DSEC_INDEX_LOST_S (not at once: an edge
-        that restarts or a node that returns adopts its sandboxes)."""
-        now = time.monotonic()
-        absent = await asyncio.to_thread(self.index.live_nodes) - set(self.ctx.edges)
-        self._missing_since = {n: self._missing_since.get(n, now) for n in absent}
-        for node, since in list(self._missing_since.items()):
-            if now - since >= self.ctx.settings.cluster.index_lost_s:
+        that restarts or a node that returns adopts its sandboxes). Since when a node is missing
+        is kept in the control store (store/nodes.py): every replica counts from the first that
+        noticed, and a replica's restart does not start the count again."""
+        now = time.time()
+        present = set(self.ctx.edges)
+        absent = await asyncio.to_thread(self.index.live_nodes) - present
+        since = await asyncio.to_thread(self.nodes.missing, absent, present, now)
+        for node, t in since.items():
+            if now - t >= self.ctx.settings.cluster.index_lost_s:
                 rows = await asyncio.to_thread(self.index.list, node=node)
                 n = await asyncio.to_thread(self.index.end_node, node, "lost")
                 await pump(self.ctx).node_lost(node, rows)
                 log.warning("node gone: its sandboxes left the index", extra={"node": node, "sandboxes": n})
-                del self._missing_since[node]
 
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []

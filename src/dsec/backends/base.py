@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from dsec.types import ImageInfo, NetworkPolicy, SandboxArgs
+from dsec.types import ImageInfo, NetworkPolicy, NetworkRuleSet, SandboxArgs
 
 if TYPE_CHECKING:
     from dsec.agent.client import AgentClient
@@ -210,6 +210,13 @@ class Egress(ABC):
     async def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> None:
         """Replace the policy (InvalidArgument for unknown rule sets; FileNotFoundError if the
         sandbox is gone)."""
+
+    def set_rulesets(self, sets: dict[str, NetworkRuleSet]) -> None:
+        """Replace the operator's named rule sets this backend resolves (from the control store)."""
+        return None
+
+    def known_rulesets(self) -> set[str]:
+        return set()
 
 
 class PortIngress(ABC):

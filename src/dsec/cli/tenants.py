@@ -15,6 +15,41 @@ from dsec.types import DsecError
 
 project_app = typer.Typer(no_args_is_help=True, help="projects: sub-projects, quotas, sandbox policy")
 key_app = typer.Typer(no_args_is_help=True, help="API keys of a project: create, list, revoke")
+ruleset_app = typer.Typer(no_args_is_help=True, help="operators' named network rule sets (pypi, github, ...)")
+
+
+@ruleset_app.command("ls")
+def ruleset_ls() -> None:
+    """Every rule set (JSON): what sandboxes turn on with network.rulesets."""
+    async def go() -> None:
+        async with _client() as c:
+            console.print_json(data=(await c.rulesets())["rulesets"])
+    _run(go())
+
+
+@ruleset_app.command("set")
+def ruleset_set(name: str,
+                domain: Annotated[Optional[list[str]], typer.Option(help="a name or *.wildcard (repeat)")] = None,
+                cidr: Annotated[Optional[list[str]], typer.Option(help="a network, all ports (repeat); "
+                                                                       "finer rules: --rules JSON")] = None,
+                rules: Annotated[Optional[str], typer.Option(help='JSON list, e.g. \'[{"cidr": "10.0.0.0/8", '
+                                                                  '"ports": [443], "protocol": "tcp"}]\'')] = None
+                ) -> None:
+    """Define or replace a rule set (a key of the root project); sandboxes using it follow at once."""
+    async def go() -> None:
+        body = [*(json.loads(rules) if rules else []), *({"cidr": c} for c in cidr or [])]
+        async with _client() as c:
+            console.print_json(data=await c.set_ruleset(name, rules=body, domains=domain or []))
+    _run(go())
+
+
+@ruleset_app.command("rm")
+def ruleset_rm(name: str) -> None:
+    """Remove a rule set; sandboxes that turned it on lose what it allowed."""
+    async def go() -> None:
+        async with _client() as c:
+            console.print_json(data=await c.delete_ruleset(name))
+    _run(go())
 
 @project_app.command("policy")
 def project_policy(project_id: str) -> None:

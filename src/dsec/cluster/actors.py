@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import socket
+
     from dsec.settings import Settings
 
 log = logging.getLogger("dsec.cluster")
@@ -36,17 +38,18 @@ def seed_native_helpers(src: Path, dst: Path) -> None:
 class EdgeNode:
     """One node's edge + FnCall, served over HTTP on the node's address (edge_service.py)."""
 
-    def __init__(self, node_id: str, home: str, secret: str, system_project: str, host: str,
+    def __init__(self, node_id: str, home: str, secret_file: str, system_project: str, host: str,
                  builtin_images: list[str] | None = None, seed_bin: str | None = None,
-                 netns: dict[str, str] | None = None):
+                 netns: dict[str, str] | None = None, port: int = 0):
         self.node_id = node_id
         self._seed_bin = Path(seed_bin) if seed_bin else None
         self.home = Path(home)
-        self._secret = secret
+        self._secret_file = secret_file    # on this node (secret_file.py): never the secret itself
         self._system_project = system_project
         self._host = host
         self._builtin = list(builtin_images or [])
         self._netns = netns            # EdgeNetns.to_json(): run the edge in the node's own netns
+        self._port = port              # 0: the one kept in its home (edge_socket)
         from dsec.settings import Settings
         self._settings = Settings.from_env().with_home(self.home)   # this actor's (Ray gives it edge_env)
         self._stack: AsyncExitStack | None = None
@@ -59,8 +62,11 @@ class EdgeNode:
         if self._netns is not None:
             await self._start_in_netns()
             return
-        self._stack, self._url = await start_edge(self._settings, self.node_id, self._secret, self._system_project,
-                                                  self._host, self._builtin, self._seed_bin)
+        import ray      # "": this raylet's address (after a restart, maybe not the last one's)
+        host = self._host or ray.util.get_node_ip_address()
+        self._stack, self._url = await start_edge(self._settings, self.node_id, self._secret_file,
+                                                  self._system_project, host, self._builtin, self._seed_bin,
+                                                  self._port)
 
     async def _start_in_netns(self) -> None:
         """The edge as a child process inside the node's netns (edge_proc.py, D40)."""
@@ -79,9 +85,9 @@ class EdgeNode:
         stack.push_async_callback(_end_child, proc)
         try:
             assert proc.stdin is not None and proc.stdout is not None
-            cfg = {"node_id": self.node_id, "home": str(self.home), "secret": self._secret,
+            cfg = {"node_id": self.node_id, "home": str(self.home), "secret_file": self._secret_file,
                    "system_project": self._system_project, "host": ns.ns_ip, "builtin_images": self._builtin,
-                   "seed_bin": str(self._seed_bin) if self._seed_bin else None}
+                   "seed_bin": str(self._seed_bin) if self._seed_bin else None, "port": self._port}
             proc.stdin.write(json.dumps(cfg).encode() + b"\n")
             await proc.stdin.drain()
             line = await proc.stdout.readline()      # stdin stays open: its end is the actor's death
@@ -162,18 +168,23 @@ async def _end_child(proc: asyncio.subprocess.Process, grace_s: float = 10.0) ->
         proc.stdin.close()
 
 
-async def start_edge(settings: Settings, node_id: str, secret: str, system_project: str, host: str,
-                     builtin_images: list[str], seed_bin: Path | str | None) -> tuple[AsyncExitStack, str]:
-    """One node's edge + FnCall served over HTTP on `host` (a free port): (what stops it, its URL).
+async def start_edge(settings: Settings, node_id: str, secret_file: str, system_project: str, host: str,
+                     builtin_images: list[str], seed_bin: Path | str | None,
+                     port: int = 0) -> tuple[AsyncExitStack, str]:
+    """One node's edge + FnCall served over HTTP on `host` (`port`, else edge_socket's): (what
+    stops it, its URL).
     Runs in the EdgeNode actor, or in its child inside the node's netns (edge_proc.py), with the
     settings that process read (its home: the edge's)."""
     from dsec import log as dlog
-    from dsec.cluster.edge_service import bind, edge_app, serve, stop
+    from dsec.cluster.edge_service import edge_app, serve, stop
+    from dsec.cluster.secret_file import SecretFile
     from dsec.embedded.server import make_private, node_services
     from dsec.images.builtin import ensure_builtin
     from dsec.images.service import ImageService
 
     dlog.configure(settings.server.log_level)
+    secrets = SecretFile(secret_file)
+    secrets.accepted()           # there and valid, or the start fails saying so
     paths = settings.paths
     make_private(paths)
     (paths.home / "cache").mkdir(exist_ok=True)
@@ -184,8 +195,8 @@ async def start_edge(settings: Settings, node_id: str, secret: str, system_proje
     stack = AsyncExitStack()
     try:
         edge, fncall = await stack.enter_async_context(node_services(settings, node_id, system_project))
-        sock = bind(host)
-        server = await serve(edge_app(edge, secret, fncall), sock)
+        sock = edge_socket(paths.home, host, port)
+        server = await serve(edge_app(edge, secrets.accepted, fncall), sock)
         stack.push_async_callback(stop, server)
     except BaseException:
         await stack.aclose()
@@ -196,13 +207,40 @@ async def start_edge(settings: Settings, node_id: str, secret: str, system_proje
     return stack, url
 
 
+PORT_FILE = "edge.port"
+
+
+def edge_socket(home: Path, host: str, port: int = 0) -> "socket.socket":
+    """The edge service's socket: on `port` if given (a taken one is an error naming it), else
+    on the port kept in <home>/edge.port (a free one the first time, or if it is taken now), which
+    is kept: an edge restarted on its node serves where it did."""
+    from dsec.cluster.edge_service import bind
+    from dsec.types import Unavailable
+    kept = home / PORT_FILE
+    try:
+        if port:
+            sock = bind(host, port)
+        else:
+            want = int(kept.read_text()) if kept.exists() else 0
+            try:
+                sock = bind(host, want)
+            except OSError:
+                log.warning("the edge's kept port is taken: binding a free one", extra={"port": want})
+                sock = bind(host, 0)
+    except OSError as e:
+        raise Unavailable(f"the edge cannot listen on {host}:{port}: {e.strerror}", field="edge_port",
+                          fix="free the port, or leave --edge-port out (each edge keeps a free one)") from None
+    kept.write_text(f"{sock.getsockname()[1]}\n")
+    return sock
+
+
 class ApiReplica:
     """The normal dsec HTTP API over every edge discovery finds (discovery.py)."""
 
-    def __init__(self, name: str, secret: str, db_url: str, admin_key_file: str, host: str, port: int,
+    def __init__(self, name: str, secret_file: str, db_url: str, admin_key_file: str, host: str, port: int,
                  images_home: str | None = None):
         self.name = name
-        self._secret = secret
+        self._secret_file = secret_file    # on this replica's node (secret_file.py)
         self._db_url = db_url
         self._admin_key_file = admin_key_file
         self._host, self._port = host, port
@@ -232,7 +270,10 @@ class ApiReplica:
                       db=settings.cluster)
             stack.callback(iam.close)
             watcher = Watcher({}, interval_s=1.0)
-            discovery = RayDiscovery(watcher, self._secret)
+            from dsec.cluster.secret_file import SecretFile
+            secret = SecretFile(self._secret_file)
+            secret.current()         # there and valid, or the start fails saying so
+            discovery = RayDiscovery(watcher, secret.current)
             await discovery.refresh()
             await watcher.start()
             stack.push_async_callback(watcher.stop)

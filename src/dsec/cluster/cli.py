@@ -62,20 +62,55 @@ def up(address: Address = "auto",
                                                           "nodes sharing one host, the replicas on it too); "
                                                           "default: DSEC_EDGE_NETNS")] = None,
        netns_pool: Annotated[str, typer.Option(help="the edges' netns links: a /30 each")] = "10.89.0.0/16",
+       edge_port: Annotated[int, typer.Option(min=0, max=65535, help="every edge's service port (one edge per host "
+                                              "address); 0: each keeps the free port it first bound")] = 0,
+       edge_env: Annotated[Optional[list[str]], typer.Option(help="K=V in every edge's and replica's environment "
+                                                             "(e.g. DSEC_LAYER_STORE=...); repeatable")] = None,
        ) -> None:
     """Start an edge on every eligible Ray node and the apiserver replicas (what is missing)."""
     from dsec.cluster import ray_cluster as rc
     from dsec.settings import Settings
     conf = Settings.from_env().cluster      # this command's environment, read once
+    env = _env_pairs(edge_env or [])
     _connect(address)
     settings = rc.ClusterSettings(home=home, node_homes=node_homes, db_url=db_url or conf.db_url, replicas=replicas,
                                   api_host=host, api_port=port, subnet_pool=subnet_pool, subnet_prefix=subnet_prefix,
                                   node_resource=node_resource, builtin_images=list(builtin or []),
                                   share_hosts=share_hosts, node_cpu_cores=node_cpu_cores,
                                   node_memory_mb=node_memory_mb, netns_pool=netns_pool,
-                                  edge_netns=conf.edge_netns if edge_netns is None else edge_netns)
+                                  edge_netns=conf.edge_netns if edge_netns is None else edge_netns, edge_env=env,
+                                  edge_port=edge_port)
     _print(asyncio.run(rc.up(settings)))
     typer.echo(f"admin key: {settings.home / 'admin.key'}")
+
+
+def _env_pairs(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for p in pairs:
+        k, sep, v = p.partition("=")
+        if not sep or not k or not k.replace("_", "").isalnum():
+            typer.echo(f"error: --edge-env {p!r} is not K=V\n  fix: e.g. --edge-env DSEC_LAYER_STORE=file:///srv/layers",
+                       err=True)
+            raise typer.Exit(2)
+        out[k] = v
+    return out
+
+
+@cluster_app.command("node-resources")
+def node_resources(node_name: Annotated[Optional[str], typer.Option(help="this node's name (default: the one kept "
+                                                                         "in <node-homes>/node.name, made from the "
+                                                                         "host name on first use)")] = None,
+                   node_homes: Annotated[Path, typer.Option(help="where the host's edge homes (and node.name) live")
+                                         ] = Path(DEFAULT_HOME) / "nodes") -> None:
+    """Print `ray start --resources` for a raylet of this node: its dsec node name, which keeps
+    the node (its home, subnet and sandboxes) across restarts of the raylet or the host."""
+    from dsec.cluster.names import host_node_name, resources
+    from dsec.types import DsecError
+    try:
+        typer.echo(resources(host_node_name(node_homes, node_name)))
+    except DsecError as e:
+        typer.echo(f"error: {e}" + (f"\n  fix: {e.fix}" if e.fix else ""), err=True)
+        raise typer.Exit(2) from None
 
 
 @cluster_app.command("status")
@@ -84,6 +119,18 @@ def status(address: Address = "auto") -> None:
     from dsec.cluster import ray_cluster as rc
     _connect(address)
     _print(asyncio.run(rc.status()))
+
+
+@cluster_app.command("rotate-secret")
+def rotate_secret(address: Address = "auto",
+                  home: Annotated[Path, typer.Option(help="cluster state: secret, admin key, SQLite IAM")
+                                  ] = Path(DEFAULT_HOME) / "cluster",
+                  node_homes: Annotated[Path, typer.Option(help="where each node keeps its secret file")
+                                        ] = Path(DEFAULT_HOME) / "nodes") -> None:
+    """Replace the apiserver <-> edge secret on every live node, with no request refused."""
+    from dsec.cluster import ray_cluster as rc
+    _connect(address)
+    _print(asyncio.run(rc.rotate_secret(rc.ClusterSettings(home=home, node_homes=node_homes))))
 
 
 @cluster_app.command("down")

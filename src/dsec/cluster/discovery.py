@@ -1,8 +1,9 @@
 """Which edges an apiserver replica talks to: Ray's named edge actors on live nodes.
 
 Every `interval_s` the replica lists the cluster's EdgeNode actors (ray_cluster.EDGE_PREFIX in
-NAMESPACE), asks each new one for its address, and drops the edges whose Ray node is no longer
-alive (Ray's own health checks) or whose actor is gone. The mappings it keeps (`edges`,
+NAMESPACE, one per node name: names.py), asks each new one for its address, and drops the edges
+whose name no live Ray node offers (Ray's own health checks) or whose actor is gone; a name
+offered again (a raylet started again) is asked again: Ray restarted its edge actor there. The mappings it keeps (`edges`,
 `fncall`) are the ApiContext's: apiserver routes see a node appear or leave without restart.
 The watcher gets the same edges and polls them over HTTP for health and load; it marks a dead
 edge unhealthy within a poll, before Ray declares its node dead.
@@ -12,10 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import ItemsView, Iterator, KeysView, Mapping, ValuesView
+from collections.abc import Callable, ItemsView, Iterator, KeysView, Mapping, ValuesView
 from typing import Any, Generic, TypeVar
 
 from dsec.cluster.edge_client import HttpEdge, HttpFnCall
+from dsec.cluster.names import name_of
 from dsec.watcher import Watcher
 
 log = logging.getLogger("dsec.cluster.discovery")
@@ -27,15 +29,16 @@ ADDRESS_TIMEOUT_S = 30.0     # a new edge's first address() also starts it (imag
 RESTART_TIMEOUT_S = 5.0      # asking an unhealthy edge again must not stall discovery for long
 
 
-def edge_node_id(ray_node_id: str) -> str:
-    """A dsec node id (NODE_ID_RE) for a Ray node: `n` + 12 hex digits of its id, stable while
-    the Ray node lives (a restarted raylet is a new Ray node, and a new dsec node)."""
-    return "n" + ray_node_id[:12].lower()
-
-
-def live_ray_nodes() -> set[str]:
+def live_names() -> dict[str, str]:
+    """{dsec node name: Ray node id} of the live Ray nodes that advertise a name (names.py).
+    A name on two live raylets (a misconfiguration `cluster up` refuses) maps to the first."""
     import ray
-    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    out: dict[str, str] = {}
+    for n in sorted(ray.nodes(), key=lambda n: n["NodeID"]):
+        name = name_of(n) if n.get("Alive") else None
+        if name is not None:
+            out.setdefault(name, n["NodeID"])
+    return out
 
 
 def named_actors(prefix: str) -> list[str]:
@@ -97,7 +100,7 @@ class LiveMap(Mapping[str, T], Generic[T]):
 
 
 class RayDiscovery:
-    def __init__(self, watcher: Watcher, secret: str, interval_s: float = 1.0):
+    def __init__(self, watcher: Watcher, secret: str | Callable[[], str], interval_s: float = 1.0):
         self.watcher = watcher
         self.interval_s = interval_s
         self._secret = secret
@@ -130,20 +133,19 @@ class RayDiscovery:
                 log.exception("edge discovery failed")
 
     async def refresh(self) -> None:
-        alive = await asyncio.to_thread(live_ray_nodes)
+        alive = await asyncio.to_thread(live_names)       # node name -> the Ray node offering it
         names = await asyncio.to_thread(named_actors, EDGE_PREFIX)
         seen: set[str] = set()
-        live_ids = {edge_node_id(r) for r in alive}
         for name in names:
             node = name.removeprefix(EDGE_PREFIX)
             seen.add(node)
-            if node not in live_ids:    # the edge of a dead Ray node: never asked (it cannot answer)
+            if node not in alive:    # no live raylet offers its name: never asked (it cannot answer)
                 if node in self.edges:
                     await self._drop(node, "its Ray node is dead")
                 continue
             known = self._where.get(node)
             if known is not None:
-                if known[0] not in alive:
+                if known[0] != alive[node]:     # its raylet started again: a new edge actor there
                     await self._drop(node, "its Ray node is dead")
                     continue
                 status = self.watcher.node(node)
@@ -157,7 +159,7 @@ class RayDiscovery:
                     self._add(node, addr["ray_node"], addr["url"])
                 continue
             addr = await actor_address(name)
-            if addr is None or addr["ray_node"] not in alive or addr["node_id"] != node:
+            if addr is None or addr["ray_node"] != alive[node] or addr["node_id"] != node:
                 continue
             self._add(node, addr["ray_node"], addr["url"])
         for node in set(self.edges) - seen:

@@ -12,7 +12,7 @@ import builtins
 import inspect
 import json
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Generator
 from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import urlencode
@@ -31,18 +31,39 @@ EDGE_SPECS = specs(EdgeHandle)
 FNCALL_SPECS = specs(FnCallHandle)
 
 
+class _Bearer(httpx.Auth):
+    """The cluster secret as it is now, on every request."""
+
+    def __init__(self, secret: Callable[[], str]):
+        self._secret = secret
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        request.headers["Authorization"] = f"Bearer {self._secret()}"
+        yield request
+
+
 class _Rpc:
     """POST <prefix><method> with the cluster secret; errors back as DsecErrors."""
 
-    def __init__(self, url: str, secret: str, node_id: str, http: httpx.AsyncClient | None = None):
+    def __init__(self, url: str, secret: str | Callable[[], str], node_id: str,
+                 http: httpx.AsyncClient | None = None):
+        """`secret`: the cluster secret, or what gives it at each call (a node's secret file,
+        secret_file.py: a rotation takes effect on the next request)."""
         self.url = url.rstrip("/")
         self.node_id = node_id
-        self._auth = {"Authorization": f"Bearer {secret}"}
+        self._secret = secret
         # no read timeout: a create or a command takes as long as it takes (the edge bounds
         # them); a dead node is found by connect failing or the connection dropping
         self._http = http or httpx.AsyncClient(
-            headers=self._auth, timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
+            auth=_Bearer(self._current), timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+
+    def _current(self) -> str:
+        return self._secret if isinstance(self._secret, str) else self._secret()
+
+    @property
+    def _auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self._current()}"}
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -7,7 +7,7 @@ namespace is kept: the edge's mounts stay visible to the host and its cleanup):
 
     nsenter --net=/run/netns/dsec-<node> -- python -m dsec.cluster.edge_proc
 
-It reads its settings as one JSON line on stdin (the cluster secret never shows in argv),
+It reads its settings as one JSON line on stdin (the path of the node's secret file among them),
 serves, writes {"url": ...} as one JSON line on stdout, and then lives exactly as long as the
 actor: PR_SET_PDEATHSIG kills it with the actor's process, and so does the end of stdin (the
 actor holds the write end; robust even where the forking thread is not the actor's last).
@@ -47,8 +47,9 @@ async def _run(cfg: dict[str, Any]) -> None:
     from dsec.cluster.actors import start_edge
     from dsec.settings import Settings
     settings = Settings.from_env().with_home(cfg["home"])     # this process's (the actor's environment)
-    stack, url = await start_edge(settings, cfg["node_id"], cfg["secret"], cfg["system_project"],
-                                  cfg["host"], cfg.get("builtin_images") or [], cfg.get("seed_bin"))
+    stack, url = await start_edge(settings, cfg["node_id"], cfg["secret_file"], cfg["system_project"],
+                                  cfg["host"], cfg.get("builtin_images") or [], cfg.get("seed_bin"),
+                                  int(cfg.get("port") or 0))
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stopping.set)

@@ -15,7 +15,7 @@ import hmac
 import json
 import logging
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -39,11 +39,16 @@ FNCALL_SPECS = specs(FnCallHandle)
 TUNNEL_CHUNK = 64 * 1024
 
 
-def _authorized(headers: Any, secret: str) -> bool:
+Secrets = Callable[[], list[str]]     # the accepted secrets now (secret_file.SecretFile.accepted)
+
+
+def _authorized(headers: Any, secrets: Secrets) -> bool:
     given = headers.get(AUTH_HEADER, "")
     scheme, _, token = given.partition(" ")
     # constant time: the comparison says nothing about how much of the secret a guess got right
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), secret.encode())
+    # (every accepted one compared: during a rotation there are two)
+    ok = [hmac.compare_digest(token.encode(), s.encode()) for s in secrets()]
+    return scheme.lower() == "bearer" and any(ok)
 
 
 def _error(e: DsecError) -> JSONResponse:
@@ -66,9 +71,13 @@ async def _ndjson(events: AsyncIterator[Any], spec: MethodSpec) -> AsyncIterator
             await aclose()
 
 
-def _rpc(target: object, table: dict[str, MethodSpec], secret: str):
+def _rpc(target: object, table: dict[str, MethodSpec], secret: Secrets):
     async def handle(request: Request) -> Response:
-        if not _authorized(request.headers, secret):
+        try:
+            authorized = _authorized(request.headers, secret)
+        except DsecError as e:     # the node's secret file missing or empty: say so, never a 500
+            return _error(e)
+        if not authorized:
             return _error(Unauthorized("the edge service needs the cluster secret", field="authorization",
                                        fix="call it from an apiserver of this cluster"))
         name = request.path_params["method"]
@@ -120,9 +129,13 @@ async def _pump_out(reader: asyncio.StreamReader, ws: WebSocket) -> None:
         await ws.send_bytes(data)
 
 
-def _tunnel(edge: EdgeHandle, secret: str):
+def _tunnel(edge: EdgeHandle, secret: Secrets):
     async def handle(ws: WebSocket) -> None:
-        if not _authorized(ws.headers, secret):
+        try:
+            authorized = _authorized(ws.headers, secret)
+        except DsecError:
+            authorized = False
+        if not authorized:
             await ws.close(code=1008)     # before accept: the handshake is refused (HTTP 403)
             return
         await ws.accept()
@@ -169,10 +182,15 @@ def _tunnel(edge: EdgeHandle, secret: str):
     return handle
 
 
-def edge_app(edge: EdgeHandle, secret: str, fncall: FnCallHandle | None = None) -> Starlette:
-    if len(secret) < 32:
-        raise InvalidArgument("the cluster secret is too short", field="secret",
-                              fix="use `dsec cluster up`, which generates one (secrets.token_urlsafe(32))")
+def edge_app(edge: EdgeHandle, secret: str | Secrets, fncall: FnCallHandle | None = None) -> Starlette:
+    """`secret`: the one secret callers must send, or what gives the accepted ones at each call
+    (a node's secret file: rotatable without a restart)."""
+    if isinstance(secret, str):
+        if len(secret) < 32:
+            raise InvalidArgument("the cluster secret is too short", field="secret",
+                                  fix="use `dsec cluster up`, which generates one (secrets.token_urlsafe(32))")
+        fixed = [secret]
+        secret = lambda: fixed     # noqa: E731
     routes = [Route(EDGE_PREFIX + "{method}", _rpc(edge, EDGE_SPECS, secret), methods=["POST"]),
               WebSocketRoute(TUNNEL_PATH, _tunnel(edge, secret))]
     if fncall is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 import signal
 import tempfile
@@ -40,8 +41,19 @@ class LocalCluster:
         """SIGKILL the node's raylet (and so its workers: the edge)."""
         self.ray_cluster.remove_node(self.nodes.pop(node_id), False)
 
+    def restart_node(self, node_id: str) -> None:
+        """Start a raylet again under the name of a killed one (a new Ray node id): Ray starts
+        the node's edge actor there, which adopts its sandboxes (a host's raylet restarted)."""
+        assert node_id not in self.nodes, "kill it first"
+        self.nodes[node_id] = self.ray_cluster.add_node(num_cpus=1, resources=_node_resources(node_id))
+
 
 START_ATTEMPTS = 3
+
+
+def _node_resources(name: str) -> dict[str, float]:
+    from dsec.cluster.names import RESOURCE_PREFIX
+    return {"dsec_edge": 1, RESOURCE_PREFIX + name: 1}
 
 
 def _abandon(rcl: Any) -> None:
@@ -81,7 +93,7 @@ async def local_cluster(nodes: int = 3, replicas: int = 2, edge_env: dict[str, s
 
     from dsec.cluster import netns
     from dsec.cluster import ray_cluster as rc
-    from dsec.cluster.discovery import EDGE_PREFIX, actor_address, edge_node_id
+    from dsec.cluster.discovery import EDGE_PREFIX, actor_address
     from dsec.settings import Settings
     from dsec.testing.isolated import cleanup_home
 
@@ -98,10 +110,13 @@ async def local_cluster(nodes: int = 3, replicas: int = 2, edge_env: dict[str, s
         t0 = time.monotonic()
         # the head hosts the replicas (dsec_api), every node an edge (dsec_edge)
         for attempt in range(START_ATTEMPTS):
+            # node names unique on this host (bridges, netns, cgroups are host-wide): a prefix per try
+            names = [f"t{secrets.token_hex(3)}-{i}" for i in range(nodes)]
             rcl = RayCluster(initialize_head=True, head_node_args={
-                "num_cpus": 1, "resources": {"dsec_edge": 1, "dsec_api": replicas}, "include_dashboard": False})
+                "num_cpus": 1, "resources": {**_node_resources(names[0]), "dsec_api": replicas},
+                "include_dashboard": False})
             try:
-                workers = [rcl.add_node(num_cpus=1, resources={"dsec_edge": 1}) for _ in range(nodes - 1)]
+                workers = [rcl.add_node(num_cpus=1, resources=_node_resources(n)) for n in names[1:]]
                 break
             except Exception as exc:
                 # Ray gives a raylet 30 s to register (hard-coded): a loaded host misses it.
@@ -123,7 +138,7 @@ async def local_cluster(nodes: int = 3, replicas: int = 2, edge_env: dict[str, s
             netns_pool=f"10.{80 + os.getpid() % 8}.0.0/16",
             edge_env={"DSEC_VM": "0", "DSEC_LOG_LEVEL": "WARNING", **(edge_env or {})})
         if settings.edge_netns:
-            node_ids = [edge_node_id(n.node_id) for n in [rcl.head_node, *workers]]
+            node_ids = list(names)
         st = await rc.up(settings)
         homes = [Path(e["home"]) for e in st["edges"]]
         by_ray_id = {n.node_id: n for n in workers}

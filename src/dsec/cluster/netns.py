@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from dsec.cluster.names import link_tag
 from dsec.types import InvalidArgument, SandboxFailed, Unavailable
 
 log = logging.getLogger("dsec.cluster.netns")
@@ -45,7 +46,7 @@ DEFAULT_POOL = "10.89.0.0/16"
 
 @dataclass(frozen=True)
 class EdgeNetns:
-    node_id: str                 # the dsec node id: "n" + 12 hex digits
+    node_id: str                 # the dsec node name (cluster/names.py)
     link: str                    # its /30: .1 the host end, .2 the netns end
 
     @property
@@ -58,11 +59,11 @@ class EdgeNetns:
 
     @property
     def host_if(self) -> str:
-        return (HOST_IF_PREFIX + self.node_id.removeprefix("n"))[:15]
+        return HOST_IF_PREFIX + link_tag(self.node_id, 15 - len(HOST_IF_PREFIX))
 
     @property
     def nft_table(self) -> str:
-        return f"dsec_ns_{self.node_id}"
+        return f"dsec_ns_{self.node_id}".replace("-", "_")
 
     @property
     def host_ip(self) -> str:

@@ -1,15 +1,19 @@
 """`dsec cluster up/down/status` on a running Ray cluster (D32).
 
-up: one EdgeNode per eligible live node (detached, named `dsec-edge-<node>`, pinned with
-NodeAffinitySchedulingStrategy), each with its own DSEC_HOME, bridge and subnet (several Ray
-nodes may share a host: CI, tests); then `replicas` ApiReplica actors spread over the nodes.
-Idempotent: nodes that already have an edge keep it, new nodes get one (their subnets are the
-free slots of the pool). The cluster secret (apiserver <-> edge authentication) is generated on
-the first `up` into <home>/cluster.secret (0600) and reused after.
+up: one EdgeNode per eligible live node that advertises a node name (names.py; detached, named
+`dsec-edge-<name>`, placed by the name's Ray resource, so Ray starts it again wherever the name
+comes back), each with its own DSEC_HOME, bridge and subnet (several Ray nodes may share a
+host: CI, tests); then `replicas` ApiReplica actors spread over the nodes. Idempotent: nodes
+that already have an edge keep it (a node that is down too), new nodes get one; each name's
+subnet is given once and kept in the control store (store/nodes.py). The cluster secret
+(apiserver <-> edge authentication) is generated on the first `up` into <home>/cluster.secret
+(0600) and reused after; every `up` installs it on every live Ray node as
+<node-homes>/cluster.secret (secret_file.py), which that node's edges and replicas read: it is
+never an actor argument. rotate_secret() replaces it on every live node without downtime.
 
 Node-global on one host, per edge: DSEC_HOME (edge.db, crun root, layer mounts, scratch),
-bridge + nft table (named after the bridge) + subnet, the edge service's port (bound to a free
-one, reported through Ray). Shared and safe to share: the cgroup tree /dsec/<sandbox id> (ids
+bridge + nft table (named after the bridge) + subnet, the edge service's port (`edge_port`, else
+a free one kept in its home, reported through Ray). Shared and safe to share: the cgroup tree /dsec/<sandbox id> (ids
 carry the node), the uid-range registry in /run/dsec/idranges (host-wide by design), zram swap,
 sysctls the edges set to the same values. Split between them: the host's CPU and memory, the
 base of each edge's admission ceilings (share_env: 1/N each for N edges on one host).
@@ -29,13 +33,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsec.cluster.discovery import API_PREFIX, EDGE_PREFIX, NAMESPACE, actor_address, edge_node_id, named_actors
+from dsec.cluster.discovery import API_PREFIX, EDGE_PREFIX, NAMESPACE, actor_address, live_names, named_actors
+from dsec.cluster.names import RESOURCE_PREFIX, bridge_name, name_of
 from dsec.config import DEFAULT_HOME, DEFAULT_PORT
-from dsec.types import InvalidArgument, Unavailable
+from dsec.types import Conflict, InvalidArgument, Unavailable
 
 log = logging.getLogger("dsec.cluster")
 
 SECRET_FILE = "cluster.secret"
+NODE_SECRET_FILE = "cluster.secret"      # in <node-homes> on every node (secret_file.py)
 START_TIMEOUT_S = 120.0
 
 
@@ -57,6 +63,9 @@ class ClusterSettings:
     edge_env: dict[str, str] = field(default_factory=dict)
     images_home: str | None = None  # replicas' image registry (tenancy checks) until the shared layer store
     seed_bin: str | None = None     # a bin/ of compiled helpers on every node's host to copy from (tests)
+    # every edge's service port (firewalls); 0: each keeps the port it first bound (a free one) in
+    # its home, so a restarted edge serves where it did (actors.edge_socket)
+    edge_port: int = 0
     # N edges on one host (same hostname) each count 1/N of it (DSEC_NODE_SHARE, edge/node_share.py);
     # False: each counts the whole host (or its cgroup), overcommitting it N times
     share_hosts: bool = True
@@ -127,12 +136,59 @@ def _netns(settings: ClusterSettings, node: str, index: int) -> dict[str, str] |
     return EdgeNetns(node, link_for(settings.netns_pool, index)).to_json()
 
 
-def eligible_nodes(settings: ClusterSettings) -> list[dict[str, Any]]:
+def eligible_nodes(settings: ClusterSettings) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """({node name: its live Ray node}, [Ray ids of live eligible nodes that advertise no name]).
+    A name offered by two live raylets is refused: both would claim one home and subnet."""
     import ray
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     if settings.node_resource:
         nodes = [n for n in nodes if n.get("Resources", {}).get(settings.node_resource, 0) > 0]
-    return sorted(nodes, key=lambda n: n["NodeID"])
+    named: dict[str, dict[str, Any]] = {}
+    unnamed = []
+    for n in sorted(nodes, key=lambda n: n["NodeID"]):
+        name = name_of(n)
+        if name is None:
+            unnamed.append(n["NodeID"])
+        elif name in named:
+            raise Conflict(f"two live Ray nodes advertise the node name {name!r} "
+                           f"({named[name]['NodeManagerAddress']} and {n['NodeManagerAddress']})",
+                           field="node_name", fix="give each raylet its own name: `ray start --resources "
+                                                  "\"$(dsec cluster node-resources --node-name <name>)\"`")
+        else:
+            named[name] = n
+    return named, unnamed
+
+
+def _assign_subnets(settings: ClusterSettings, names: list[str], pool: list[str]) -> dict[str, str]:
+    """Each node's subnet from the control store: the one it had, else a free one (kept)."""
+    from dsec.store import open_db
+    from dsec.store.nodes import NodeRegistry
+    db = open_db(settings.iam_url)
+    try:
+        reg = NodeRegistry(db)
+        out = {}
+        for name in names:
+            subnet = reg.assign_subnet(name, pool)
+            if subnet is None:
+                raise Unavailable(f"the subnet pool {settings.subnet_pool} has no /{settings.subnet_prefix} left",
+                                  field="subnet_pool", fix="use a larger pool or a longer subnet_prefix, or "
+                                                           "`dsec nodes forget` nodes gone for good")
+            out[name] = subnet
+        return out
+    finally:
+        db.close()
+
+
+def _forgotten(settings: ClusterSettings, names: set[str]) -> set[str]:
+    """Of these node names, those the control store has no row of (forgotten, or never up)."""
+    from dsec.store import open_db
+    from dsec.store.nodes import NodeRegistry
+    db = open_db(settings.iam_url)
+    try:
+        rows = NodeRegistry(db).all()
+        return {n for n in names if n not in rows or rows[n].state == "forgotten"}
+    finally:
+        db.close()
 
 
 def _bootstrap_iam(settings: ClusterSettings) -> str:
@@ -151,44 +207,46 @@ def _bootstrap_iam(settings: ClusterSettings) -> str:
 async def up(settings: ClusterSettings) -> dict[str, Any]:
     """Start what is missing; returns status(). Ray must be initialized (ray.init)."""
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     from dsec.cluster.actors import ApiReplica, EdgeNode
 
     secret = _secret(settings.home)
+    secret_file = str(settings.node_homes / NODE_SECRET_FILE)
+    await _install_secret(secret_file, [secret], keep_current=True)
     system = await asyncio.to_thread(_bootstrap_iam, settings)
-    nodes = await asyncio.to_thread(eligible_nodes, settings)
+    nodes, unnamed = await asyncio.to_thread(eligible_nodes, settings)
+    for ray_id in unnamed:
+        log.warning("a Ray node advertises no dsec node name: no edge there", extra={"ray_node": ray_id})
     if not nodes:
-        raise Unavailable("no live Ray node is eligible for an edge", field="node_resource",
-                          fix="start Ray nodes (`ray start`), or drop --node-resource")
+        raise Unavailable("no live Ray node is eligible for an edge"
+                          + (f" ({len(unnamed)} advertise no dsec node name)" if unnamed else ""),
+                          field="node_name" if unnamed else "node_resource",
+                          fix="start each raylet with `ray start ... --resources \"$(dsec cluster node-resources)\"`"
+                          + ("" if unnamed else ", or drop --node-resource"))
     existing = {n.removeprefix(EDGE_PREFIX) for n in await asyncio.to_thread(named_actors, EDGE_PREFIX)}
-    gone = existing - await asyncio.to_thread(live_edge_ids)
-    for node in gone:      # edges of dead Ray nodes: their names (and subnets) are free again
+    # an edge whose node is down keeps its actor (Ray starts it again where its name comes back),
+    # unless the node was forgotten (`dsec nodes forget`): then its name and subnet are free
+    for node in await asyncio.to_thread(_forgotten, settings, existing - set(nodes)):
         await asyncio.to_thread(_kill, EDGE_PREFIX + node)
-    existing -= gone
-    taken = {a["subnet"] for a in await asyncio.gather(*(actor_address(EDGE_PREFIX + n) for n in existing))
-             if a is not None and a.get("subnet")}
+        existing.discard(node)
     pool = _subnets(settings.subnet_pool, settings.subnet_prefix)
-    free = [s for s in pool if s not in taken]
+    subnets = await asyncio.to_thread(_assign_subnets, settings, sorted(nodes), pool)
     edge_cls = ray.remote(EdgeNode)
-    shares = share_env(settings, nodes)
+    shares = share_env(settings, list(nodes.values()))
     started = []
-    for n in nodes:
-        node = edge_node_id(n["NodeID"])
+    for node, n in nodes.items():
         if node in existing:
             continue
-        if not free:
-            raise Unavailable(f"the subnet pool {settings.subnet_pool} has no /{settings.subnet_prefix} left",
-                              field="subnet_pool", fix="use a larger pool or a longer subnet_prefix")
-        subnet = free.pop(0)
+        subnet = subnets[node]
         home = settings.node_homes / node
         env = {**shares[n["NodeID"]], **settings.edge_env, "DSEC_HOME": str(home),
-               "DSEC_NET_BRIDGE": f"dc{node}"[:15], "DSEC_NET_SUBNET": subnet}
+               "DSEC_NET_BRIDGE": bridge_name(node), "DSEC_NET_SUBNET": subnet}
+        # placed by its name's resource, not pinned to a Ray node id: Ray starts it again on
+        # the raylet that offers the name next (the same host after a restart: it adopts)
         edge_cls.options(name=EDGE_PREFIX + node, namespace=NAMESPACE, lifetime="detached", num_cpus=0,
-                         max_restarts=-1, max_concurrency=10_000,
-                         scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False),
+                         max_restarts=-1, max_concurrency=10_000, resources={RESOURCE_PREFIX + node: 1},
                          runtime_env={"env_vars": env}).remote(
-            node, str(home), secret, system, n["NodeManagerAddress"], settings.builtin_images, settings.seed_bin,
-            _netns(settings, node, pool.index(subnet)))
+            node, str(home), secret_file, system, "", settings.builtin_images, settings.seed_bin,
+            _netns(settings, node, pool.index(subnet)), settings.edge_port)
         started.append(node)
     # every edge answers (starts) before the replicas look for them
     answers = await asyncio.gather(*(actor_address(EDGE_PREFIX + n, START_TIMEOUT_S) for n in started))
@@ -208,14 +266,66 @@ async def up(settings: ClusterSettings) -> dict[str, Any]:
                             **({"resources": {settings.api_resource: 1}} if settings.api_resource
                                else {"scheduling_strategy": "SPREAD"}),
                             runtime_env={"env_vars": dict(settings.edge_env)}).remote(
-            name, secret, settings.iam_url, str(settings.home / "admin.key"), settings.api_host,
+            name, secret_file, settings.iam_url, str(settings.home / "admin.key"), settings.api_host,
             settings.api_port, settings.images_home)
         new_replicas.append(name)
     answers = await asyncio.gather(*(actor_address(n, START_TIMEOUT_S) for n in new_replicas))
     if any(a is None for a in answers):
         raise Unavailable("an apiserver replica did not start", field="replicas",
                           fix="see the Ray worker logs (/tmp/ray/session_latest/logs)")
-    return await status()
+    st = await status()
+    if unnamed:      # the operator sees which raylets got no edge, and how to name them
+        st["unnamed_ray_nodes"] = {"ray_node_ids": unnamed, "fix": "ray start ... --resources "
+                                   "\"$(dsec cluster node-resources --node-name <name>)\""}
+    return st
+
+
+def _write_secret(path: str, lines: list[str], keep_current: bool) -> None:
+    """On a node (a Ray task pinned there): its secret file becomes `lines`; with keep_current,
+    left as it is when it already sends lines[0] (a rotation's later steps are not undone)."""
+    from dsec.cluster.secret_file import SecretFile, install
+    if keep_current:
+        try:
+            if SecretFile(path).current() == lines[0]:
+                return
+        except Exception:
+            pass
+    install(path, lines)
+
+
+async def _install_secret(path: str, lines: list[str], keep_current: bool = False) -> int:
+    """Write the secret file on every live Ray node (each by a task pinned to it); how many."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    task = ray.remote(_write_secret)
+    nodes = [n["NodeID"] for n in await asyncio.to_thread(ray.nodes) if n.get("Alive")]
+    refs = [task.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(
+        path, lines, keep_current) for n in nodes]
+    try:
+        await asyncio.wait_for(asyncio.gather(*refs), START_TIMEOUT_S)
+    except (TimeoutError, ray.exceptions.RayError) as e:
+        raise Unavailable(f"the cluster secret could not be written on every live node ({type(e).__name__}: {e})",
+                          field="secret", fix="see `ray status`; run the command again") from None
+    return len(nodes)
+
+
+ROTATE_SETTLE_S = 2.0     # requests signed with the old secret just before the switch still land
+
+
+async def rotate_secret(settings: ClusterSettings) -> dict[str, Any]:
+    """A new cluster secret without downtime: every live node accepts both, then sends the new
+    one, then accepts only it. A node down meanwhile gets it from the next `up`."""
+    from dsec.cluster.secret_file import install
+    old = _secret(settings.home)
+    new = secrets.token_urlsafe(32)
+    path = str(settings.node_homes / NODE_SECRET_FILE)
+    await _install_secret(path, [old, new])          # edges accept both; replicas still send the old
+    await _install_secret(path, [new, old])          # replicas send the new one
+    await asyncio.to_thread(install, settings.home / SECRET_FILE, [new])
+    await asyncio.sleep(ROTATE_SETTLE_S)
+    n = await _install_secret(path, [new])           # the old one is refused from now on
+    log.info("cluster secret rotated", extra={"nodes": n})
+    return {"rotated": True, "nodes": n, "file": path}
 
 
 async def status() -> dict[str, Any]:
@@ -237,9 +347,8 @@ async def status() -> dict[str, Any]:
 
 
 def live_edge_ids() -> set[str]:
-    """The dsec node ids of the live Ray nodes (an edge on any other is gone with its node)."""
-    import ray
-    return {edge_node_id(n["NodeID"]) for n in ray.nodes() if n.get("Alive")}
+    """The dsec node names live Ray nodes offer (an edge of any other name is down with its node)."""
+    return set(live_names())
 
 
 def _kill(name: str) -> bool:

@@ -7,8 +7,8 @@ import asyncio
 import builtins
 
 from dsec.backends.base import Console, Egress, LayerDiff
-from dsec.types import (EventType, DEFAULT_SCRUB, Conflict, ImageInfo,
-                        NetworkPolicy, PackDiffRequest, SandboxInfo)
+from dsec.types import (EventType, DEFAULT_SCRUB, Conflict, DsecError, ImageInfo,
+                        NetworkPolicy, NetworkRuleSet, PackDiffRequest, SandboxInfo, SandboxState)
 from dsec.edge.core import EdgeCore, log
 
 
@@ -29,6 +29,36 @@ class CapabilityVerbs(EdgeCore):
         self._touch(live.rec)
         log.info("network policy replaced", extra={"sandbox": live.id, "rules": len(policy.rules)})
         return live.rec.info(self.node_id)
+
+    async def set_rulesets(self, rulesets: dict[str, NetworkRuleSet]) -> int:
+        """The operator's named rule sets, from the control store (pushed by the apiserver on
+        every change and at its start): each Egress backend keeps them, and every running
+        sandbox that turned one on has its policy resolved again, so new connections follow
+        the change at once. A rule set that is gone counts as off (the sandbox's own policy still
+        names it: it comes back if the operator defines it again). Returns how many sandboxes
+        were re-applied."""
+        egress = [b for b in self._distinct_backends() if isinstance(b, Egress)]
+        for b in egress:
+            await asyncio.to_thread(b.set_rulesets, rulesets)
+        n = 0
+        for live in builtins.list(self._live.values()):
+            policy = getattr(live.rec.args, "network", None)
+            if live.rec.state != SandboxState.running or not isinstance(policy, NetworkPolicy) or \
+                    not any(policy.rulesets.values()):
+                continue
+            b = self._backend(live.rec.backend)
+            if not isinstance(b, Egress):
+                continue
+            known = b.known_rulesets()
+            applied = policy.model_copy(update={"rulesets": {k: v for k, v in policy.rulesets.items() if k in known}})
+            async with live.net_lock:
+                try:
+                    await b.set_network(live.id, applied)
+                    n += 1
+                except (FileNotFoundError, DsecError) as e:     # stopped under us, or a bad set
+                    log.warning("rule sets not re-applied", extra={"sandbox": live.id, "error": str(e)})
+        log.info("network rule sets replaced", extra={"rulesets": sorted(rulesets), "sandboxes": n})
+        return n
 
     async def pack_diff(self, sandbox_id: str, req: PackDiffRequest) -> ImageInfo:
         """The sandbox's writable changes (additions, modifications, whiteouts, opaque dirs),

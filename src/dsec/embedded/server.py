@@ -16,7 +16,7 @@ import stat
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -160,6 +160,23 @@ def make_private(paths: Paths) -> None:
                 log.warning("could not make a state file private", extra={"path": str(f), "error": str(e)})
 
 
+def https_server(settings: Settings, host: str, app: Any) -> uvicorn.Server | None:
+    """HTTPS for `{port}-{id}.{domain}` (and every other route) when a domain is set
+    (DSEC_DOMAIN, DSEC_HTTPS_PORT; the certificate: apiserver/tls.py)."""
+    srv = settings.server
+    domain = srv.ingress_domain
+    if not domain or not srv.https_port:
+        return None
+    from dsec.apiserver.e2b.hosts import check_domain
+    from dsec.apiserver.tls import server_cert
+    cert, key = server_cert(settings.paths.home, check_domain(domain), srv.tls_cert, srv.tls_key)
+    config = uvicorn.Config(app, host=host, port=srv.https_port, log_config=None, access_log=False,
+                            timeout_graceful_shutdown=2, timeout_keep_alive=KEEP_ALIVE_S, http=GuardedH11Protocol,
+                            ssl_certfile=str(cert), ssl_keyfile=str(key))
+    log.info("dsec serving HTTPS", extra={"url": f"https://*.{domain}:{srv.https_port}", "certificate": str(cert)})
+    return uvicorn.Server(config)
+
+
 def serve(settings: Settings, opts: ServerOptions) -> None:
     """`dsec up`: `settings` are the server process's own (its environment, read once)."""
     dlog.configure(opts.log_level)
@@ -170,12 +187,23 @@ def serve(settings: Settings, opts: ServerOptions) -> None:
         async with embedded(settings, opts.node_id) as ctx:
             # keep-alive 75 s, far above httpx's 5 s pool expiry: a client never reuses a
             # connection the server is just closing (a lost stop under load, issue 22)
-            config = uvicorn.Config(create_app(ctx), host=opts.host, port=opts.port, log_config=None,
+            app = create_app(ctx)
+            config = uvicorn.Config(app, host=opts.host, port=opts.port, log_config=None,
                                     access_log=False, timeout_graceful_shutdown=2,
                                     timeout_keep_alive=KEEP_ALIVE_S, http=GuardedH11Protocol)
             server = uvicorn.Server(config)
+            https = https_server(settings, opts.host, app)
             log.info("dsec serving", extra={"url": f"http://{opts.host}:{opts.port}", "home": str(paths.home)})
-            await server.serve()
+            if https is None:
+                await server.serve()
+                return
+            # the same app over TLS on a second port; whichever gets the signal, both stop
+            tls_task = asyncio.create_task(https.serve())
+            try:
+                await server.serve()
+            finally:
+                https.should_exit = True
+                await tls_task
 
     # uvicorn turns SIGINT/SIGTERM into a graceful shutdown, then re-raises the signal with the
     # handlers it found at start. With the defaults that kills the process before the edge has

@@ -18,7 +18,7 @@ Enforced by the apiserver on create and on set_network (apiserver/control.py); e
 from __future__ import annotations
 
 import ipaddress
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -28,11 +28,21 @@ from dsec.types import RULESET_NAME_RE, Forbidden, NetworkPolicy
 LIMITS = {"max_cpu_cores": "cpu_cores", "max_memory_mb": "memory_mb", "max_disk_mb": "disk_mb",
           "max_pids_limit": "pids_limit", "max_nofile": "nofile", "max_output_cap_bytes": "output_cap_bytes",
           "max_output_total_bytes": "output_total_bytes"}
+# the egress ceiling, narrowest first: none (no egress at all), rulesets (only the operator's
+# named rule sets), internet (rules, domains and rule sets, as `cidrs`/`rulesets` bound them)
+EGRESS_LEVELS = ("none", "rulesets", "internet")
+Egress = Literal["none", "rulesets", "internet"]
+INTERNET = ("0.0.0.0/0", "::/0")
 
 
 class SandboxPolicy(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    egress: Annotated[Egress | None, Field(
+        description="the project's egress, a ceiling no create can lift and the E2B mount's default: 'none' "
+                    "(no egress, no DNS), 'rulesets' (only the operator's named rule sets), 'internet' (any "
+                    "rules within `cidrs`; E2B creates that name no network get the internet, as on E2B); "
+                    "None: as 'internet'")] = None
     rulesets: Annotated[list[Annotated[str, Field(pattern=RULESET_NAME_RE)]] | None,
                         Field(description="named network rule sets sandboxes may turn on; None: any; []: none")] = None
     cidrs: Annotated[list[str] | None,
@@ -75,6 +85,8 @@ def _within(net: str, allowed: list[str]) -> bool:
 def narrow(parent: SandboxPolicy, child: SandboxPolicy) -> SandboxPolicy:
     """The intersection: what both allow."""
     out: dict = {}
+    levels = [EGRESS_LEVELS.index(v) for v in (parent.egress, child.egress) if v is not None]
+    out["egress"] = EGRESS_LEVELS[min(levels)] if levels else None
     out["rulesets"] = (child.rulesets if parent.rulesets is None else parent.rulesets if child.rulesets is None
                        else [r for r in child.rulesets if r in parent.rulesets])
     out["cidrs"] = (child.cidrs if parent.cidrs is None else parent.cidrs if child.cidrs is None
@@ -90,6 +102,9 @@ def narrow(parent: SandboxPolicy, child: SandboxPolicy) -> SandboxPolicy:
 def check_narrows(parent: SandboxPolicy, child: SandboxPolicy) -> None:
     """Refuse a child policy that allows more than its parent's effective policy."""
     fix = "a project may only narrow its parent's policy: ask for at most what the parent allows"
+    if child.egress is not None and EGRESS_LEVELS.index(child.egress) > EGRESS_LEVELS.index(parent.egress or "internet"):
+        raise Forbidden(f"egress={child.egress!r} is wider than the parent project's egress={parent.egress!r}",
+                        field="egress", fix=fix)
     if child.rulesets is not None and parent.rulesets is not None:
         extra = [r for r in child.rulesets if r not in parent.rulesets]
         if extra:
@@ -113,6 +128,7 @@ def _fix(project_id: str, what: str) -> str:
 
 
 def check_network(policy: SandboxPolicy, net: NetworkPolicy, project_id: str, prefix: str = "network.") -> None:
+    _check_egress(policy, net, project_id, prefix)
     if net.domains and policy.cidrs is not None:
         # a name may resolve anywhere: a project held to some networks cannot allow names
         raise Forbidden(f"project {project_id} allows egress only to {policy.cidrs or 'no networks'}; "
@@ -129,6 +145,32 @@ def check_network(policy: SandboxPolicy, net: NetworkPolicy, project_id: str, pr
                             field=f"{prefix}rules.{i}.cidr",
                             fix=_fix(project_id, f"allow only networks within {policy.cidrs}" if policy.cidrs
                                      else "this project allows no explicit egress rules"))
+
+
+def _check_egress(policy: SandboxPolicy, net: NetworkPolicy, project_id: str, prefix: str) -> None:
+    """The project's egress ceiling: 'none' refuses any egress, 'rulesets' anything but rule sets."""
+    if policy.egress is None or policy.egress == "internet":
+        return
+    wants = [(f"{prefix}rules.0.cidr", net.rules[0].cidr)] if net.rules else []
+    wants += [(f"{prefix}domains", net.domains[0])] if net.domains else []
+    on = [name for name, v in net.rulesets.items() if v]
+    if policy.egress == "none" and on:
+        wants.append((f"{prefix}rulesets.{on[0]}", on[0]))
+    if wants:
+        field, what = wants[0]
+        allowed = "no egress at all" if policy.egress == "none" else "egress only through the operator's rule sets"
+        raise Forbidden(f"project {project_id}'s policy has egress={policy.egress!r} ({allowed}); "
+                        f"{field}={what!r} asks for more", field=field,
+                        fix=_fix(project_id, "leave network unset" if policy.egress == "none"
+                                 else "use only network.rulesets (`dsec ruleset ls`)"))
+
+
+def default_internet(policy: SandboxPolicy) -> bool:
+    """Whether a sandbox that names no network gets the internet where the API's default is E2B's
+    (allow_internet_access unset): only where the ceiling allows any address."""
+    if policy.egress not in (None, "internet"):
+        return False
+    return policy.cidrs is None or all(_within(c, policy.cidrs) for c in INTERNET)
 
 
 def is_root(user: str | None) -> bool:

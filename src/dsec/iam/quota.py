@@ -150,6 +150,14 @@ class QuotaLedger:
         return [Held(reservation_id=r["id"], sandbox_id=r["sandbox_id"], project_id=r["project_id"],
                      activated_at=float(r["activated_at"])) for r in rows]
 
+    def release_node(self, node: str) -> int:
+        """Give back every reservation held by a sandbox of `node` (ids `sb-<node>.*`): the node
+        is gone for good (`dsec nodes forget`). How many."""
+        def go(tx: Tx) -> int:
+            rows = tx.all("SELECT id FROM quota_reservations WHERE sandbox_id LIKE ?", (f"sb-{node}.%",))
+            return sum(_release(tx, "id", r["id"]) for r in rows)
+        return self.db.run(go)
+
     def release_stale_pending(self, older_than_s: float = PENDING_TTL_S) -> int:
         """Free reservations never bound to a sandbox (an apiserver died between reserving and
         the edge's answer)."""

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict
 from dsec.config import DEFAULT_HOME
 from dsec.iam.policy import SandboxPolicy, check_narrows, narrow
 from dsec.iam.quota import QuotaLedger
+from dsec.iam.rulesets import RulesetStore
 from dsec.settings import ClusterEnvSettings
 from dsec.store import Database, Tx, is_postgres_dsn, open_db
 from dsec.store.db import Row
@@ -124,6 +125,7 @@ class IAM:
         self.home = Path(home) if home is not None else (
             Path(DEFAULT_HOME) if is_postgres_dsn(dsn) else Path(dsn).parent)
         self.quotas = QuotaLedger(self.db)
+        self.rulesets = RulesetStore(self.db)   # operators' named network rule sets
 
     @property
     def db_path(self) -> Path:

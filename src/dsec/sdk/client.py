@@ -201,6 +201,27 @@ class Client:
         body: dict[str, Any] = resp.json()
         return body
 
+    # -- operators' named network rule sets (`network.rulesets`, policy `rulesets`) --------
+    async def rulesets(self) -> dict[str, Any]:
+        """{"rulesets": {name: {"rules": [...], "domains": [...]}}}."""
+        resp = await self._request("GET", "/v1/network/rulesets")
+        body: dict[str, Any] = resp.json()
+        return body
+
+    async def set_ruleset(self, name: str, rules: list[dict[str, Any]] | None = None,
+                          domains: list[str] | None = None) -> dict[str, Any]:
+        """Define or replace a rule set (a key of the root project); running sandboxes that use
+        it follow for new connections. The answer says, per node, how many were re-applied."""
+        resp = await self._request("PUT", f"/v1/network/rulesets/{name}",
+                                   json={"rules": rules or [], "domains": domains or []})
+        body: dict[str, Any] = resp.json()
+        return body
+
+    async def delete_ruleset(self, name: str) -> dict[str, Any]:
+        resp = await self._request("DELETE", f"/v1/network/rulesets/{name}")
+        body: dict[str, Any] = resp.json()
+        return body
+
     # -- projects, quotas and keys (nested: a key acts for its project and those below) ---
     async def projects(self) -> builtins.list[ProjectInfo]:
         """The caller's project and every project below it, top down."""
@@ -324,6 +345,12 @@ class Client:
     async def nodes(self) -> builtins.list[NodeStatus]:
         resp = await self._request("GET", "/v1/nodes")
         return [NodeStatus.model_validate(n) for n in resp.json()]
+
+    async def node_action(self, node: str, action: str) -> dict[str, Any]:
+        """Admin only: `cordon`, `drain`, `uncordon` or `forget` a node (`dsec nodes`); the
+        answer names its state, a drain's remaining sandboxes, a forget's released quota."""
+        resp = await self._request("POST", f"/v1/nodes/{node}/{action}")
+        return resp.json()
 
     async def images(self) -> builtins.list[ImageInfo]:
         resp = await self._request("GET", "/v1/images")

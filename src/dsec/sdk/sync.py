@@ -80,6 +80,20 @@ class SyncClient(_sync.Synchronized):
         """Replace a project's own policy (key of a parent project; it may only narrow)."""
         return cast("dict[str, Any]", _sync.call(self, "set_policy", project_id, policy))
 
+    def rulesets(self) -> dict[str, Any]:
+        """{"rulesets": {name: {"rules": [...], "domains": [...]}}}."""
+        return cast("dict[str, Any]", _sync.call(self, "rulesets"))
+
+    def set_ruleset(self, name: str, rules: builtins.list[dict[str, Any]] | None = None,
+                    domains: builtins.list[str] | None = None) -> dict[str, Any]:
+        """Define or replace a rule set (a key of the root project); running sandboxes that use
+        it follow for new connections. The answer says, per node, how many were re-applied.
+        """
+        return cast("dict[str, Any]", _sync.call(self, "set_ruleset", name, rules, domains))
+
+    def delete_ruleset(self, name: str) -> dict[str, Any]:
+        return cast("dict[str, Any]", _sync.call(self, "delete_ruleset", name))
+
     def projects(self) -> builtins.list[ProjectInfo]:
         """The caller's project and every project below it, top down."""
         return cast("builtins.list[ProjectInfo]", _sync.call(self, "projects"))
@@ -165,6 +179,12 @@ class SyncClient(_sync.Synchronized):
 
     def nodes(self) -> builtins.list[NodeStatus]:
         return cast("builtins.list[NodeStatus]", _sync.call(self, "nodes"))
+
+    def node_action(self, node: str, action: str) -> dict[str, Any]:
+        """Admin only: `cordon`, `drain`, `uncordon` or `forget` a node (`dsec nodes`); the
+        answer names its state, a drain's remaining sandboxes, a forget's released quota.
+        """
+        return cast("dict[str, Any]", _sync.call(self, "node_action", node, action))
 
     def images(self) -> builtins.list[ImageInfo]:
         return cast("builtins.list[ImageInfo]", _sync.call(self, "images"))

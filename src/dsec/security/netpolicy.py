@@ -35,7 +35,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from dsec.types import InvalidArgument, NetworkPolicy, NetworkRule, Unavailable
+from dsec.types import InvalidArgument, NetworkPolicy, NetworkRule, NetworkRuleSet, Unavailable
 
 log = logging.getLogger("dsec.security.netpolicy")
 
@@ -127,6 +127,14 @@ class Rulesets:
                 self._sets, self._domains = self._load() if stamp else ({}, {})
                 self._stamp = stamp
             return self._sets
+
+    def write(self, sets: dict[str, NetworkRuleSet]) -> None:
+        """Replace the file with the control store's rule sets (pushed by the apiserver): an
+        atomic rename, so get() sees the old file or the new one, never half of it."""
+        body = {name: rs.model_dump(mode="json", exclude_defaults=True) for name, rs in sorted(sets.items())}
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text(json.dumps(body, indent=1) + "\n")
+        os.replace(tmp, self.path)
 
     def domains(self, name: str) -> list[str]:
         """The domain patterns of a rule set ({"pypi": {"domains": ["pypi.org"]}}), as of get()."""

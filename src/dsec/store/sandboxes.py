@@ -38,8 +38,10 @@ def _row(r: Row) -> IndexedSandbox:
 
 _UPSERT = ("INSERT INTO sandbox_index (id, node, project_id, labels, state, created_at, updated_at, ended_at, info) "
            "VALUES (?,?,?,?,?,?,?,NULL,?) ON CONFLICT(id) DO UPDATE SET state=excluded.state, "
-           "labels=excluded.labels, updated_at=excluded.updated_at, info=COALESCE(excluded.info, sandbox_index.info) "
-           "WHERE sandbox_index.ended_at IS NULL")   # an ended sandbox never comes back
+           "labels=excluded.labels, updated_at=excluded.updated_at, info=COALESCE(excluded.info, sandbox_index.info), "
+           "ended_at=NULL WHERE sandbox_index.ended_at IS NULL OR sandbox_index.state='lost'")
+# an ended sandbox never comes back, but one of a node that was gone so long its rows ended as
+# `lost` does, when its node returns and lists it (the node adopted it: names.py)
 _END = "UPDATE sandbox_index SET state=?, ended_at=?, updated_at=? WHERE id=? AND ended_at IS NULL"
 
 

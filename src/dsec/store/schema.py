@@ -93,7 +93,28 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
         # epoch seconds after which the key no longer authenticates; NULL: until revoked
         "ALTER TABLE api_keys ADD COLUMN expires_at DOUBLE PRECISION",
     ]),
-    (5, "lifecycle events, webhooks, their deliveries", [
+    (5, "cluster nodes: identity, subnet, operator state, absence", [
+        # one row per node name (cluster/names.py, store/nodes.py): its edge's subnet (kept across
+        # restarts: adopted sandboxes keep their addresses), what the operator set (active,
+        # cordoned, draining), and since when discovery has missed it (the durable lost timer)
+        """CREATE TABLE cluster_nodes (
+            node          TEXT PRIMARY KEY,
+            state         TEXT NOT NULL DEFAULT 'active',
+            subnet        TEXT,
+            missing_since DOUBLE PRECISION,
+            updated_at    DOUBLE PRECISION NOT NULL
+        )""",
+        "CREATE UNIQUE INDEX cluster_nodes_subnet ON cluster_nodes(subnet)",
+    ]),
+    (6, "operators' named network rule sets", [
+        # body: NetworkRuleSet as JSON ({"rules": [...], "domains": [...]})
+        """CREATE TABLE network_rulesets (
+            name       TEXT PRIMARY KEY,
+            body       TEXT NOT NULL,
+            updated_at DOUBLE PRECISION NOT NULL
+        )""",
+    ]),
+    (7, "lifecycle events, webhooks, their deliveries", [
         # ids come from events_head's one row, bumped in the ingesting transaction: the row lock
         # orders the ingests, so ids commit in order and a stream resumed after an id misses none
         "CREATE TABLE events_head (k INTEGER PRIMARY KEY, last_id BIGINT NOT NULL)",

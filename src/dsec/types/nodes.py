@@ -29,6 +29,10 @@ class NodeStatus(BaseModel):
     # short keys (dsec.placement.locality.image_key) of images the node holds locally, most
     # recently used at most 256: placement prefers these nodes while load allows (D34)
     cached_images: frozenset[str] = frozenset()
+    # what an operator set (`dsec nodes`): active, cordoned, draining; a node gone from the
+    # cluster but not forgotten is listed unhealthy with `missing_since` (epoch seconds)
+    state: str = "active"
+    missing_since: float | None = None
 
     @property
     def load(self) -> float:

@@ -189,6 +189,20 @@ class NetworkPolicy(_Strict):
         return list(dict.fromkeys(normalize_pattern(d) for d in v))   # ValueError names the value
 
 
+class NetworkRuleSet(_Strict):
+    """An operator's named rule set (`dsec ruleset set NAME ...`, PUT /v1/network/rulesets/{name}):
+    CIDR rules and domain patterns that sandboxes and projects turn on by name."""
+
+    rules: Annotated[list[NetworkRule], Field(max_length=256)] = Field(default_factory=list)
+    domains: Annotated[list[str], Field(max_length=256, description="names and wildcards, as NetworkPolicy.domains")
+                       ] = Field(default_factory=list)
+
+    @field_validator("domains")
+    @classmethod
+    def _valid_domains(cls, v: list[str]) -> list[str]:
+        return list(dict.fromkeys(normalize_pattern(d) for d in v))
+
+
 class ContainerArgs(_Strict):
     """A crun container over overlayfs on read-only EROFS layers."""
 

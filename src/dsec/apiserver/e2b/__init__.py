@@ -34,11 +34,11 @@ def add_e2b_routes(app: FastAPI, ctx: ApiContext) -> None:
                     extra={"missing": e.name, "fix": INSTALL})
         app.mount(E2B_PREFIX, _missing_extra(str(e.name)))
         return
-    from dsec.apiserver.e2b.hosts import E2BHostRouting
-    domain = ctx.settings.server.e2b_domain
-    app.mount(E2B_PREFIX, build(ctx, domain))
-    if domain:     # get_host(port) names: {port}-{sandboxID}.{domain} (hosts.py)
-        app.add_middleware(E2BHostRouting, domain=domain)
+    from dsec.apiserver.e2b.hosts import UNSET_DOMAIN, E2BHostRouting
+    domain = ctx.settings.server.ingress_domain
+    app.mount(E2B_PREFIX, build(ctx, domain or UNSET_DOMAIN))
+    # get_host(port) names: {port}-{sandboxID}.{domain}; with no domain, a clear 421 (hosts.py)
+    app.add_middleware(E2BHostRouting, domain=domain)
 
 
 def _missing_extra(name: str) -> Starlette:

@@ -19,7 +19,7 @@ from dsec.apiserver.e2b.errors import Unsupported
 from dsec.apiserver.e2b.ids import to_e2b
 from dsec.apiserver.e2b.models import NewSandbox
 from dsec.types.domains import normalize_name, pattern_error
-from dsec.types import (IDEMPOTENCY_KEY_RE, MAX_TTL_S, VM_BACKENDS, InvalidArgument, SandboxArgs, SandboxInfo,
+from dsec.types import (IDEMPOTENCY_KEY_RE, MAX_TTL_S, RULESET_NAME_RE, VM_BACKENDS, InvalidArgument, SandboxArgs, SandboxInfo,
                         SandboxState, UsageSample)
 
 # What the SDK gates on envd's version (e2b/envd/versions.py): commands stdin (0.3.0), default
@@ -78,9 +78,14 @@ def _cidr(value: str, field: str) -> str:
 
 
 def _destination(value: str, field: str) -> tuple[str, str]:
-    """An allowOut entry: ('cidr', network) or ('domain', pattern), as E2B reads them."""
+    """An allowOut entry: ('cidr', network) or ('domain', pattern), as E2B reads them, or
+    dsec's ('ruleset', name) for '@name': an operator's named rule set."""
     if not isinstance(value, str):
         raise _refuse(field, f"{value!r} is not a string", "list CIDR blocks, IP addresses or domain names")
+    if value.startswith("@"):
+        if not re.match(RULESET_NAME_RE, value[1:]):
+            raise _refuse(field, f"{value[:80]!r} is not a rule set name", "use '@' and a name from `dsec ruleset ls`")
+        return "ruleset", value[1:]
     try:
         return "cidr", str(ipaddress.ip_network(value.strip(), strict=False))
     except ValueError:
@@ -116,15 +121,24 @@ def network_policy(net: dict[str, Any] | None, internet: bool | None, prefix: st
                                            "it allows", "deny all (0.0.0.0/0) and allow what is needed in allowOut")
     cidrs = [v for kind, v in allow if kind == "cidr"]
     domains = [v for kind, v in allow if kind == "domain"]
+    rulesets = {v: True for kind, v in allow if kind == "ruleset"}
     if internet and not deny and not allow:
         cidrs = list(ALL_TRAFFIC)
-    if not cidrs and not domains:
+    if not cidrs and not domains and not rulesets:
         return None                    # dsec's default: no egress but loopback
-    return {"rules": [{"cidr": c} for c in cidrs], "domains": domains}
+    out: dict[str, Any] = {"rules": [{"cidr": c} for c in cidrs], "domains": domains}
+    if rulesets:
+        out["rulesets"] = rulesets
+    return out
 
 
-def _network(body: NewSandbox) -> dict[str, Any] | None:
-    return network_policy(body.network, body.allow_internet_access)
+def _network(body: NewSandbox, internet_default: bool) -> dict[str, Any] | None:
+    """E2B's default is the internet on: a create naming neither gets it where the project's
+    policy allows it (internet_default, iam.policy.default_internet), else no egress."""
+    internet = body.allow_internet_access
+    if internet is None and not body.network:
+        internet = internet_default
+    return network_policy(body.network, internet)
 
 
 def _dsec_metadata(metadata: dict[str, str]) -> tuple[dict[str, str], dict[str, Any]]:
@@ -154,8 +168,9 @@ def idempotency_key(header: str | None) -> str | None:
 TEMPLATE_ALIASES = {"base": "e2b-base", "code-interpreter-v1": "code-interpreter"}
 
 
-def sandbox_args(body: NewSandbox, idem: str | None) -> Any:
-    """The dsec SandboxArgs of an E2B create request."""
+def sandbox_args(body: NewSandbox, idem: str | None, internet_default: bool = False) -> Any:
+    """The dsec SandboxArgs of an E2B create request. `internet_default`: whether a create that
+    names no network gets the internet (E2B's default), as the project's policy allows."""
     labels, own = _dsec_metadata(body.metadata or {})
     backend = own.pop("backend", "container")
     _check_unsupported(body, backend)
@@ -168,7 +183,7 @@ def sandbox_args(body: NewSandbox, idem: str | None) -> Any:
         if "cpu_cores" in own:
             raw["vcpus"] = own.pop("cpu_cores")
     else:
-        net = _network(body)
+        net = _network(body, internet_default)
         if net is not None:
             raw["network"] = net
     raw.update(own)
@@ -228,7 +243,7 @@ def detail(info: SandboxInfo, tokens: AccessTokens, domain: str | None = None) -
     """E2B's SandboxDetail (GET /sandboxes/{id})."""
     out = listed(info)
     out.pop("volumeMounts")
-    egress = bool(info.network and (info.network.rules or info.network.domains))
+    egress = bool(info.network and (info.network.rules or info.network.domains or any(info.network.rulesets.values())))
     out.update({"envdAccessToken": tokens.token(info.id), "domain": domain,
                 "allowInternetAccess": egress if info.backend not in VM_BACKENDS else False})
     return out

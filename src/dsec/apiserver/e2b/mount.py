@@ -12,7 +12,7 @@ from dsec.apiserver.e2b.rest import build_rest_app
 
 
 def build(ctx: ApiContext, domain: str | None = None) -> E2BDispatch:
-    """`domain`: what create answers name as the sandboxes' domain (DSEC_E2B_DOMAIN), for get_host."""
+    """`domain`: what create answers name as the sandboxes' domain (DSEC_DOMAIN, or hosts.UNSET_DOMAIN), for get_host."""
     # the secret sits beside the IAM database: apiservers sharing one share the other
     tokens = AccessTokens(load_secret(ctx.iam.db_path.parent))
     process, filesystem = process_app(ctx), filesystem_app(ctx)

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsec.apiserver import listing
 from dsec.apiserver.control import set_network as set_sandbox_network
+from dsec.iam.policy import default_internet
 from dsec.apiserver.control import stop_sandbox
 from dsec.apiserver.context import ApiContext
 from dsec.apiserver.e2b import control, layout, mapping
@@ -75,7 +76,8 @@ def build_rest_app(ctx: ApiContext, tokens: AccessTokens, domain: str | None = N
     async def create(request: Request, body: Annotated[NewSandbox, Body()],
                      idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None) -> dict:
         who = _who(request)
-        args = await control.with_image_config(ctx, who, mapping.sandbox_args(body, idempotency_key))
+        internet = default_internet(ctx.iam.effective_policy(who.project_id))
+        args = await control.with_image_config(ctx, who, mapping.sandbox_args(body, idempotency_key, internet))
         info = await control.create(ctx, who, args)
         await layout.apply(ctx.edge_for(info.id), info)       # before anything runs as `user`
         await control.start_template_services(ctx, info)
@@ -159,7 +161,9 @@ def build_rest_app(ctx: ApiContext, tokens: AccessTokens, domain: str | None = N
         if internet is not None and not isinstance(internet, bool):
             raise InvalidArgument("allowInternetAccess must be true or false", field="allowInternetAccess",
                                   fix="send a boolean")
-        raw = mapping.network_policy(body, True if internet is None else internet, prefix="network")
+        if internet is None:     # E2B's default (on), where the project's egress allows it
+            internet = default_internet(ctx.iam.effective_policy(info.project))
+        raw = mapping.network_policy(body, internet, prefix="network")
         await set_sandbox_network(ctx, ctx.edge_for(info.id), info.id,
                                   NetworkPolicy.model_validate(raw or {}))
         return Response(status_code=204)

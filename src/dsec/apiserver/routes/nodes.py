@@ -6,14 +6,30 @@ from fastapi import APIRouter
 
 from dsec.apiserver.deps import Ctx, Who, admin_only, is_admin
 from dsec.apiserver.tenancy import visible
-from dsec.types import ImageInfo, ImageList, NodeStatus, Unavailable
+from dsec.apiserver.node_states import node_states
+from dsec.store.nodes import NodeRow
+from dsec.types import ImageInfo, ImageList, NodeCapacity, NodeStatus, Unavailable
 
 router = APIRouter()
 
 
+def with_states(views: list[NodeStatus], rows: dict[str, NodeRow]) -> list[NodeStatus]:
+    """The watcher's view with each node's operator state, and the nodes the control store
+    knows that are gone (unhealthy, since when) until they are forgotten."""
+    out = [v.model_copy(update={"state": rows[v.node_id].state}) if v.node_id in rows else v for v in views]
+    seen = {v.node_id for v in views}
+    for node, r in sorted(rows.items()):
+        if node not in seen and r.state != "forgotten" and r.missing_since is not None:
+            out.append(NodeStatus(node_id=node, healthy=False, backends=[], state=r.state,
+                                  capacity=NodeCapacity(cpu_cores=0, memory_mb=0, max_sandboxes=0),
+                                  missing_since=r.missing_since, reason="gone from the cluster: `dsec nodes "
+                                  f"forget {node}` once it will not come back"))
+    return out
+
+
 @router.get("/v1/nodes", response_model=list[NodeStatus])
 async def nodes(who: Who, ctx: Ctx) -> list[NodeStatus]:
-    views = ctx.watcher.nodes()
+    views = with_states(ctx.watcher.nodes(), await node_states(ctx).rows())
     if is_admin(ctx, who):
         return views
     # which images a node holds hints at other projects' work: admins only (D34)

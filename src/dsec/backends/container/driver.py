@@ -48,7 +48,7 @@ from dsec.native import compile_static
 from dsec.security.users import resolve_user
 from dsec.security.netpolicy import Rulesets, resolve
 from dsec.settings import Settings
-from dsec.types import ContainerArgs, NetworkPolicy, SandboxArgs, SandboxFailed, Unavailable
+from dsec.types import ContainerArgs, NetworkPolicy, NetworkRuleSet, SandboxArgs, SandboxFailed, Unavailable
 
 log = logging.getLogger("dsec.backends.container")
 
@@ -354,6 +354,12 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
         """Replace a running sandbox's egress policy (BPF map update; first allow adds a veth)."""
         allows = resolve(policy, self.rulesets, field="")
         await self.net.apply(sandbox_id, self._pid(sandbox_id), allows)
+
+    def set_rulesets(self, sets: dict[str, NetworkRuleSet]) -> None:
+        self.rulesets.write(sets)
+
+    def known_rulesets(self) -> set[str]:
+        return set(self.rulesets.get())
 
     # -- warm pools (dsec.backends.warm, claim.py) ----------------------------------------
     def warm_key(self, prepared: Prepared) -> Hashable | None:

@@ -23,12 +23,14 @@ from pathlib import Path
 import pytest
 
 PEER_SERVER = r"""
-import json, socket, ssl, sys, threading
+import hashlib, json, socket, ssl, sys, threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from dnslib import A, QTYPE, RCODE, RR
 from dnslib.server import BaseResolver, DNSServer
 
 zone_path, cert, key = sys.argv[1:4]
+# optional: {sni: [cert, key]}: certificates served by SNI (tests/test_egress_secrets.py)
+by_sni = json.load(open(sys.argv[4])) if len(sys.argv) > 4 else {}
 
 class Zone(BaseResolver):
     def resolve(self, request, handler):
@@ -46,6 +48,21 @@ for tcp in (False, True):
 
 class Echo(BaseHTTPRequestHandler):
     def do_GET(self):
+        if self.path.startswith("/headers"):   # what arrived: the secrets tests look for added ones
+            # digests, not values: the client (a sandbox) must never receive a secret back
+            body = json.dumps({k.lower(): hashlib.sha256(v.encode()).hexdigest()
+                               for k, v in self.headers.items()}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        if self.path.startswith("/redirect?to="):
+            self.send_response(302)
+            self.send_header("Location", self.path.split("=", 1)[1])
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         if self.path == "/big":            # 64 MiB: the throughput benchmark
             self.send_response(200)
             self.send_header("Content-Length", str(64 << 20))
@@ -69,7 +86,13 @@ class TLSServer(ThreadingHTTPServer):
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.load_cert_chain(cert, key)
         seen = {}
-        ctx.sni_callback = lambda s, name, c: seen.__setitem__("sni", name)
+        def pick(s, name, c):
+            seen["sni"] = name
+            if name in by_sni:
+                other = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+                other.load_cert_chain(*by_sni[name])
+                s.context = other
+        ctx.sni_callback = pick
         sock.settimeout(5)
         tls = ctx.wrap_socket(sock, server_side=True)
         tls.dsec_sni = seen.get("sni") or "-"
@@ -104,7 +127,7 @@ def _sh(*argv: str) -> None:
 
 
 @contextmanager
-def egress_peer(tmp: Path):
+def egress_peer(tmp: Path, certs_by_sni: dict[str, tuple[str, str]] | None = None):
     tag = os.getpid() % 100000
     n = 20 + os.getpid() % 200
     ns, hveth = f"dsecp{tag}", f"dsph{tag}"
@@ -115,6 +138,10 @@ def egress_peer(tmp: Path):
     peer = EgressPeer(ns, f"10.198.{n}.1", f"10.198.{n}.2", f"10.198.{n}.3", zone)
     peer.set_zone({})
     proc = None
+    extra = []
+    if certs_by_sni:
+        (tmp / "by_sni.json").write_text(json.dumps(certs_by_sni))
+        extra = [str(tmp / "by_sni.json")]
     _sh("ip", "netns", "add", ns)
     try:
         _sh("ip", "link", "add", hveth, "type", "veth", "peer", "name", "eth0", "netns", ns)
@@ -127,7 +154,7 @@ def egress_peer(tmp: Path):
         _sh("ip", "-n", ns, "route", "add", "default", "via", peer.host_ip)
         Path(f"/proc/sys/net/ipv4/conf/{hveth}/forwarding").write_text("1")
         proc = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c", PEER_SERVER, str(zone),
-                                 str(cert), str(key)], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+                                 str(cert), str(key), *extra], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
         assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
         yield peer
     finally:

@@ -12,8 +12,9 @@ Left out:
 - POST /v1/fncall/batch: one example may be 1,024 programs (tests/test_fncall.py covers it);
 - POST /run_jupyter: every example starts a sandbox and a Jupyter kernel, seconds each, the whole
   budget (tests/test_sandboxfusion_parity.py covers it);
-- DELETE /v1/sandboxes/{id} and POST .../pack_diff with the real sandbox: the first stops it,
-  the second builds a new layer per example (random ids still go to them).
+- DELETE /v1/sandboxes/{id}, POST .../pack_diff and POST .../fork with the real sandbox: the first
+  stops it, the second builds a new layer per example, the third starts up to 64 sandboxes per
+  example (random ids still go to them; tests/test_fork.py covers fork).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ RANDOM = os.environ.get("DSEC_SCHEMA_RANDOM") == "1"   # 1: new examples each ru
 BUDGET_S = 150.0           # all operations together
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 SKIPPED = {("POST", "/v1/fncall/batch"), ("POST", "/run_jupyter")}
-NOT_WITH_REAL_SANDBOX = {("DELETE", "/v1/sandboxes/{sandbox_id}"), ("POST", "/v1/sandboxes/{sandbox_id}/pack_diff")}
+NOT_WITH_REAL_SANDBOX = {("DELETE", "/v1/sandboxes/{sandbox_id}"), ("POST", "/v1/sandboxes/{sandbox_id}/pack_diff"),
+                         ("POST", "/v1/sandboxes/{sandbox_id}/fork")}
 # operations that run a command or program, and the body field that bounds its time
 TIMEOUTS = {"/v1/sandboxes/{sandbox_id}/exec": "timeout_s", "/v1/sandboxes/{sandbox_id}/exec/stream": "timeout_s",
             "/v1/fncall": "timeout_s", "/run_code": "run_timeout"}

@@ -94,6 +94,9 @@ class ServerSettings(Group):
     tls_key: Path | None = env(None, "DSEC_TLS_KEY", "PEM private key of DSEC_TLS_CERT")
     pod_name: str | None = env(None, "MY_POD_NAME", "SandboxFusion compatibility: reported as "
                                "executor_pod_name")
+    secrets_key_file: Path | None = env(None, "DSEC_SECRETS_KEY_FILE", "the key that encrypts stored egress "
+                                        "secrets (`dsec secret`), made 0600 on first use; every apiserver of a "
+                                        "cluster needs the same file; unset: secrets.key beside the IAM database")
 
     @property
     def ingress_domain(self) -> str | None:
@@ -210,6 +213,9 @@ class NetworkSettings(Group):
                         "gateway address (sandboxes' UDP/TCP 53 to any address is sent there)", ge=1, le=65535)
     proxy_port: int = env(10080, "DSEC_NET_PROXY_PORT", "port of the node's egress proxy on the gateway "
                           "(TCP 80/443 of sandboxes with domain rules is sent there)", ge=1, le=65535)
+    upstream_ca_file: str = env("", "DSEC_NET_UPSTREAM_CA_FILE", "CA bundle the egress proxy verifies a "
+                                "destination against before adding a secret (`dsec secret`); unset: the "
+                                "host's default trust store", max_length=4096)
 
 
 class ImageSettings(Group):

@@ -25,6 +25,7 @@ ALLOWED = {
     ("cluster/local.py", "FAST_HEALTH"), ("cluster/local.py", "os.environ[k]"),   # RAY_* for Ray's processes
     ("cluster/local.py", "os.environ.pop(k"),
     ("testing/isolated.py", "self.env ="),    # the environment of a test server process
+    ("cli/secrets.py", "os.environ.get(value_env"),   # `dsec secret create --value-env NAME`: the user's variable
 }
 NOT_SETTINGS = {"DSEC_AGENT_PROTOCOL_H", "DSEC_KEYS", "DSEC_RAM_READONLY"}   # a header guard, a constant, a child's env
 

@@ -25,6 +25,7 @@ from dsec.apiserver.guard import QUERY_KEY_PATHS, BodyTooLarge, RequestGuard
 from dsec.apiserver.events import pump
 from dsec.apiserver.index import keeper
 from dsec.apiserver.webhooks import worker
+from dsec.apiserver.ui_routes import UI_PATHS, add_ui_routes
 from dsec.apiserver.routes import events, execs, files, nodes, policy, sandboxes, snapshots
 from dsec.types import (CapacityExceeded, ContainerArgs, DsecError, ErrorBody, FnCallRequest, InternalError,
                         InvalidArgument, MicroVMArgs, NotFound, VMArgs)
@@ -135,7 +136,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
                   description="Elastic sandboxes for agent training and evaluation")
     app.state.ctx = ctx
     public = frozenset(p for p in ("/healthz", app.openapi_url, app.docs_url, app.redoc_url,
-                                   app.swagger_ui_oauth2_redirect_url) if p)
+                                   app.swagger_ui_oauth2_redirect_url) if p) | UI_PATHS
     # authenticate from the headers, then bound the body per route (guard.py)
     app.add_middleware(RequestGuard, authenticate=ctx.iam.authenticate, public_paths=public,
                        image_body_bytes=ctx.settings.server.image_upload_max_bytes)
@@ -203,8 +204,11 @@ def create_app(ctx: ApiContext) -> FastAPI:
     app.include_router(nodes.router)   # /v1/nodes, /v1/images, publishing
     from dsec.apiserver.node_admin import add_node_admin_routes
     add_node_admin_routes(app, ctx)   # admin: /v1/nodes/{node}/cordon, drain, uncordon, forget
+    from dsec.apiserver.routes import secrets as secret_routes
+    app.include_router(secret_routes.router)   # /v1/secrets: added at the egress proxy (issue 30)
     from dsec.apiserver.metrics_routes import router as metrics_router
     app.include_router(metrics_router)   # /metrics (admin), /v1/metrics, per-node, per-sandbox usage
     from dsec.apiserver.rulesets import router as rulesets_router
     app.include_router(rulesets_router)   # /v1/network/rulesets: operators' named rule sets
+    add_ui_routes(app)            # /ui: the web dashboard's static files (apiserver/ui/)
     return app

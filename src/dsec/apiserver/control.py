@@ -9,7 +9,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from dsec import metrics
-from dsec.apiserver import idempotent, quotas
+from dsec.apiserver import egress_secrets, idempotent, quotas
 from dsec.apiserver.context import ApiContext, EdgeHandle
 from dsec.apiserver.index import keeper
 from dsec.apiserver.node_states import node_states
@@ -57,11 +57,20 @@ async def owned_snapshot(ctx: ApiContext, snapshot_id: str, who: Principal, fiel
     return edge
 
 
-async def create_sandbox(ctx: ApiContext, who: Principal, args: SandboxArgs) -> SandboxInfo:
+async def create_sandbox(ctx: ApiContext, who: Principal, args: SandboxArgs,
+                         inline_secrets: list | None = None) -> SandboxInfo:
     """Create on the least-loaded node that admits it, bounded by the project's policy and
     its (and every ancestor's) quota; other projects' layers look missing. A restore from a
-    snapshot goes to the snapshot's node."""
+    snapshot goes to the snapshot's node. Secret rules (egress_secrets.py) reach the edge
+    before the caller gets the sandbox."""
     check_create(ctx.iam.effective_policy(who.project_id), args, who.project_id)
+    args, rules = egress_secrets.prepare(ctx, who.project_id, args, inline_secrets)
+    info = await _create_sandbox(ctx, who, args)
+    await egress_secrets.push(ctx, info, rules)
+    return info
+
+
+async def _create_sandbox(ctx: ApiContext, who: Principal, args: SandboxArgs) -> SandboxInfo:
     snapshot = getattr(args, "snapshot", None)
     if snapshot:
         return await create_on(ctx, await owned_snapshot(ctx, snapshot, who, field="snapshot"), who, args)

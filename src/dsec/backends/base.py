@@ -193,6 +193,9 @@ class UpperView:
 
     path: Path
     map_id: Callable[[int], int] | None     # host id -> id inside the sandbox (user namespaces)
+    # layers under it that are the sandbox's too (a fork's snapshot layers, oldest first), each
+    # with its own id mapping: packed as layers of their own below the upper's
+    below: tuple[tuple[Path, Callable[[int], int] | None], ...] = ()
 
 
 class LayerDiff(ABC):
@@ -217,6 +220,18 @@ class Egress(ABC):
 
     def known_rulesets(self) -> set[str]:
         return set()
+
+
+class EgressSecrets(ABC):
+    """Secrets added to a sandbox's outbound requests by the node's egress proxy (issue 30)."""
+
+    @abstractmethod
+    async def set_egress_secrets(self, sandbox_id: str, rules: list) -> None:
+        """Replace the sandbox's rules (dsec.types.EgressSecret)."""
+
+    @abstractmethod
+    def revoke_egress_secret(self, secret_id: str) -> int:
+        """Drop a rule from every sandbox of this node; how many held it."""
 
 
 class PortIngress(ABC):

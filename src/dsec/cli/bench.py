@@ -24,6 +24,19 @@ def bench_core(n_create: int = 200, n_idle: int = 500, n_exec: int = 300,
     run_core_bench(n_create=n_create, n_idle=n_idle, n_exec=n_exec, out=out)
 
 
+@bench_app.command("fork")
+def bench_fork(n: Annotated[str, typer.Option(help="branch counts, comma separated")] = "8,32",
+               files: Annotated[int, typer.Option(help="files the set-up writes (a repository)")] = 20000,
+               setup_s: Annotated[float, typer.Option(help="seconds of CPU work the set-up adds")] = 20.0,
+               replay_max: Annotated[int, typer.Option(help="run create + replay for N up to this")] = 32,
+               note: Annotated[str, typer.Option(help="a sentence added to the report (e.g. the box's load)")] = "",
+               rounds: Annotated[int, typer.Option(help="fork rounds per N (the median is reported)")] = 3,
+               out: Path = Path("docs/benchmarks.md")) -> None:
+    """Fork vs create + replay of a set-up: time to N ready, host bytes, host memory."""
+    from dsec.bench.fork import run_fork_bench
+    run_fork_bench([int(x) for x in n.split(",") if x], files, setup_s, replay_max, out, note, rounds)
+
+
 @bench_app.command("fncall")
 def bench_fncall(n_python: int = 3000, n_c: int = 300, n_sandbox: int = 30, n_latency: int = 200,
                  concurrency: int = 64, sandbox_parallel: int = 2,

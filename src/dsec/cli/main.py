@@ -25,6 +25,7 @@ from dsec.cli.common import _fail, _run, _settings, console, err_console
 from dsec.cli.events import events as events_cmd, webhook_app
 from dsec.cli.images import image_app, layer_app
 from dsec.cli.sandboxes import run, sandbox_app
+from dsec.cli.secrets import secret_app
 from dsec.cli import top as _top  # noqa: F401  (registers `dsec sandbox top`)
 from dsec.cli.nodes import nodes_app
 from dsec.cli.tenants import key_app, project_app, ruleset_app
@@ -37,7 +38,7 @@ from dsec.types import DsecError
 app = typer.Typer(no_args_is_help=True, help="dsec: elastic sandboxes for agent training and evaluation")
 for group, name in ((image_app, "image"), (sandbox_app, "sandbox"), (bench_app, "bench"), (project_app, "project"),
                     (key_app, "key"), (cluster_app, "cluster"), (layer_app, "layer"), (vm_app, "vm"),
-                    (nodes_app, "nodes"), (ruleset_app, "ruleset")):
+                    (nodes_app, "nodes"), (ruleset_app, "ruleset"), (secret_app, "secret")):
     app.add_typer(group, name=name)
 app.add_typer(webhook_app, name="webhook")
 app.command("events")(events_cmd)

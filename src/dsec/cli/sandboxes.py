@@ -56,11 +56,25 @@ def sandbox_suspend(sandbox_id: str) -> None:
 
 @sandbox_app.command("snapshot")
 def sandbox_snapshot(sandbox_id: str) -> None:
-    """Save a running VM; create new sandboxes from it with its snapshot id."""
+    """Save a running sandbox (VMs: memory too; containers: the filesystem); create new sandboxes
+    from it with its snapshot id."""
     async def go() -> None:
         async with _client() as c:
             snap = await (await c.get(sandbox_id)).snapshot()
             console.print(f"{snap.id}  ({snap.size_bytes / 2**20:.1f} MiB)")
+    _run(go())
+
+
+@sandbox_app.command("fork")
+def sandbox_fork(sandbox_id: str, count: int = 1) -> None:
+    """Branch a running sandbox into COUNT new ones (its files copy-on-write); one line each."""
+    async def go() -> None:
+        async with _client() as c:
+            forked = await (await c.get(sandbox_id)).fork(count)
+            for f in forked.forks:
+                console.print(f.sandbox.id if f.sandbox is not None else f"error: {f.error}")
+            for n in forked.not_carried:
+                console.print(f"not carried: {n}")
     _run(go())
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import builtins
 
-from dsec.backends.base import Console, Egress, LayerDiff
-from dsec.types import (EventType, DEFAULT_SCRUB, Conflict, DsecError, ImageInfo,
+from dsec.backends.base import Console, Egress, EgressSecrets, LayerDiff
+from dsec.types import (EventType, DEFAULT_SCRUB, Conflict, DsecError, EgressSecret, ImageInfo,
                         NetworkPolicy, NetworkRuleSet, PackDiffRequest, SandboxInfo, SandboxState)
 from dsec.edge.core import EdgeCore, log
 
@@ -60,6 +60,21 @@ class CapabilityVerbs(EdgeCore):
         log.info("network rule sets replaced", extra={"rulesets": sorted(rulesets), "sandboxes": n})
         return n
 
+    async def set_egress_secrets(self, sandbox_id: str, rules: builtins.list[EgressSecret]) -> None:
+        """Issue 30: the rules the node's egress proxy adds secrets to this sandbox's requests by
+        (from the apiserver, never stored on the node: an edge restart forgets them)."""
+        live = self._running(sandbox_id)
+        cap = self._capability(live.rec, EgressSecrets, "set_egress_secrets")
+        async with live.net_lock:
+            await cap.set_egress_secrets(live.id, rules)
+        log.info("egress secret rules set", extra={"sandbox": live.id, "rules": len(rules)})
+
+    async def revoke_egress_secret(self, secret_id: str) -> int:
+        """Drop a secret from every sandbox of this node (the next connection goes without it)."""
+        n = sum(b.revoke_egress_secret(secret_id) for b in self._distinct_backends() if isinstance(b, EgressSecrets))
+        log.info("egress secret revoked", extra={"secret": secret_id, "sandboxes": n})
+        return n
+
     async def pack_diff(self, sandbox_id: str, req: PackDiffRequest) -> ImageInfo:
         """The sandbox's writable changes (additions, modifications, whiteouts, opaque dirs),
         minus the scrub list, as a new workspace layer stacked on the workspace the sandbox
@@ -79,6 +94,7 @@ class CapabilityVerbs(EdgeCore):
                 info = await self.images.heavy.run(
                     self.images.pack_upper, req.name, upper.path, parents=parents, scrub=scrub,
                     source=f"pack_diff:{rec.id}:base={rec.image_digest}", replace=req.replace, map_id=upper.map_id,
+                    below=upper.below,
                     max_bytes=disk_mb << 20 if disk_mb else None, owner=rec.project)
         finally:
             rec.in_flight -= 1

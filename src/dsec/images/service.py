@@ -226,11 +226,14 @@ class ImageService:
                    scrub: Sequence[str] = (), source: str, replace: bool = False,
                    progress: Progress | None = None,
                    map_id: Callable[[int], int] | None = None,
-                   max_bytes: int | None = None, owner: str | None = None) -> ImageInfo:
+                   max_bytes: int | None = None, owner: str | None = None,
+                   below: Sequence[tuple[Path, Callable[[int], int] | None]] = ()) -> ImageInfo:
         """pack_diff: turn an overlay upper dir (whiteouts and opaque dirs included) into a
         new layer NAME@VERSION stacked on the layers of `parents` (e.g. the workspace the
         sandbox started from). Paths matching `scrub` are left out. `map_id`: host id ->
-        layer id (a user-namespaced sandbox's upper holds shifted host ids).
+        layer id (a user-namespaced sandbox's upper holds shifted host ids). `below`: more
+        upper dirs between the parents and `upper` (a fork's snapshot layers, oldest first,
+        each with its own map_id), each packed as a layer of its own.
         Sparse files stay sparse (in the copy and, as chunks, in the layer); `max_bytes` (the
         sandbox's disk quota) bounds the files' apparent size, holes included: what the layer
         hands a reader and what building it reads. Beyond it nothing is written. `owner`: the
@@ -243,6 +246,10 @@ class ImageService:
             raise NotFound(f"no writable layer at {upper}", field="sandbox_id",
                            fix="pack_diff needs a running sandbox")
         scrub = list(scrub)
+        if below:
+            return self._pack_stacked(name, [*below, (Path(upper), map_id)], parents=parents, scrub=scrub,
+                                      source=source, replace=replace, progress=progress, max_bytes=max_bytes,
+                                      owner=owner)
         size = tree_size(Path(upper), lambda rel: _scrubbed(rel, scrub))
         if max_bytes is not None and size.apparent > max_bytes:
             big = ", ".join(f"{p} {b >> 20} MiB" for p, b in size.biggest)
@@ -331,6 +338,38 @@ class ImageService:
             return self.import_oci(name, oci=layout, ref=tag, merge_bytes=merge_bytes,
                                    replace=replace, compression=compression, progress=progress,
                                    source=ref)
+
+    def _pack_stacked(self, name: str, uppers: Sequence[tuple[Path, Callable[[int], int] | None]], *,
+                      parents: Sequence[ImageInfo], scrub: list[str], source: str, replace: bool,
+                      progress: Progress | None, max_bytes: int | None, owner: str | None) -> ImageInfo:
+        """pack_upper of several upper dirs (oldest first): one new layer each, committed as one
+        image (all or nothing). `max_bytes` bounds each layer as it bounds a single one."""
+        tmps: list[Path] = []
+        new: list[tuple[LayerInfo, Path | None]] = []
+        try:
+            for i, (up, mid) in enumerate(uppers):
+                size = tree_size(up, lambda rel: _scrubbed(rel, scrub))
+                if max_bytes is not None and size.apparent > max_bytes:
+                    raise InvalidArgument(
+                        f"pack_diff {name}: layer {i} holds {size.apparent >> 20} MiB of files, more than the "
+                        f"sandbox's disk_mb={max_bytes >> 20} that bounds a layer", field="disk_mb",
+                        fix="delete or truncate big files (or leave them out with scrub=[...])")
+                tmp = self.paths.store / f"{TMP_PREFIX}{secrets.token_hex(8)}.erofs"
+                tmps.append(tmp)
+                with scratch_dir(self.paths, "diff") as work:
+                    copy_upper(up, work / "rootfs", scrub, mid)
+                    mkfs(work / "rootfs", tmp, compression=None, progress=progress,
+                         chunk_size=SPARSE_CHUNK if size.sparse else None)
+                with open(tmp, "rb") as f:
+                    os.fsync(f.fileno())
+                new.append((LayerInfo(digest=sha256_file(tmp, progress=progress), size_bytes=tmp.stat().st_size,
+                                      created_at=now_utc(), source=f"{source}:layer{i}"), tmp))
+            inherited: list[tuple[LayerInfo, Path | None]] = [(lay, None) for p in parents for lay in p.layers]
+            return self._commit(name, [*inherited, *new], replace=replace, kind="layer", owner=owner)
+        finally:
+            for tmp in tmps:
+                for f in (tmp, manifest_file(tmp), meta_file(tmp)):
+                    f.unlink(missing_ok=True)
 
     def _build(self, name: str, root: Path, source: str, *, replace: bool,
                compression: str | None, progress: Progress | None, kind: str = "image",

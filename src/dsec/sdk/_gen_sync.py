@@ -33,6 +33,7 @@ from dsec.sdk import client
 
 # Async class -> name of its blocking class, in the order they are written out.
 CLASSES: list[tuple[type, str]] = [(client.Client, "SyncClient"), (client.Created, "SyncCreated"),
+                                   (client.Forked, "SyncForked"),
                                    (client.Sandbox, "SyncSandbox"), (client.Files, "SyncFiles"),
                                    (client.Pty, "SyncPty")]
 TARGET = Path(__file__).with_name("sync.py")

@@ -31,6 +31,7 @@ from dsec.types import FnCallBatch, FnCallBatchItem, FnCallRequest, FnCallResult
 from dsec.types import BulkItem, BulkResult, ExecInfo, ExecList, PackDiffRequest, PtySize
 from dsec.types import MicroVMArgs, SandboxArgs, SnapshotInfo, SnapshotList, UsageList, UsageSample, VMArgs
 from dsec.types import ImageBuildResult, ImageConfig, ImageProgress, ImagePullRequest
+from dsec.types import ForkRequest, ForkResult
 from dsec.types import (ERRORS_BY_CODE, SDK_KEY_PREFIX, ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult, FsEvent,
                         FileEntry, FileList, ImageInfo, ImageList, NetworkPolicy, NodeStatus, SandboxInfo, SandboxList,
                         Unavailable)
@@ -189,6 +190,27 @@ class Client:
         return await self.create(args if args is not None else VMArgs(**kwargs))
 
     # -- project sandbox policy (dsec.iam.policy) -----------------------------------------
+    # -- egress secrets (issue 30): values go in, never out --------------------------------
+    async def create_secret(self, name: str, value: str, hosts: list[str], *, header: str | None = None,
+                            basic_auth: bool = False, ports: list[int] | None = None) -> dict[str, Any]:
+        """Store a credential the node's egress proxy adds to requests to `hosts` (as `header`,
+        or as basic auth of "user:password") from sandboxes created with secrets=[name]."""
+        body: dict[str, Any] = {"name": name, "value": value, "hosts": hosts, "header": header,
+                                "basic_auth": basic_auth}
+        if ports is not None:
+            body["ports"] = ports
+        out: dict[str, Any] = (await self._request("POST", "/v1/secrets", json=body)).json()
+        return out
+
+    async def list_secrets(self) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = (await self._request("GET", "/v1/secrets")).json()["items"]
+        return items
+
+    async def delete_secret(self, name: str) -> dict[str, Any]:
+        """Remove it; the nodes stop adding it before this returns."""
+        out: dict[str, Any] = (await self._request("DELETE", f"/v1/secrets/{name}")).json()
+        return out
+
     async def get_policy(self, project_id: str) -> dict[str, Any]:
         """{"project_id", "own", "effective"}: what the project's sandboxes may loosen."""
         resp = await self._request("GET", f"/v1/projects/{project_id}/policy")
@@ -336,10 +358,19 @@ class Client:
     async def list(self, include_ended: bool = False) -> list[SandboxInfo]:
         return (await self.listing(include_ended)).sandboxes
 
-    async def listing(self, include_ended: bool = False) -> SandboxList:
+    async def listing(self, include_ended: bool = False, *, project: str | None = None,
+                      labels: dict[str, str] | None = None, states: Iterable[str] = (),
+                      limit: int | None = None, offset: int = 0) -> SandboxList:
         """The listing with `unreachable_nodes`: nodes that did not answer, whose sandboxes are
-        shown as last known."""
-        resp = await self._request("GET", "/v1/sandboxes", params={"include_ended": include_ended})
+        shown as last known. With a filter (project, all of `labels`, any of `states`) or a
+        page (`limit`, `offset`): newest first, `total` counting the matches, `next_offset` the
+        next page's offset (None: the last page)."""
+        params: list[tuple[str, str | int | bool]] = [("include_ended", include_ended)]
+        params += [("project", project)] if project else []
+        params += [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+        params += [("state", str(getattr(s, "value", s))) for s in states]
+        params += ([("limit", limit)] if limit is not None else []) + ([("offset", offset)] if offset else [])
+        resp = await self._request("GET", "/v1/sandboxes", params=tuple(params))
         return SandboxList.model_validate_json(resp.content)
 
     async def nodes(self) -> builtins.list[NodeStatus]:
@@ -350,7 +381,8 @@ class Client:
         """Admin only: `cordon`, `drain`, `uncordon` or `forget` a node (`dsec nodes`); the
         answer names its state, a drain's remaining sandboxes, a forget's released quota."""
         resp = await self._request("POST", f"/v1/nodes/{node}/{action}")
-        return resp.json()
+        answer: dict[str, Any] = resp.json()
+        return answer
 
     async def images(self) -> builtins.list[ImageInfo]:
         resp = await self._request("GET", "/v1/images")
@@ -576,6 +608,20 @@ class Created:
         return self.sandbox is not None
 
 
+@dataclass
+class Forked:
+    """What Sandbox.fork() made: one outcome per fork (in order), and what the forks do not
+    have of their parent (containers: its running processes)."""
+
+    not_carried: builtins.list[str]
+    forks: builtins.list[Created]
+
+    @property
+    def sandboxes(self) -> builtins.list["Sandbox"]:
+        """The forks that started."""
+        return [c.sandbox for c in self.forks if c.sandbox is not None]
+
+
 class Sandbox:
     info: SandboxInfo   # as of the last call that returned it (refresh() reads it again)
     files: Files
@@ -765,10 +811,30 @@ class Sandbox:
         return self.info
 
     async def snapshot(self) -> SnapshotInfo:
-        """VM sandboxes: save memory, devices and disk; `create_microvm(image=..., snapshot=s.id)`
-        (or create_vm) restores it as a new sandbox, as many times as wanted."""
+        """Save this sandbox's state as a snapshot of the project: VMs memory, devices and disk,
+        containers their filesystem (copy-on-write); `create_*(..., snapshot=s.id)` makes new
+        sandboxes of it, as many times as wanted."""
         resp = await self._c._request("POST", f"/v1/sandboxes/{self.id}/snapshot")
         return SnapshotInfo.model_validate_json(resp.content)
+
+    async def fork(self, count: int = 1, *, lifetime_s: int | None = None) -> Forked:
+        """Branch this running sandbox into `count` new ones from one snapshot taken now (it
+        runs on unchanged). Each fork starts or fails on its own (its error in its Created);
+        containers carry the filesystem, env, workdir, labels, limits and network policy, not
+        the running processes (`not_carried` says so)."""
+        body = ForkRequest(count=count, lifetime_s=lifetime_s)
+        resp = await self._c._request("POST", f"/v1/sandboxes/{self.id}/fork", content=wire(body), headers=JSON)
+        res = ForkResult.model_validate_json(resp.content)
+        out = []
+        for i, item in enumerate(res.forks):
+            if item.sandbox is not None:
+                out.append(Created(i, Sandbox(self._c, item.sandbox), None))
+            else:
+                e = item.error
+                cls = ERRORS_BY_CODE.get(e.code, DsecError) if e is not None else DsecError
+                out.append(Created(i, None, cls(e.message if e else "fork failed", field=e.field if e else None,
+                                                fix=e.fix if e else None)))
+        return Forked(res.not_carried, out)
 
     async def stop(self) -> SandboxInfo:
         resp = await self._c._request("DELETE", self._base)

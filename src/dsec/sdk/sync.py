@@ -21,7 +21,7 @@ import os
 from typing import Any, cast
 
 from dsec.sdk import _sync
-from dsec.sdk.client import Client, Created, Files, Pty, Sandbox
+from dsec.sdk.client import Client, Created, Files, Forked, Pty, Sandbox
 from dsec.sdk.iam_types import KeyInfo, NewKey, ProjectInfo, QuotaInfo
 from dsec.types import (BulkItem, ContainerArgs, DeliveryList, DsecError, EventList, ExecEvent, ExecInfo,
                         ExecResult, FileEntry, FnCallRequest, FnCallResult, FsEvent, ImageBuildResult,
@@ -29,7 +29,7 @@ from dsec.types import (BulkItem, ContainerArgs, DeliveryList, DsecError, EventL
                         SandboxArgs, SandboxEvent, SandboxInfo, SandboxList, SnapshotInfo, UsageSample,
                         VMArgs, WebhookInfo)
 
-__all__ = ["SyncClient", "SyncCreated", "SyncSandbox", "SyncFiles", "SyncPty"]
+__all__ = ["SyncClient", "SyncCreated", "SyncForked", "SyncSandbox", "SyncFiles", "SyncPty"]
 
 
 @_sync.register(Client)
@@ -71,6 +71,21 @@ class SyncClient(_sync.Synchronized):
     def create_vm(self, args: VMArgs | None = None, **kwargs: Any) -> SyncSandbox:
         """Create a full QEMU q35 VM sandbox (layers mapped with virtio-pmem + DAX)."""
         return cast("SyncSandbox", _sync.call(self, "create_vm", args, **kwargs))
+
+    def create_secret(self, name: str, value: str, hosts: builtins.list[str], *, header: str | None = None,
+                      basic_auth: bool = False, ports: builtins.list[int] | None = None) -> dict[str, Any]:
+        """Store a credential the node's egress proxy adds to requests to `hosts` (as `header`,
+        or as basic auth of "user:password") from sandboxes created with secrets=[name].
+        """
+        return cast("dict[str, Any]", _sync.call(self, "create_secret", name, value, hosts, header=header,
+                                                 basic_auth=basic_auth, ports=ports))
+
+    def list_secrets(self) -> builtins.list[dict[str, Any]]:
+        return cast("builtins.list[dict[str, Any]]", _sync.call(self, "list_secrets"))
+
+    def delete_secret(self, name: str) -> dict[str, Any]:
+        """Remove it; the nodes stop adding it before this returns."""
+        return cast("dict[str, Any]", _sync.call(self, "delete_secret", name))
 
     def get_policy(self, project_id: str) -> dict[str, Any]:
         """{"project_id", "own", "effective"}: what the project's sandboxes may loosen."""
@@ -171,11 +186,16 @@ class SyncClient(_sync.Synchronized):
     def list(self, include_ended: bool = False) -> builtins.list[SandboxInfo]:
         return cast("builtins.list[SandboxInfo]", _sync.call(self, "list", include_ended))
 
-    def listing(self, include_ended: bool = False) -> SandboxList:
+    def listing(self, include_ended: bool = False, *, project: str | None = None,
+                labels: dict[str, str] | None = None, states: Iterable[str] = (), limit: int | None = None,
+                offset: int = 0) -> SandboxList:
         """The listing with `unreachable_nodes`: nodes that did not answer, whose sandboxes are
-        shown as last known.
+        shown as last known. With a filter (project, all of `labels`, any of `states`) or a
+        page (`limit`, `offset`): newest first, `total` counting the matches, `next_offset` the
+        next page's offset (None: the last page).
         """
-        return cast("SandboxList", _sync.call(self, "listing", include_ended))
+        return cast("SandboxList", _sync.call(self, "listing", include_ended, project=project, labels=labels,
+                                              states=states, limit=limit, offset=offset))
 
     def nodes(self) -> builtins.list[NodeStatus]:
         return cast("builtins.list[NodeStatus]", _sync.call(self, "nodes"))
@@ -310,6 +330,25 @@ class SyncCreated(_sync.Synchronized):
     @property
     def ok(self) -> bool:
         return cast("bool", _sync.get_attr(self, "ok"))
+
+
+@_sync.register(Forked)
+class SyncForked(_sync.Synchronized):
+    """What Sandbox.fork() made: one outcome per fork (in order), and what the forks do not
+    have of their parent (containers: its running processes).
+    """
+    __slots__ = ()
+
+    not_carried: builtins.list[str]
+    forks: builtins.list[SyncCreated]
+
+    def __init__(self, not_carried: builtins.list[str], forks: builtins.list[SyncCreated]) -> None:
+        _sync.construct(self, not_carried, forks)
+
+    @property
+    def sandboxes(self) -> builtins.list[SyncSandbox]:
+        """The forks that started."""
+        return cast("builtins.list[SyncSandbox]", _sync.get_attr(self, "sandboxes"))
 
 
 @_sync.register(Sandbox)
@@ -451,10 +490,19 @@ class SyncSandbox(_sync.Synchronized):
         return cast("SandboxInfo", _sync.call(self, "resume"))
 
     def snapshot(self) -> SnapshotInfo:
-        """VM sandboxes: save memory, devices and disk; `create_microvm(image=..., snapshot=s.id)`
-        (or create_vm) restores it as a new sandbox, as many times as wanted.
+        """Save this sandbox's state as a snapshot of the project: VMs memory, devices and disk,
+        containers their filesystem (copy-on-write); `create_*(..., snapshot=s.id)` makes new
+        sandboxes of it, as many times as wanted.
         """
         return cast("SnapshotInfo", _sync.call(self, "snapshot"))
+
+    def fork(self, count: int = 1, *, lifetime_s: int | None = None) -> SyncForked:
+        """Branch this running sandbox into `count` new ones from one snapshot taken now (it
+        runs on unchanged). Each fork starts or fails on its own (its error in its Created);
+        containers carry the filesystem, env, workdir, labels, limits and network policy, not
+        the running processes (`not_carried` says so).
+        """
+        return cast("SyncForked", _sync.call(self, "fork", count, lifetime_s=lifetime_s))
 
     def stop(self) -> SandboxInfo:
         return cast("SandboxInfo", _sync.call(self, "stop"))

@@ -1,4 +1,4 @@
-"""Lifecycle events and webhook deliveries in the control store (schema migration 7).
+"""Lifecycle events and webhook deliveries in the control store (schema migration 8).
 
 Events come from the edges' logs (apiserver/events.py pulls them) and from the apiserver itself
 (node_lost). Each gets the next id of events_head in the transaction that inserts it, under that

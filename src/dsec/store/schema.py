@@ -114,7 +114,22 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
             updated_at DOUBLE PRECISION NOT NULL
         )""",
     ]),
-    (7, "lifecycle events, webhooks, their deliveries", [
+    (7, "secrets added at the egress proxy", [
+        # value_enc: Fernet token under the operator's key file (iam/secrets.py), never returned
+        """CREATE TABLE egress_secrets (
+            id         TEXT PRIMARY KEY,
+            project_id TEXT NOT NULL REFERENCES projects(id) ON DELETE CASCADE,
+            name       TEXT NOT NULL,
+            hosts      TEXT NOT NULL,
+            ports      TEXT NOT NULL,
+            header     TEXT,
+            basic_auth INTEGER NOT NULL DEFAULT 0,
+            value_enc  TEXT NOT NULL,
+            created_at DOUBLE PRECISION NOT NULL,
+            UNIQUE (project_id, name)
+        )""",
+    ]),
+    (8, "lifecycle events, webhooks, their deliveries", [
         # ids come from events_head's one row, bumped in the ingesting transaction: the row lock
         # orders the ingests, so ids commit in order and a stream resumed after an id misses none
         "CREATE TABLE events_head (k INTEGER PRIMARY KEY, last_id BIGINT NOT NULL)",

@@ -28,6 +28,8 @@ from dsec.types.fncall import (FNCALL_MAX_TIMEOUT_S, FNCALL_MAX_BYTES, FNCALL_DE
                                FnCallStatus, FnCallStep, FnCallResult, FnCallBatch, FnCallBatchItem)
 from dsec.types.builds import (ImageConfig, ImageBuildResult, ImageProgress, ImagePullRequest)
 from dsec.types.usage import (UsageSample, UsageList)
+from dsec.types.secrets import (SecretCreate, SecretInfo, SecretList, EgressSecret, E2B_INLINE_MARK)
+from dsec.types.forks import (MAX_FORKS, ForkRequest, ForkItem, ForkResult)
 from dsec.types.events import (MAX_EVENT_ID, INFRASTRUCTURE_REASONS, USER_REASONS, END_REASONS, is_infrastructure, EventType,
                                SandboxEvent, EdgeEvents, EventList, WebhookCreate, WebhookInfo, WebhookList,
                                DeliveryInfo, DeliveryList, SandboxEnded, InfrastructureFailure, EndedByUser,
@@ -37,7 +39,8 @@ __all__ = [
     "MAX_EVENT_ID", "INFRASTRUCTURE_REASONS", "USER_REASONS", "END_REASONS", "is_infrastructure", "EventType", "SandboxEvent",
     "EdgeEvents", "EventList", "WebhookCreate", "WebhookInfo", "WebhookList", "DeliveryInfo", "DeliveryList",
     "SandboxEnded", "InfrastructureFailure", "EndedByUser", "ended_error",
-    "UsageSample", "UsageList",
+    "SecretCreate", "SecretInfo", "SecretList", "EgressSecret", "E2B_INLINE_MARK",
+    "UsageSample", "UsageList", "MAX_FORKS", "ForkRequest", "ForkItem", "ForkResult",
     "DsecError", "InvalidArgument", "NotFound", "Unauthorized", "Forbidden", "Conflict", "CapacityExceeded",
     "SandboxFailed", "Unavailable", "NodeUnreachable", "PayloadTooLarge", "BadGateway", "GatewayTimeout",
     "InternalError", "ERRORS_BY_CODE", "ErrorDetail", "ErrorBody", "NODE_ID_RE", "SANDBOX_ID_RE", "make_sandbox_id",

@@ -242,6 +242,14 @@ class ContainerArgs(_Strict):
     labels: Labels = Field(default_factory=dict)
     network: NetworkPolicy = Field(default_factory=NetworkPolicy,
                                    description="egress allow-list (cgroup-BPF); default: deny all but loopback")
+    secrets: list[Annotated[str, Field(max_length=64)]] = Field(
+        default_factory=list, max_length=16,
+        description="names of project secrets the node's egress proxy adds to this sandbox's requests to "
+                    "their destinations (`dsec secret create`); the values never enter the sandbox")
+    snapshot: Annotated[str | None, Field(
+        pattern=SNAPSHOT_ID_PATTERN,
+        description="start from a snapshot taken with Sandbox.snapshot() (its filesystem, copy-on-write): image, "
+                    "layers, limits, env, workdir, labels and network policy come from it unless given here")] = None
 
 
 class _VMArgs(_Strict):
@@ -378,8 +386,9 @@ class BulkResult(BaseModel):
 
 
 class SnapshotInfo(BaseModel):
-    """A saved VM (guest memory, device state, writable disk) that restores as new sandboxes:
-    `MicroVMArgs(image=..., snapshot=info.id)`. Node-local: the id names its node."""
+    """A saved sandbox that new sandboxes start from: a VM's guest memory, device state and
+    writable disk (`MicroVMArgs(image=..., snapshot=info.id)`), or a container's filesystem
+    (`ContainerArgs(image=..., snapshot=info.id)`). Node-local: the id names its node."""
 
     id: str
     node: str
@@ -388,8 +397,10 @@ class SnapshotInfo(BaseModel):
     image: str
     project: str = Field(description="the project of the sandbox it was taken from: it and its ancestors "
                                      "may restore, list and delete it")
-    size_bytes: int = Field(description="bytes of its own on the node's disk (state file + disk delta; "
-                                        "the base disks it shares with its source are not counted)")
+    size_bytes: int = Field(description="bytes of its own on the node's disk (VMs: state file + disk delta, "
+                                        "the base disks it shares with its source not counted; containers: "
+                                        "the files of its writable layer, shared copy-on-write; 0 in a "
+                                        "fork's answer, which does not measure)")
     created_at: datetime
 
 
@@ -402,3 +413,6 @@ class SandboxList(BaseModel):
     unreachable_nodes: list[str] = Field(default_factory=list, description=(
         "nodes that did not answer in time: their sandboxes are listed as last known (their state "
         "may have changed since)"))
+    total: int | None = Field(None, description="sandboxes matching the filters before `limit`/`offset` "
+                                                "(set when any filter or page was asked for)")
+    next_offset: int | None = Field(None, description="the `offset` of the next page; None: this is the last")

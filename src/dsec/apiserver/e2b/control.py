@@ -53,10 +53,12 @@ async def owned(ctx: ApiContext, sandbox_id: str, who: Principal) -> tuple[EdgeH
     return await control.owned(ctx, sandbox_id, who, field="sandboxID")
 
 
-async def create(ctx: ApiContext, who: Principal, args: SandboxArgs) -> SandboxInfo:
-    """Create on the least-loaded node that admits it, bounded by the project's policy."""
+async def create(ctx: ApiContext, who: Principal, args: SandboxArgs,
+                 inline_secrets: list | None = None) -> SandboxInfo:
+    """Create on the least-loaded node that admits it, bounded by the project's policy
+    (`inline_secrets`: E2B's network.rules transforms, for this sandbox only)."""
     try:
-        return await control.create_sandbox(ctx, who, args)
+        return await control.create_sandbox(ctx, who, args, inline_secrets)
     except NotFound as e:
         if e.field != "image":
             raise

@@ -19,7 +19,8 @@ from dsec.apiserver.e2b.errors import Unsupported
 from dsec.apiserver.e2b.ids import to_e2b
 from dsec.apiserver.e2b.models import NewSandbox
 from dsec.types.domains import normalize_name, pattern_error
-from dsec.types import (IDEMPOTENCY_KEY_RE, MAX_TTL_S, RULESET_NAME_RE, VM_BACKENDS, InvalidArgument, SandboxArgs, SandboxInfo,
+from dsec.types import (E2B_INLINE_MARK, EgressSecret, IDEMPOTENCY_KEY_RE, MAX_TTL_S, RULESET_NAME_RE, SNAPSHOT_ID_PATTERN,
+                        VM_BACKENDS, InvalidArgument, SandboxArgs, SandboxInfo,
                         SandboxState, UsageSample)
 
 # What the SDK gates on envd's version (e2b/envd/versions.py): commands stdin (0.3.0), default
@@ -101,11 +102,59 @@ def _destination(value: str, field: str) -> tuple[str, str]:
 _NETWORK_KEYS = {"allowOut", "denyOut", "allowPublicTraffic", "dnsServers"}
 
 
-def network_policy(net: dict[str, Any] | None, internet: bool | None, prefix: str = "network") -> dict[str, Any] | None:
+def transform_rules(net: dict[str, Any] | None, prefix: str = "network") -> list[EgressSecret]:
+    """E2B's `rules` ({host: [{transform: {headers: {...}}}]}) as secret rules of this sandbox
+    only: the node's egress proxy adds the headers on TLS to the host (issue 30). As in E2B, a
+    host must also be reachable by allowOut; dsec matches hosts by name (TLS SNI)."""
+    raw = (net or {}).get("rules") or {}
+    if not isinstance(raw, dict):
+        raise _refuse(f"{prefix}.rules", "must map a host to a list of rules", "see E2B's SandboxNetworkOpts.rules")
+    out = []
+    for host, rules in raw.items():
+        field = f"{prefix}.rules.{host}"
+        try:
+            ipaddress.ip_network(host, strict=False)
+            raise _refuse(field, "dsec adds headers by destination name (the TLS server name), not by address",
+                          "key the rule by the host name the sandbox connects to")
+        except ValueError:
+            pass
+        headers: dict[str, str] = {}
+        for rule in rules if isinstance(rules, list) else [None]:
+            if not isinstance(rule, dict) or set(rule) - {"transform"}:
+                raise _refuse(field, "a rule is {\"transform\": {\"headers\": {...}}} in dsec",
+                              "use transform.headers only")
+            transform = rule.get("transform") or {}
+            if set(transform) - {"headers"}:
+                raise _refuse(f"{field}.transform", "only headers are transformed in dsec", "use transform.headers")
+            for k, v in (transform.get("headers") or {}).items():
+                if isinstance(v, str) and "${e2b." in v:
+                    raise _refuse(f"{field}.transform.headers.{k}", "dsec has no workload identity tokens",
+                                  "put the credential itself in the header value (it never enters the sandbox)")
+                headers[k] = v
+        if headers:
+            out.append({"id": "e2b", "hosts": [host], "headers": headers, "kind": "inline"})
+    try:
+        return [EgressSecret.model_validate(r) for r in out]
+    except ValidationError as e:
+        raise _invalid(e) from None
+
+
+def network_policy(net: dict[str, Any] | None, internet: bool | None, prefix: str = "network",
+                   rules_ok: bool = False) -> dict[str, Any] | None:
     """dsec's egress policy (deny-all by default) from E2B's allow_internet_access and network
     (create) or allowInternetAccess and the rest of the body (PUT /sandboxes/{id}/network).
-    E2B's semantics: allowOut wins over denyOut; domains only in allowOut, matched on TCP 80/443."""
+    E2B's semantics: allowOut wins over denyOut; domains only in allowOut, matched on TCP 80/443.
+    `rules` (header transforms) are read by transform_rules, at create only."""
     net = dict(net or {})
+    if net.get("egressProxy") is not None:
+        raise _refuse(f"{prefix}.egressProxy", "dsec does not tunnel a sandbox's egress through a SOCKS5 proxy",
+                      "leave egress_proxy unset; use allowOut for the destinations and `rules` transforms "
+                      "(or dsec secrets) for credentials")
+    net.pop("egressProxy", None)
+    if net.get("rules") and not rules_ok:
+        raise _refuse(f"{prefix}.rules", "dsec sets header transforms when the sandbox is created only",
+                      "create a new sandbox with the rules")
+    net.pop("rules", None)
     allow = [_destination(v, f"{prefix}.allowOut") for v in net.pop("allowOut", None) or []]
     deny = [_cidr(v, f"{prefix}.denyOut") for v in net.pop("denyOut", None) or []]
     if net.pop("allowPublicTraffic", None) is True:
@@ -138,7 +187,7 @@ def _network(body: NewSandbox, internet_default: bool) -> dict[str, Any] | None:
     internet = body.allow_internet_access
     if internet is None and not body.network:
         internet = internet_default
-    return network_policy(body.network, internet)
+    return network_policy(body.network, internet, rules_ok=True)
 
 
 def _dsec_metadata(metadata: dict[str, str]) -> tuple[dict[str, str], dict[str, Any]]:
@@ -186,7 +235,11 @@ def sandbox_args(body: NewSandbox, idem: str | None, internet_default: bool = Fa
         net = _network(body, internet_default)
         if net is not None:
             raw["network"] = net
+        if (body.network or {}).get("rules"):
+            raw["secrets"] = [E2B_INLINE_MARK]   # the rules themselves: transform_rules, to the edge only
     raw.update(own)
+    if re.match(SNAPSHOT_ID_PATTERN, body.template_id):   # create_snapshot's id: a sandbox made from it
+        raw["snapshot"] = body.template_id
     try:
         return _ARGS.validate_python(raw)
     except ValidationError as e:

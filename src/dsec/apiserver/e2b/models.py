@@ -52,3 +52,17 @@ class PauseBody(_E2B):
 
     memory: bool | None = None
     require_healthy_guest: bool | None = Field(None, alias="requireHealthyGuest")
+
+
+class ForkBody(_E2B):
+    """SandboxForkRequest (POST /sandboxes/{id}/fork)."""
+
+    timeout: int | None = None
+    count: int | None = None
+
+
+class SnapshotBody(_E2B):
+    """SandboxSnapshotRequest (POST /sandboxes/{id}/snapshots)."""
+
+    name: str | None = None
+    memory: bool | None = None

@@ -34,7 +34,7 @@ from dsec.types import (MAX_TTL_S, VM_BACKENDS, Conflict, DsecError, InternalErr
 log = logging.getLogger("dsec.apiserver.e2b")
 
 # E2B routes the SDK has that dsec does not serve: a clear 501 instead of a bare 404
-NOT_SERVED = ("fork", "snapshots", "logs", "refreshes")
+NOT_SERVED = ("logs", "refreshes")
 MAX_METRICS_IDS = 100      # sandboxes one GET /sandboxes/metrics reports
 
 
@@ -78,7 +78,7 @@ def build_rest_app(ctx: ApiContext, tokens: AccessTokens, domain: str | None = N
         who = _who(request)
         internet = default_internet(ctx.iam.effective_policy(who.project_id))
         args = await control.with_image_config(ctx, who, mapping.sandbox_args(body, idempotency_key, internet))
-        info = await control.create(ctx, who, args)
+        info = await control.create(ctx, who, args, mapping.transform_rules(body.network))
         await layout.apply(ctx.edge_for(info.id), info)       # before anything runs as `user`
         await control.start_template_services(ctx, info)
         return mapping.created(info, tokens, domain)
@@ -191,6 +191,8 @@ def build_rest_app(ctx: ApiContext, tokens: AccessTokens, domain: str | None = N
             info = await _grow_timeout(edge, info, _check_timeout(body.timeout))
         return JSONResponse(mapping.created(info, tokens, domain), status_code=status)
 
+    from dsec.apiserver.e2b.snapshots import add_snapshot_routes
+    add_snapshot_routes(app, ctx, tokens, domain)     # fork, snapshots (before the catch-all)
     from dsec.apiserver.e2b.templates import add_template_routes
     add_template_routes(app, ctx)      # before the catch-all below
     from dsec.apiserver.e2b.events import add_event_routes

@@ -7,12 +7,13 @@ from typing import Annotated
 from fastapi import APIRouter, Body, Query
 from fastapi.responses import Response
 
-from dsec.apiserver import control, listing
+from dsec.apiserver import control, forks, list_query, listing
 from dsec.apiserver.deps import Ctx, Who, owned
 from dsec.iam import Principal
 from dsec.apiserver.context import ApiContext
-from dsec.types import (BulkResult, BulkSelector, ImageInfo, NetworkPolicy, PackDiffRequest, SandboxArgs, SandboxInfo,
-                        SandboxList)
+from dsec.types import (BulkResult, BulkSelector, ForkRequest, ForkResult, ImageInfo, NetworkPolicy, PackDiffRequest, SandboxArgs, SandboxInfo,
+                        SandboxList, SandboxState)
+from dsec.types.sandboxes import MAX_LABELS
 
 router = APIRouter()
 
@@ -24,10 +25,24 @@ async def create_sandbox(args: Annotated[SandboxArgs, Body()], who: Who, ctx: Ct
 
 
 @router.get("/v1/sandboxes", response_model=SandboxList)
-async def list_sandboxes(who: Who, ctx: Ctx, include_ended: bool = False) -> SandboxList:
+async def list_sandboxes(
+        who: Who, ctx: Ctx, include_ended: bool = False,
+        project: Annotated[str | None, Query(max_length=128, description="only this project's sandboxes")] = None,
+        label: Annotated[list[str], Query(max_length=MAX_LABELS, description="KEY=VALUE, repeatable: all must "
+                                                                              "match")] = [],  # noqa: B006
+        state: Annotated[list[SandboxState], Query(description="repeatable: any of them")] = [],  # noqa: B006
+        limit: Annotated[int | None, Query(ge=1, le=list_query.MAX_LIMIT, description="at most this many, "
+                                                                                       "newest first")] = None,
+        offset: Annotated[int, Query(ge=0, description="skip this many (the `next_offset` of the last page)")] = 0,
+) -> SandboxList:
     """The caller's sandboxes on every node; a node that does not answer within seconds is
-    named in `unreachable_nodes` and its sandboxes listed as last indexed (listing.py)."""
-    return await listing.list_sandboxes(ctx, who, include_ended)
+    named in `unreachable_nodes` and its sandboxes listed as last indexed (listing.py).
+    With filters or a page, `total` counts the matches and the answer is newest first
+    (list_query.py)."""
+    q = list_query.SandboxQuery(project=project, labels=list_query.parse_labels(label), states=frozenset(state),
+                                limit=limit, offset=offset)
+    list_query.check_project(ctx.iam, who, project)
+    return list_query.select(await listing.list_sandboxes(ctx, who, include_ended or q.wants_ended), q)
 
 
 @router.get("/v1/sandboxes/{sandbox_id}", response_model=SandboxInfo)
@@ -96,3 +111,11 @@ async def pack_diff(sandbox_id: str, req: PackDiffRequest, who: Who, ctx: Ctx) -
     """Snapshot the sandbox's writable changes as a new workspace layer NAME@VERSION."""
     edge = await owned(ctx, sandbox_id, who)
     return await edge.pack_diff(sandbox_id, req)
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/fork", status_code=201, response_model=ForkResult)
+async def fork(sandbox_id: str, req: ForkRequest, who: Who, ctx: Ctx) -> ForkResult:
+    """Branch a running sandbox into `count` new ones on its node, from one snapshot taken now
+    (the parent runs on, same id and lifetime). Each fork succeeds or fails on its own and is
+    counted against the project's quota; `not_carried` says what the forks do not have."""
+    return await forks.fork(ctx, who, sandbox_id, req.count, req.lifetime_s)

@@ -1,4 +1,5 @@
-"""VM snapshots: take, list, get, delete (a snapshot lives on the node of its VM)."""
+"""Snapshots (VMs: memory and disk; containers: the filesystem): take, list, get, delete (a snapshot
+lives on the node of its sandbox)."""
 
 from __future__ import annotations
 
@@ -14,15 +15,16 @@ router = APIRouter()
 
 @router.post("/v1/sandboxes/{sandbox_id}/snapshot", status_code=201, response_model=SnapshotInfo)
 async def snapshot(sandbox_id: str, who: Who, ctx: Ctx) -> SnapshotInfo:
-    """Save a running VM (memory, devices, disk); restore it as new sandboxes with
-    `{"backend": ..., "image": ..., "snapshot": id}`. The VM pauses briefly and runs on."""
+    """Save a running sandbox (a VM's memory, devices and disk; a container's filesystem, as a
+    read-only copy-on-write snapshot); start new sandboxes of it with
+    `{"backend": ..., "image": ..., "snapshot": id}`. It pauses briefly and runs on."""
     edge = await owned(ctx, sandbox_id, who)
     return await edge.snapshot(sandbox_id)
 
 
 @router.get("/v1/snapshots", response_model=SnapshotList)
 async def list_snapshots(who: Who, ctx: Ctx) -> SnapshotList:
-    """VM snapshots of the caller's project and its sub-projects, on every node."""
+    """Snapshots of the caller's project and its sub-projects, on every node."""
     out: list[SnapshotInfo] = []
     for edge in ctx.edges.values():
         out += [s for s in await edge.list_snapshots() if ctx.iam.can_access(who, s.project)]

@@ -30,7 +30,8 @@ def shm_bytes(memory_mb: int) -> int:
 
 def warm_key(prepared: Prepared, userns: bool) -> Hashable | None:
     args = prepared.args
-    if not isinstance(args, ContainerArgs):
+    if not isinstance(args, ContainerArgs) or args.secrets or args.snapshot is not None:
+        # secrets: a CA bundle bound at start; a snapshot's files: never warm
         return None
     layers = tuple(layer.digest for layer in prepared.plan)
     return ("container", layers, prepared.uid, prepared.gid, args.workdir, args.nofile, args.max_file_mb,

@@ -29,8 +29,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from dsec.backends.base import (PARKED, RUNNING, Backend, Egress, Hibernation, ImageStacks, LayerDiff, MemoryUsage,
-                                Parking, PortIngress, Prepared, RawUsage, Reclaim, UpperView, UsageStats)
+from dsec.backends.base import (PARKED, RUNNING, Backend, Egress, EgressSecrets, Hibernation, ImageStacks, LayerDiff, MemoryUsage,
+                                Parking, PortIngress, Prepared, RawUsage, Reclaim, Snapshots, UpperView, UsageStats)
 from dsec.backends.container import cgroups, hibernate, qos
 from dsec.backends.container import usage as usage_reader
 from dsec.backends.container import claim as warm_claim
@@ -41,6 +41,7 @@ from dsec.backends.container.idmap import IdRanges, host_to_sandbox
 from dsec.backends.container.network import NetSettings, SandboxNetworks
 from dsec.backends.container.parking import PARKED_MARKER, CgroupParking, cgroup_gone
 from dsec.backends.container.ports import CONNECT_TIMEOUT_S, connect_in_netns
+from dsec.backends.container.snapshots import ContainerSnapshots
 from dsec.backends.warm import WarmClaim
 from dsec.backends.container.spec import ContainerSpec, build_config, cgroup_path, dsec_dir, ensure_node_file_max, mask_dir
 from dsec.config import Paths
@@ -81,11 +82,10 @@ class _ExitWatch:
     status: int | None = None     # wait status once it exited (None: unknown)
 
 
-class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernation, MemoryUsage, UsageStats, Reclaim,
-                      WarmClaim):
+class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Parking, Hibernation, MemoryUsage, UsageStats, Reclaim,
+                      WarmClaim, Snapshots):
     kinds = ("container",)
-    instead = {"snapshot": "use pack_diff to save a container's changes as a layer",
-               "console": "read a container's output from its commands"}
+    instead = {"console": "read a container's output from its commands"}
 
     def __init__(self, paths: Paths, agent_binary: Path, rulesets: Rulesets, crun: str = "crun",
                  conf: Settings | None = None):
@@ -108,6 +108,7 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
                                    NetSettings.of(conf.network))
         # writable-layer quota: sandbox dirs are btrfs subvolumes with a limit (or polled)
         self.disk = open_quotas(paths, conf.storage)
+        self.snaps = ContainerSnapshots(paths.sandboxes, self.disk)   # snapshots and forks (snapshots.py)
         # a user namespace per sandbox with its own host id range (idmap.py)
         c = conf.containers
         self.ids = IdRanges(c.idmap_registry, c.idmap_first, c.idmap_slots) if c.userns else None
@@ -147,6 +148,8 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
     # -- lifecycle -----------------------------------------------------------------------
     async def prepare(self, args: SandboxArgs, images: ImageStacks) -> Prepared:
         assert isinstance(args, ContainerArgs)
+        if args.snapshot is not None:
+            args = await asyncio.to_thread(self._from_snapshot, args)
         stack = await images.stack(args)                 # NotFound names the field
         uid, gid = resolve_user(args.user)
         allows = resolve(args.network, self.rulesets)   # 422 for unknown rule sets, before anything exists
@@ -160,8 +163,9 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
                              memory_mb=args.memory_mb, pids_limit=args.pids_limit, uid=prepared.uid,
                              gid=prepared.gid, workdir=args.workdir, network=tuple(prepared.allows),
                              resolv_conf=str(self.net.resolv_conf()),
+                             ca_bundle=str(self._ca_bundle()) if args.secrets else None,
                              disk_mb=args.disk_mb, nofile=args.nofile, max_file_mb=args.max_file_mb,
-                             cpu_class=args.cpu_class,
+                             cpu_class=args.cpu_class, snapshot=args.snapshot,
                              cpus=self.cpusets.pick(sandbox_id, args.cpu_cores) if self.cpusets else "")
         await self._start(sandbox_id, spec)
 
@@ -206,6 +210,9 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
             (d / sub).mkdir(mode=0o700)
         # overlay needs the upper root to be traversable by the sandbox user
         os.chmod(d / "upper", 0o755)
+        if spec.snapshot is not None:   # the snapshot's layers, held for as long as this sandbox lives
+            chain = self.snaps.use(spec.snapshot, d)
+            spec = replace(spec, snap_lowers=tuple([str(self.snaps.layer(sid)), base] for sid, base in chain))
         if self.ids is not None:
             # claimed only now that d exists: a claim whose directory is gone counts as stale
             spec = replace(spec, id_base=self.ids.allocate(d), userns_path=str(d / "run" / "userns"))
@@ -218,6 +225,8 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
             (d / "lower").mkdir(mode=0o700)
             for i in range(len(spec.lower_dirs)):
                 (d / "lower" / str(i)).mkdir(mode=0o700)
+            for i in range(len(spec.snap_lowers)):
+                (d / "lower" / f"s{i}").mkdir(mode=0o700)
         cfg = build_config(spec, self.agent_binary, cgroup_v2=self.cgroup_v2, quota_floor=self.quota_floor,
                                view=self.view)
         (d / "config.json").write_text(json.dumps(cfg))
@@ -246,6 +255,13 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
             for src, dst in zip(lowers, targets):
                 idmapped += ["-l", f"{src}:{dst}"]
             lowers = targets
+            # a snapshot's layer holds its source's host ids: shown shifted into this range (nsexec -s)
+            for i, (src, base) in enumerate(spec.snap_lowers):
+                dst = str(d / "lower" / f"s{i}")
+                idmapped += ["-s", f"{base if base is not None else 0}:{src}:{dst}"]
+                lowers.append(dst)
+        else:
+            lowers += [src for src, _ in spec.snap_lowers]
         lower = ":".join(reversed(lowers))  # overlay wants top first
         opts = f"lowerdir={lower},upperdir={d / 'upper'},workdir={d / 'work'}"
         fd = listener.fileno()
@@ -289,12 +305,14 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
         await asyncio.to_thread(_remove_cgroups, sandbox_id)
         base = self.id_base(sandbox_id)
         if d.exists():
+            await asyncio.to_thread(self.snaps.release, d)   # before its chain record goes with d
             await asyncio.to_thread(self.disk.remove_dir, d)
         if base is not None and self.ids is not None:
             self.ids.release(base, d)   # after `crun delete`: no process of the range is left
         elif self.ids is not None:      # torn down before config.json recorded its base (a failed
             await asyncio.to_thread(self.ids.release_owner, d)   # or crashed create): by owner
         await self.net.release(sandbox_id)   # veth (if any), IP, BPF map entries
+        self.net.secrets.drop(sandbox_id)    # gone for good (a park to disk keeps them: same edge)
         if self.cpusets is not None:
             self.cpusets.release(sandbox_id)
 
@@ -336,11 +354,52 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
         # as seen inside (root = 0), so a layer made of it works in any other sandbox.
         base = self.id_base(sandbox_id)
         map_id = functools.partial(host_to_sandbox, base=base) if base is not None else None
+        # a fork's upper holds only what changed since its snapshot: the snapshot's layers (read
+        # only, ids of their source's range) are packed too, below it
+        below = tuple((self.snaps.layer(sid), functools.partial(host_to_sandbox, base=b) if b is not None else None)
+                      for sid, b in self.snaps.chain_of(self.sandbox_dir(sandbox_id)))
         await self.pause(sandbox_id)
         try:
-            yield UpperView(self.sandbox_dir(sandbox_id) / "upper", map_id)
+            yield UpperView(self.sandbox_dir(sandbox_id) / "upper", map_id, below)
         finally:
             await self.resume(sandbox_id)
+
+    # -- snapshots and forks (snapshots.py) -------------------------------------------------
+    def _from_snapshot(self, args: ContainerArgs) -> ContainerArgs:
+        """The args a sandbox made from a snapshot runs with: its source's, but for what the
+        request set itself (not the image: the snapshot's layers sit on the source's)."""
+        assert args.snapshot is not None
+        was = ContainerArgs.model_validate(self.snaps.meta(args.snapshot)["args"])
+        given = {f: getattr(args, f) for f in args.model_fields_set if f not in ("image", "backend")}
+        for f in ("env", "labels"):          # added to the snapshot's, not instead of them
+            if f in given:
+                given[f] = {**getattr(was, f), **given[f]}
+        return was.model_copy(update={"idempotency_key": None, **given, "snapshot": args.snapshot})
+
+    async def snapshot(self, sandbox_id: str, snapshot_id: str, meta: dict) -> int:
+        """Its filesystem at this moment (frozen for the few ms of a btrfs snapshot, so files
+        written together are kept together); it runs on unchanged. The bytes are measured on
+        first listing (a walk), not here: a fork waits for nothing but the snapshot."""
+        d = self.sandbox_dir(sandbox_id)
+        if hibernate.on_disk(d / "run"):
+            raise SandboxFailed(f"sandbox {sandbox_id} is parked to disk", fix="resume it first")
+        meta = {**meta, "source": sandbox_id, "disk_base": self.id_base(sandbox_id)}
+        await self.pause(sandbox_id)
+        try:
+            await asyncio.to_thread(self.snaps.take, d, snapshot_id, meta)
+        finally:
+            await self.resume(sandbox_id)
+        return 0
+
+    def snapshot_record(self, snapshot_id: str) -> dict:
+        return self.snaps.record(snapshot_id)
+
+    def snapshot_records(self) -> list[dict]:
+        return self.snaps.records()
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        """Unlisted at once; the files stay while a sandbox made from it runs (snapshots.py)."""
+        await asyncio.to_thread(self.snaps.delete, snapshot_id)
 
     def disk_usage(self, sandbox_id: str) -> int:
         """Bytes in the sandbox's writable layer (a walk: for the polling fallback only)."""
@@ -349,6 +408,15 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
     def _pid(self, sandbox_id: str) -> int:
         """Host pid of the sandbox's agent (crun's --pid-file): the way into its namespaces."""
         return int((self.sandbox_dir(sandbox_id) / "run" / "pid").read_text())
+
+    def _ca_bundle(self) -> Path:
+        return self.net.egress_ca().bundle()
+
+    async def set_egress_secrets(self, sandbox_id: str, rules: list) -> None:
+        await self.net.set_secrets(sandbox_id, rules)
+
+    def revoke_egress_secret(self, secret_id: str) -> int:
+        return self.net.secrets.revoke(secret_id)
 
     async def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> None:
         """Replace a running sandbox's egress policy (BPF map update; first allow adds a veth)."""
@@ -420,6 +488,10 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
             except OSError as e:
                 log.warning("could not settle a sandbox's park state", extra={"sandbox": sid, "error": str(e)})
         await self.net.recover(live)
+        try:
+            await asyncio.to_thread(self.snaps.sweep)
+        except OSError as e:
+            log.warning("could not sweep container snapshots", extra={"error": str(e)})
         if self._view_restarted and live:   # the daemon died while no edge watched it
             await self._rebind_views()
         self._view_restarted = False
@@ -789,7 +861,8 @@ class ContainerDriver(Backend, LayerDiff, Egress, PortIngress, Parking, Hibernat
         for sid, status in known.items():
             if status in ("running", "paused"):
                 known[sid] = PARKED if (self.sandbox_dir(sid) / "run" / PARKED_MARKER).exists() else RUNNING
-        dirs = {p.name for p in self.paths.sandboxes.iterdir()} if self.paths.sandboxes.exists() else set()
+        dirs = {p.name for p in self.paths.sandboxes.iterdir() if not p.name.startswith(".")} \
+            if self.paths.sandboxes.exists() else set()   # .snap: snapshots (snapshots.py)
         left = {d: PARKED if hibernate.on_disk(self.sandbox_dir(d) / "run") else "leftover"
                 for d in dirs if d not in known}
         return {**left, **known}

@@ -12,6 +12,10 @@ Never connected to, whatever a name resolves to: this host's own addresses (a bi
 loopback, link-local, multicast, reserved and the sandbox subnet (other sandboxes).
 Residual risk, documented in docs/decisions.md: domain fronting (an allowed SNI, another Host
 inside TLS) and later requests of a kept-alive HTTP connection reach the allowed name's server.
+Secrets (issue 30, tls_intercept.py): a sandbox with secret rules also sends its TCP 443 here
+whatever its policy; on a port a rule names, the SNI is read first, and a name with a rule
+(allowed by the sandbox's policy) is terminated and the secret added; anything else goes on as
+above, the TLS untouched.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import socket
 import struct
 
 from dsec.backends.container.dns import Lookup, SourceSlots, Upstream
+from dsec.backends.container.tls_intercept import Interceptor
 from dsec.security.netpolicy import compile_allows
 from dsec.types.domains import matches
 
@@ -108,8 +113,8 @@ def forbidden(ip: str, subnet: ipaddress.IPv4Network) -> bool:
 
 class EgressProxy:
     def __init__(self, lookup: Lookup, upstream: Upstream, address: str, port: int,
-                 subnet: ipaddress.IPv4Network) -> None:
-        self.lookup, self.upstream = lookup, upstream
+                 subnet: ipaddress.IPv4Network, interceptor: Interceptor | None = None) -> None:
+        self.lookup, self.upstream, self.interceptor = lookup, upstream, interceptor
         self.address, self.port, self.subnet = address, port, subnet
         self._server: asyncio.Server | None = None
         self._per_source = SourceSlots(MAX_PER_SOURCE)
@@ -149,13 +154,17 @@ class EgressProxy:
 
     async def _handle(self, source: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         view = self.lookup(source)
-        if view is None or not view.domains:
+        if view is None:
             return
         sock = writer.get_extra_info("socket")
         raw = sock.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)
         port = struct.unpack(">H", raw[2:4])[0]
         orig = socket.inet_ntoa(raw[4:8])
-        if _cidr_allows(compile_allows(view.allows), orig, port) and not forbidden(orig, self.subnet):
+        secrets = self.interceptor is not None and port in self.interceptor.ports(view.sandbox_id)
+        if not view.domains and not (self.interceptor is not None and self.interceptor.rules.has(view.sandbox_id)):
+            return   # in the proxy's set for neither names nor secrets (a stale DNAT): nothing
+        cidr = compile_allows(view.allows)
+        if not secrets and _cidr_allows(cidr, orig, port) and not forbidden(orig, self.subnet):
             await self._splice(b"", reader, writer, [orig], port)
             return
         head, name = b"", None
@@ -171,6 +180,11 @@ class EgressProxy:
                     break
                 if len(head) >= HEAD_MAX:
                     return
+        if secrets and await self._secret(view, head, name, port, cidr, reader, writer):
+            return
+        if secrets and _cidr_allows(cidr, orig, port) and not forbidden(orig, self.subnet):
+            await self._splice(head, reader, writer, [orig], port)   # no rule for it: untouched
+            return
         if not name or not matches(name, view.domains):
             log.info("egress refused", extra={"sandbox": view.sandbox_id, "host": (name or "")[:253], "port": port})
             if head[:1] != b"\x16":
@@ -185,6 +199,24 @@ class EgressProxy:
             log.info("egress name has no permitted address", extra={"sandbox": view.sandbox_id, "host": name})
             return
         await self._splice(head, reader, writer, addrs, port)
+
+    async def _secret(self, view, head: bytes, name: str | None, port: int, cidr: dict,
+                      reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """A TLS connection to a name with a secret rule: added there (True), if the sandbox's
+        policy reaches the name (its domains, or its CIDR rules for the address the proxy
+        resolves); else False and the connection goes on as any other."""
+        assert self.interceptor is not None
+        if not name or head[:1] != b"\x16" or self.interceptor.rules.match(view.sandbox_id, name, port) is None:
+            return False
+        addrs = [a for a in await self.upstream.resolve4(name) if not forbidden(a, self.subnet)]
+        if not matches(name, view.domains):
+            addrs = [a for a in addrs if _cidr_allows(cidr, a, port)]
+        if not addrs:
+            log.info("egress secret destination not reachable by the policy",
+                     extra={"sandbox": view.sandbox_id, "host": name})
+            return True
+        await self.interceptor.run(head, reader, writer, name, port, addrs, view.sandbox_id)
+        return True
 
     async def _splice(self, head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                       addrs: list[str], port: int) -> None:

@@ -36,6 +36,9 @@ from pathlib import Path
 
 from dsec.backends.container.dns import DnsServer, SandboxView, Upstream, parse_upstream
 from dsec.backends.container.egress_proxy import EgressProxy
+from dsec.backends.container.secret_rules import SecretRules
+from dsec.backends.container.tls_intercept import Interceptor
+from dsec.security.egress_ca import EgressCA
 from dsec.config import Paths
 from dsec.security.netpolicy import Allow, PolicyProgram, domains_of
 from dsec.types import SandboxFailed, Unavailable
@@ -64,11 +67,13 @@ class NetSettings:
     dns_upstream: str = ""        # the forwarder's resolver; empty: the host's first nameserver
     dns_port: int = 10053         # forwarder on the gateway (sandboxes' port 53 is sent there)
     proxy_port: int = 10080       # egress proxy on the gateway (domain-mode TCP 80/443)
+    upstream_ca_file: str = ""    # trust for destinations the proxy adds secrets to; empty: the host's
 
     @classmethod
     def of(cls, group) -> "NetSettings":
         """From dsec.settings.NetworkSettings."""
-        return cls(group.bridge, group.subnet, group.dns_upstream, group.dns_port, group.proxy_port)
+        return cls(group.bridge, group.subnet, group.dns_upstream, group.dns_port, group.proxy_port,
+                   group.upstream_ca_file)
 
     def __post_init__(self) -> None:
         net = ipaddress.IPv4Network(self.subnet)       # raises on a bad value at startup
@@ -155,6 +160,9 @@ class SandboxNetworks:
         self._domain_ips: set[str] = set()        # in the nft set: TCP 80/443 go to the egress proxy
         self._dns: DnsServer | None = None
         self._proxy: EgressProxy | None = None
+        self.secrets = SecretRules()              # issue 30: rules the egress proxy adds secrets by
+        self._ca: EgressCA | None = None
+        self._ca_lock = threading.Lock()
         self._locks: dict[str, asyncio.Lock] = {}
         self._infra_lock = asyncio.Lock()
         self._infra_ready = False
@@ -213,6 +221,24 @@ class SandboxNetworks:
         if row is None:
             return None
         return SandboxView(sid, bool(row["allows"]), domains_of(row["allows"]), row["allows"])
+
+    def egress_ca(self) -> EgressCA:
+        """The node's egress CA (one instance: made on first use, by the first sandbox with secrets)."""
+        with self._ca_lock:
+            if self._ca is None:
+                self._ca = EgressCA(self.paths.home / "egress-ca")
+            return self._ca
+
+    async def set_secrets(self, sandbox_id: str, rules: list) -> None:
+        """Issue 30: the sandbox's secret rules; its TCP 80/443 goes to the egress proxy from
+        now on (which splices what no rule names, untouched)."""
+        lock = self._locks.setdefault(sandbox_id, asyncio.Lock())
+        async with lock:
+            self.secrets.set(sandbox_id, rules)
+            row = self._rows.get(sandbox_id)
+            if row and row["ip"]:
+                async with self._infra_lock:
+                    await self._domain_mode(row["ip"], True)
 
     def resolv_conf(self) -> Path:
         """The file every container sees as /etc/resolv.conf (spec.py): the gateway, where its
@@ -274,7 +300,7 @@ class SandboxNetworks:
                 cgid = self._cgids[sandbox_id] = prog.attach(self._cgroup_dir(sandbox_id))
             row = self._rows.get(sandbox_id)
             old = row["allows"] if row else []
-            domains = bool(domains_of(allows))
+            domains = bool(domains_of(allows)) or self.secrets.has(sandbox_id)
             if domains and row and row["ip"]:
                 await self._domain_mode(row["ip"], True)   # the redirect before BPF lets 80/443 out
             prog.write(cgid, allows)   # deny before a link exists; effective for new connections now
@@ -467,7 +493,8 @@ table inet {t} {{
             old = _write_sysctl(f"net/ipv4/conf/{dev}/forwarding", "1")
             if old is not None and old != "1" and self._meta(f"forwarding:{dev}") is None:
                 self._meta(f"forwarding:{dev}", old)   # restored when the bridge goes away
-        self._domain_ips = {r["ip"] for r in self._rows.values() if r["ip"] and domains_of(r["allows"])}
+        self._domain_ips = {r["ip"] for r in self._rows.values()
+                            if r["ip"] and (domains_of(r["allows"]) or self.secrets.has(r["sandbox_id"]))}
         await _run("nft", "-f", "-", stdin=self._nft_rules())   # (re)loaded whole: rules of this version
         await self._start_services()
         self._infra_ready = True
@@ -487,7 +514,8 @@ table inet {t} {{
             return
         upstream = Upstream(parse_upstream(s.dns_upstream))
         dns = DnsServer(self.view_of_ip, upstream, str(s.gateway), s.dns_port)
-        proxy = EgressProxy(self.view_of_ip, upstream, str(s.gateway), s.proxy_port, s.network)
+        proxy = EgressProxy(self.view_of_ip, upstream, str(s.gateway), s.proxy_port, s.network,
+                            Interceptor(self.secrets, self.egress_ca, s.upstream_ca_file))
         try:
             await dns.start()
             await proxy.start()

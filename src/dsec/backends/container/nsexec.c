@@ -12,6 +12,9 @@
  *   -N PATH  (with -u) the user namespace is bind-mounted at PATH (an existing file) for crun
  *   -l SRC:DST  (with -u, repeated) an idmapped clone of the layer mount SRC is attached at DST
  *            (inside the private namespace only); the overlay options name DST as lowerdir.
+ *   -s DISK:SRC:DST  (with -u, repeated) the same for a directory whose files carry another
+ *            sandbox's host ids DISK..DISK+65535 (a fork's view of its parent's writable layer,
+ *            a btrfs snapshot): mapped DISK+n -> BASE+n, so no chown pass is needed.
  *
  * Why idmapped lowers: the EROFS layers store host ids (root = 0). Through a mount idmapped
  * with the sandbox's mapping, disk uid 0 reads as host BASE, i.e. root inside the sandbox's
@@ -72,7 +75,7 @@ static void write_file(const char *path, const char *data) {
  * sandbox would share host root's counts; created by a child that first became host uid BASE
  * (root of the sandbox's range), each sandbox's counts are its own.
  * The child drops to BASE, unshares and waits; we (host root) write its maps. */
-static int userns_fd(unsigned long base) {
+static int userns_fd_map(unsigned long inside, unsigned long base) {
     int ready[2], done[2];
     char c = 0, path[64], map[64];
     if (pipe2(ready, O_CLOEXEC) < 0 || pipe2(done, O_CLOEXEC) < 0) die("pipe");
@@ -92,7 +95,7 @@ static int userns_fd(unsigned long base) {
     close(ready[1]);
     close(done[0]);
     if (read(ready[0], &c, 1) != 1) { errno = ECHILD; die("unshare(CLONE_NEWUSER) in helper"); }
-    snprintf(map, sizeof map, "0 %lu %d\n", base, ID_RANGE);
+    snprintf(map, sizeof map, "%lu %lu %d\n", inside, base, ID_RANGE);
     snprintf(path, sizeof path, "/proc/%d/uid_map", (int)pid);
     write_file(path, map);
     snprintf(path, sizeof path, "/proc/%d/gid_map", (int)pid);
@@ -105,6 +108,8 @@ static int userns_fd(unsigned long base) {
     close(ready[0]);
     return fd;
 }
+
+static int userns_fd(unsigned long base) { return userns_fd_map(0, base); }
 
 /* Attach an idmapped clone of the mount at src on dst (new mount API, kernel >= 5.12 and a
  * filesystem that allows idmapping: erofs does on 6.x). */
@@ -121,8 +126,8 @@ static void idmap_mount(const char *src, const char *dst, int ns) {
 
 int main(int argc, char **argv) {
     const char *opts = NULL, *target = NULL, *nspath = NULL;
-    char *lowers[MAX_LOWERS];
-    int nlowers = 0;
+    char *lowers[MAX_LOWERS], *shifted[MAX_LOWERS];
+    int nlowers = 0, nshifted = 0;
     unsigned long base = 0;
     int fd = -1, i, userns = 0;
     for (i = 1; i < argc; i++) {
@@ -137,6 +142,10 @@ int main(int argc, char **argv) {
             if (nlowers == MAX_LOWERS) { errno = E2BIG; die("too many -l"); }
             lowers[nlowers++] = argv[++i];
         }
+        else if (!strcmp(argv[i], "-s")) {
+            if (nshifted == MAX_LOWERS) { errno = E2BIG; die("too many -s"); }
+            shifted[nshifted++] = argv[++i];
+        }
         else { errno = EINVAL; die(argv[i]); }
     }
     if (!opts || !target || i >= argc) { errno = EINVAL; die("usage: -o OPTS -t TARGET [-f FD] -- PROG ARGS"); }
@@ -150,6 +159,15 @@ int main(int argc, char **argv) {
             if (!dst) { errno = EINVAL; die("-l wants SRC:DST"); }
             *dst++ = 0;
             idmap_mount(lowers[k], dst, ns);
+        }
+        for (int k = 0; k < nshifted; k++) {
+            char *src = strchr(shifted[k], ':'), *dst = src ? strchr(src + 1, ':') : NULL;
+            if (!dst) { errno = EINVAL; die("-s wants DISK:SRC:DST"); }
+            *src++ = 0;
+            *dst++ = 0;
+            int sns = userns_fd_map(strtoul(shifted[k], NULL, 10), base);
+            idmap_mount(src, dst, sns);
+            close(sns);
         }
         if (nspath) {   /* crun joins it by path (config.json linux.namespaces user.path) */
             char src[64];

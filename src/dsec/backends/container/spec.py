@@ -15,6 +15,7 @@ from dsec.backends.container import qos
 from dsec.backends.container.lxcfs import VIEW_FILES
 from dsec.security.profile import CAPABILITIES, MASKED_PATHS, READONLY_PATHS
 from dsec.security.seccomp import seccomp_profile
+from dsec.security.egress_ca import BUNDLE_IN_SANDBOX
 
 AGENT_DIR_IN_SANDBOX = "/.dsec"
 AGENT_PATH_IN_SANDBOX = "/.dsec/agent"
@@ -43,7 +44,10 @@ class ContainerSpec:
     userns_path: str | None = None  # the user namespace to join (made by nsexec.c, owned by id_base)
     cpu_class: str = "latency"      # CPU QoS class (qos.py): 'latency' or 'batch' (best effort)
     resolv_conf: str | None = None  # host file bound read-only on /etc/resolv.conf (network.py)
+    ca_bundle: str | None = None    # host file bound read-only where SSL_CERT_FILE points (secrets)
     cpus: str = ""                  # its cpuset ("0,1", cpusets.py); "": every CPU of the host
+    snapshot: str | None = None     # the snapshot its filesystem starts from (snapshots.py)
+    snap_lowers: tuple = ()         # [layer dir, disk id base] of that snapshot's chain, oldest first
 
 
 def cgroup_path(sandbox_id: str) -> str:
@@ -197,6 +201,9 @@ def build_config(spec: ContainerSpec, agent_binary: Path, *, cgroup_v2: bool,
             # the node's DNS forwarder (answers only when the sandbox's policy allows egress)
             *([{"destination": "/etc/resolv.conf", "type": "bind", "source": spec.resolv_conf,
                 "options": ["bind", "ro", "nosuid", "nodev", "noexec"]}] if spec.resolv_conf else []),
+            # public roots + the node's egress CA, for sandboxes with secret rules (egress_ca.py)
+            *([{"destination": BUNDLE_IN_SANDBOX, "type": "bind", "source": spec.ca_bundle,
+                "options": ["bind", "ro", "nosuid", "nodev", "noexec"]}] if spec.ca_bundle else []),
             *view_mounts(view),
         ],
         "linux": {

@@ -241,3 +241,23 @@ async def test_node_metrics_and_usage_through_http_edge(split):
         assert "dsec_sandbox_create_seconds_bucket" in r.text
     finally:
         await sb.stop()
+
+
+async def test_lifecycle_events_through_http_edge(split):
+    """The apiserver pulls a remote edge's lifecycle events (the events_since verb over the
+    wire) into the control store, and a request to an ended sandbox carries its end reason
+    across it (EndedByUser, reason killed)."""
+    from dsec.testing.waiting import wait_until
+    from dsec.types import EndedByUser, EventType
+    client, *_ = split
+    sb = await client.create_container(image="busybox")
+    await sb.stop()
+
+    async def both():
+        evs = (await client.events(sandbox_id=sb.id)).events
+        return evs if [e.type for e in evs] == [EventType.created, EventType.ended] else None
+    evs = await wait_until(both, timeout_s=30, what="created and ended through the HTTP edge")
+    assert evs[1].node == NODE and evs[1].reason == "killed", evs
+    with pytest.raises(EndedByUser) as exc:
+        await sb.run("true")
+    assert exc.value.reason == "killed"

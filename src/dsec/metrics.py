@@ -47,6 +47,9 @@ EXECS = Counter("dsec_execs", "commands started, by how (run: wait for the resul
                 ["project", "backend", "kind"])
 EXEC_SECONDS = Histogram("dsec_exec_seconds", "seconds from a run's request to its result (the command's own "
                          "time included)", ["backend"], buckets=EXEC_BUCKETS)
+ENDS = Counter("dsec_sandbox_ends", "sandboxes ended on the node, by end reason (docs/events.md: node_lost, "
+               "oom_killed, ... killed, ttl, lifetime) and whether the infrastructure ended them",
+               ["project", "backend", "reason", "infrastructure"])
 PLACEMENTS = Counter("dsec_placements", "placement decisions of the apiserver: placed, retried elsewhere "
                      "(a node refused or was unreachable), none left, or refused before placement "
                      "(rate_limited, queue_full: apiserver/fair_creates.py)", ["outcome"])

@@ -112,6 +112,20 @@ class ServerSettings(Group):
         return self.domain or self.e2b_domain
 
 
+class EventSettings(Group):
+    title = "Lifecycle events and webhooks (apiserver/events.py, apiserver/webhooks.py)"
+    poll_s: float = env(1.0, "DSEC_EVENTS_POLL_S", "how often the apiserver pulls new lifecycle events from "
+                        "each edge into the control store", gt=0)
+    webhook_timeout_s: float = env(10.0, "DSEC_WEBHOOK_TIMEOUT_S", "how long one webhook delivery waits for "
+                                   "the receiver's answer", gt=0)
+    webhook_backoff_max_s: float = env(300.0, "DSEC_WEBHOOK_BACKOFF_MAX_S", "the longest wait between two "
+                                       "attempts of a delivery (waits double from 1 s up to this)", gt=0)
+    webhook_retry_for_s: float = env(86400.0, "DSEC_WEBHOOK_RETRY_FOR_S", "how long a delivery is retried "
+                                     "before it is marked failed", gt=0)
+    webhook_private_ok: bool = env(False, "DSEC_WEBHOOK_PRIVATE_OK", "let every project's webhooks reach "
+                                   "loopback, private and link-local addresses (else only admin keys' may)")
+
+
 class AdmissionSettings(Group):
     title = "Edge admission (edge/admission.py, edge/node_share.py)"
     max_sandboxes: int = env(4000, "DSEC_MAX_SANDBOXES", "live sandboxes a node holds at most")
@@ -293,6 +307,7 @@ class Settings(BaseModel):
     home: HomeSettings = Field(default_factory=HomeSettings)
     client: ClientSettings = Field(default_factory=ClientSettings)
     server: ServerSettings = Field(default_factory=ServerSettings)
+    events: EventSettings = Field(default_factory=EventSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     edge: EdgeEnvSettings = Field(default_factory=EdgeEnvSettings)
     storage: StorageSettings = Field(default_factory=StorageSettings)

@@ -12,7 +12,7 @@ pytest.importorskip("websockets", reason="cluster mode's tunnel client: pip inst
 from dsec.apiserver.context import EdgeHandle, FnCallHandle  # noqa: E402
 from dsec.cluster.edge_client import HttpEdge, HttpFnCall  # noqa: E402
 from dsec.cluster.wire import error_body, error_from, specs  # noqa: E402
-from dsec.types import ERRORS_BY_CODE, CapacityExceeded, DsecError, ExecEvent, SandboxInfo  # noqa: E402
+from dsec.types import ERRORS_BY_CODE, CapacityExceeded, DsecError, ExecEvent, SandboxFailed, SandboxInfo  # noqa: E402
 
 
 @pytest.mark.parametrize("protocol, client", [(EdgeHandle, HttpEdge), (FnCallHandle, HttpFnCall)])
@@ -50,6 +50,12 @@ def test_errors_cross_as_the_same_class(cls):
     back = error_from(error_body(e), e.status)
     assert type(back) is cls and (back.message, back.field, back.fix, back.status) == ("msg", "f", "do this", e.status)
     assert type(error_from(error_body(e), None)) is cls          # inside a stream: no HTTP status
+
+
+def test_an_ended_sandboxs_reason_survives():
+    back = error_from(error_body(SandboxFailed("sandbox x failed: out of memory", reason="oom_killed")), 502)
+    assert type(back) is SandboxFailed and back.reason == "oom_killed"
+    assert error_from(error_body(SandboxFailed("no reason")), 502).reason is None
 
 
 def test_retry_after_and_unlisted_subclasses_survive():

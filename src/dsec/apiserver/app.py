@@ -22,9 +22,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsec.apiserver.context import ApiContext
 from dsec.apiserver.guard import QUERY_KEY_PATHS, BodyTooLarge, RequestGuard
+from dsec.apiserver.events import pump
 from dsec.apiserver.index import keeper
+from dsec.apiserver.webhooks import worker
 from dsec.apiserver.ui_routes import UI_PATHS, add_ui_routes
-from dsec.apiserver.routes import execs, files, nodes, policy, sandboxes, snapshots, volumes
+from dsec.apiserver.routes import events, execs, files, nodes, policy, sandboxes, snapshots, volumes
 from dsec.types import (CapacityExceeded, ContainerArgs, DsecError, ErrorBody, FnCallRequest, InternalError,
                         InvalidArgument, MicroVMArgs, NotFound, Unavailable, VMArgs)
 
@@ -123,7 +125,11 @@ def create_app(ctx: ApiContext) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         from dsec.apiserver.rulesets import push_at_start
         await push_at_start(ctx)     # operators' network rule sets, to every edge
+        pump(ctx).start()            # lifecycle events from the edges into the control store
+        worker(ctx).start()          # ... and their webhook deliveries (apiserver/webhooks.py)
         yield
+        await worker(ctx).stop()
+        await pump(ctx).stop()
         await keeper(ctx).stop()     # the sandbox index's queued writes (apiserver/index.py)
 
     app = FastAPI(title="dsec", version="0.1.0", lifespan=lifespan,
@@ -182,7 +188,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
     async def healthz() -> dict:
         return {"ok": True, "nodes": len(ctx.edges)}
 
-    for resource in (sandboxes, policy, snapshots, execs, files, volumes):
+    for resource in (sandboxes, policy, snapshots, execs, files, volumes, events):
         app.include_router(resource.router)
     from dsec.apiserver.fncall_routes import add_fncall_routes
     add_fncall_routes(app, ctx)   # /v1/fncall, /v1/fncall/batch, SandboxFusion-compatible /run_code

@@ -20,7 +20,7 @@ from dsec.iam import IAM
 from dsec.images.service import ImageService
 from dsec.placement import Placer
 from dsec.settings import Settings
-from dsec.types import (VolumeCreate, VolumeInfo, BulkItem, EgressSecret, ExecEvent, ExecInfo, ExecRequest, ExecResult, FileEntry, FnCallRequest, FsEvent, FnCallResult, ImageInfo,
+from dsec.types import (EdgeEvents, VolumeCreate, VolumeInfo, BulkItem, EgressSecret, ExecEvent, ExecInfo, ExecRequest, ExecResult, FileEntry, FnCallRequest, FsEvent, FnCallResult, ImageInfo,
                         NetworkPolicy, NetworkRuleSet, NodeStatus, NotFound, PackDiffRequest, SandboxArgs, SandboxInfo, SnapshotInfo, UsageSample,
                         node_of)
 from dsec.watcher import Watcher
@@ -73,6 +73,7 @@ class EdgeHandle(Protocol):
     async def usage(self, sandbox_id: str, start: float | None = None,
                     end: float | None = None) -> builtins.list[UsageSample]: ...
     async def metrics_text(self, project: str | None = None) -> str: ...
+    async def events_since(self, after: int, limit: int = ...) -> EdgeEvents: ...
     async def resolve_images(self, refs: builtins.list[tuple[str, str]]) -> builtins.list[ImageInfo]: ...
     def port_connection(self, sandbox_id: str, port: int
                         ) -> AbstractAsyncContextManager[tuple[asyncio.StreamReader, asyncio.StreamWriter]]: ...
@@ -93,6 +94,8 @@ class ApiRuntime:
     reconciled_at: float = 0.0                                          # ... and when it last ran
     # the sandbox index's writer, an index.IndexKeeper (typed loosely: index.py imports this module)
     index_keeper: Any = None
+    event_pump: Any = None      # events.EventPump, and the webhooks.WebhookWorker (same reason)
+    webhook_worker: Any = None
     node_states: Any = None    # node_states.NodeStates: operator states of nodes (cordon, drain), cached
     secrets: Any = None   # the egress secrets' store, an iam.secrets.SecretStore (made on first use)
     # fair creates between projects, a fair_creates.FairCreates (typed loosely, as above)

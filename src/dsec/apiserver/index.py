@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from dsec.apiserver.events import pump     # node_lost events (docs/events.md)
 from dsec.apiserver.fanout import fan_out
 from dsec.store.idempotency import IdempotencyClaims
 from dsec.store.nodes import NodeRegistry
@@ -177,7 +178,9 @@ class IndexKeeper:
         since = await asyncio.to_thread(self.nodes.missing, absent, present, now)
         for node, t in since.items():
             if now - t >= self.ctx.settings.cluster.index_lost_s:
+                rows = await asyncio.to_thread(self.index.list, node=node)
                 n = await asyncio.to_thread(self.index.end_node, node, "lost")
+                await pump(self.ctx).node_lost(node, rows)
                 log.warning("node gone: its sandboxes left the index", extra={"node": node, "sandboxes": n})
 
     async def stop(self) -> None:

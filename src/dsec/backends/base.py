@@ -111,6 +111,11 @@ class Backend(ABC):
         """Why a sandbox that stopped answering is gone, from what it left behind."""
         return f"sandbox process exited ({cause.__class__.__name__ if cause else 'no longer running'})"
 
+    def end_code(self, sandbox_id: str) -> str:
+        """end_reason() as one word of the vocabulary (types/events.py), read at the same time
+        (before destroy()): by default the runtime died under it, an infrastructure failure."""
+        return "agent_died"
+
     def watch_exit(self, sandbox_id: str, on_exit: Callable[[], None]) -> bool:
         """Call `on_exit` (once, on the event loop) when the running sandbox's runtime exits on
         its own, so the edge notices a death between requests and records end_reason() at once.

@@ -22,6 +22,7 @@ import typer
 
 from dsec.cli.bench import bench_app
 from dsec.cli.common import _fail, _run, _settings, console, err_console
+from dsec.cli.events import events as events_cmd, webhook_app
 from dsec.cli.images import image_app, layer_app
 from dsec.cli.sandboxes import run, sandbox_app
 from dsec.cli.secrets import secret_app
@@ -40,6 +41,8 @@ for group, name in ((image_app, "image"), (sandbox_app, "sandbox"), (bench_app, 
                     (key_app, "key"), (cluster_app, "cluster"), (layer_app, "layer"), (vm_app, "vm"),
                     (nodes_app, "nodes"), (ruleset_app, "ruleset"), (secret_app, "secret"), (volume_app, "volume")):
     app.add_typer(group, name=name)
+app.add_typer(webhook_app, name="webhook")
+app.command("events")(events_cmd)
 
 
 # -- server ----------------------------------------------------------------------------------

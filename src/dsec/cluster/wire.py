@@ -97,6 +97,8 @@ def error_from(body: Any, status: int | None) -> DsecError:
     if status is not None and (cls is DsecError or type(e).status != status):
         e.status = status          # an unlisted subclass's own status and code survive
         e.code = str(detail.get("code", e.code))
+    if detail.get("reason"):
+        e.reason = str(detail["reason"])      # an ended sandbox's end reason (types/events.py)
     if detail.get("retry_after_s") is not None:
         e.retry_after_s = detail["retry_after_s"]   # type: ignore[attr-defined]
     return e

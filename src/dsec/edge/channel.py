@@ -21,11 +21,11 @@ class AgentChannel(EdgeCore):
         rec = live.rec
         if rec.state == SandboxState.failed:       # failed meanwhile (e.g. a hung VM)
             raise SandboxFailed(f"sandbox {rec.id} failed: {rec.error}", field="sandbox_id",
-                                fix="create a new sandbox") from cause
+                                fix="create a new sandbox", reason=rec.end_reason) from cause
         if not await live.backend.is_running(rec.id):
-            await self._fail(live, live.backend.end_reason(rec.id, cause))
+            await self._fail(live, live.backend.end_reason(rec.id, cause), live.backend.end_code(rec.id))
             raise SandboxFailed(f"sandbox {rec.id} failed: {rec.error}", field="sandbox_id",
-                                fix="create a new sandbox") from cause
+                                fix="create a new sandbox", reason=rec.end_reason) from cause
 
     def _touch(self, rec: SandboxRecord) -> None:
         rec.last_active_at = time.time()

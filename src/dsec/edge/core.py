@@ -9,12 +9,14 @@ import builtins
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from dsec import metrics
 from dsec.backends.base import Backend
 from dsec.config import Paths
 from dsec.edge.admission import Admission
 from dsec.edge.deadlines import Deadlines
+from dsec.edge.event_log import EventLog
 from dsec.edge.live import LiveSandbox
 from dsec.edge.load import NodeLoad
 from dsec.edge.reclaim import Reclaimer
@@ -24,7 +26,7 @@ from dsec.images.service import ImageService
 from dsec.images.stacks import Stacks
 from dsec.placement.locality import CacheSummary
 from dsec.settings import Settings
-from dsec.types import Conflict, InvalidArgument, NotFound, SandboxInfo, SandboxState, Unavailable
+from dsec.types import Conflict, EventType, InvalidArgument, is_infrastructure, NotFound, SandboxInfo, SandboxState, Unavailable
 
 if TYPE_CHECKING:
     from dsec.edge.usage_book import UsageBook
@@ -91,6 +93,7 @@ class EdgeCore:
     _reclaimer: Reclaimer
     _pools: WarmPools
     _usage: "UsageBook"            # per-sandbox usage rings (usage.py)
+    events: EventLog               # lifecycle events, pulled by the apiserver (event_log.py)
 
     @property
     def backends(self) -> builtins.list[str]:
@@ -116,6 +119,13 @@ class EdgeCore:
                                   fix=b.instead.get(verb, f"use a sandbox of a backend that can {verb}"))
         return b
 
+    def _emit(self, type_: EventType, rec: SandboxRecord, *, reason: str | None = None,
+              message: str | None = None, **details: Any) -> None:
+        """A lifecycle event of `rec` (the apiserver pulls it: events, webhooks)."""
+        self.events.append(type_, rec.id, rec.project, reason=reason, message=message, details=details)
+        if type_ == EventType.ended and reason:
+            metrics.ENDS.labels(rec.project, rec.backend, reason, str(is_infrastructure(reason)).lower()).inc()
+
     def _record(self, sandbox_id: str) -> SandboxRecord:
         live = self._live.get(sandbox_id)
         rec = live.rec if live is not None else self.records.get(sandbox_id)
@@ -129,5 +139,5 @@ class EdgeCore:
         live = self._live.get(sandbox_id)
         if rec.state != SandboxState.running or live is None:
             raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}" + (f": {rec.error}" if rec.error else ""),
-                           field="sandbox_id", fix="create a new sandbox")
+                           field="sandbox_id", fix="create a new sandbox", reason=rec.end_reason)
         return live

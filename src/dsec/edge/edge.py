@@ -30,11 +30,12 @@ from dsec.edge.load import NodeLoad
 from dsec.edge.reclaim import Reclaimer
 from dsec.edge.warm_pool import WarmPools, parse_targets
 from dsec.edge.records import EdgeRecords
+from dsec.edge.event_log import EventLog
 from dsec.images.service import ImageService
 from dsec.images.stacks import Stacks
 from dsec.placement.locality import CacheSummary
 from dsec.settings import Settings
-from dsec.types import NodeStatus, SandboxInfo
+from dsec.types import EdgeEvents, NodeStatus, SandboxInfo
 from dsec.edge.core import MAX_WATCHES_PER_PROJECT, EdgeSettings, log
 from dsec.edge.lifecycle import Lifecycle
 from dsec.edge.warm import WarmHooks
@@ -70,6 +71,7 @@ class Edge(Lifecycle, WarmHooks, ParkingVerbs, CapabilityVerbs, AgentChannel, Ex
         self.node_id = settings.node_id
         self.admission = admission or Admission.for_this_host(paths.home, conf=self.conf)   # + its disks' reserves
         self.records = EdgeRecords(paths.edge_db)
+        self.events = EventLog(paths.edge_db, self.node_id)
         self._live: dict[str, LiveSandbox] = {}
         self._dirty: set[str] = set()          # activity and output counters to flush
         self._create_slots = asyncio.Semaphore(settings.max_parallel_creates)
@@ -117,12 +119,17 @@ class Edge(Lifecycle, WarmHooks, ParkingVerbs, CapabilityVerbs, AgentChannel, Ex
             live.commands.close()
             await live.drop_agent()
         self.records.close()
+        self.events.close()
         if not self._live:
             # Nothing uses the node's layer mounts: leave no mount behind (`dsec down`). With
             # live sandboxes they stay, so a restarted edge shares their page cache again.
             await self.stacks.unmount_all()
             for b in self._distinct_backends():
                 await b.release_node()
+
+    async def events_since(self, after: int, limit: int = 1000) -> EdgeEvents:
+        """Lifecycle events after seq `after` (the apiserver's pull, apiserver/events.py)."""
+        return await asyncio.to_thread(self.events.since, after, limit)
 
     async def metrics_text(self, project: str | None = None) -> str:
         """This process's Prometheus metrics (text format); with `project`, only its series."""

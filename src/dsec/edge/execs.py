@@ -17,7 +17,7 @@ from dsec.edge.exec_events import exec_events
 from dsec.edge.exec_tracker import TrackedExec, now_utc
 from dsec.edge.live import LiveSandbox
 from dsec.security.users import resolve_user
-from dsec.types import (Conflict, DsecError, ExecEvent, ExecInfo, ExecRequest, ExecResult, InvalidArgument, NotFound,
+from dsec.types import (EventType, Conflict, DsecError, ExecEvent, ExecInfo, ExecRequest, ExecResult, InvalidArgument, NotFound,
                         SandboxFailed, SandboxInfo, SandboxState)
 from dsec.edge.core import EdgeCore
 
@@ -272,9 +272,11 @@ class Execs(EdgeCore):
         """The sandbox ends `timeout_s` from now, busy or not (its absolute lifetime)."""
         rec = self._record(sandbox_id)
         if rec.state not in (SandboxState.running, SandboxState.suspended, SandboxState.creating):
-            raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}", field="sandbox_id", fix="create a new sandbox")
+            raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}", field="sandbox_id", fix="create a new sandbox",
+                           reason=rec.end_reason)
         rec.expires_at = time.time() + timeout_s
         await asyncio.to_thread(self.records.set_expires_at, rec.id, rec.expires_at)
+        self._emit(EventType.updated, rec, set_timeout=rec.expires_at)
         self._schedule(rec)
         return rec.info(self.node_id)
 

@@ -14,7 +14,7 @@ from dsec.backends.warm import WarmClaim
 from dsec.edge.live import LiveSandbox
 from dsec.edge.timing import CreateTimer
 from dsec.edge.records import SandboxRecord
-from dsec.types import (DsecError, ImageInfo,
+from dsec.types import (EventType, DsecError, ImageInfo,
                         SandboxArgs,
                         SandboxFailed, SandboxInfo, SandboxState, Unavailable, make_sandbox_id)
 from dsec.edge.core import LIVE, EdgeCore, log
@@ -53,13 +53,15 @@ class Lifecycle(EdgeCore):
             if b is not None and id(b) in unlisted:
                 reason = unlisted[id(b)]
             final = SandboxState.stopped if rec.state == SandboxState.stopping else SandboxState.failed
+            end = "killed" if final == SandboxState.stopped else "node_lost"   # its node restarted under it
             if b is not None:
                 try:
                     await b.destroy(rec.id)
                 except Exception as e:
                     final, reason = SandboxState.failed, f"{reason or 'recovery'}; could not tear it down: {e!r}"
                     log.exception("recovery could not tear down a sandbox", extra={"sandbox": rec.id})
-            self.records.set_state(rec.id, final, reason)
+            self.records.set_state(rec.id, final, reason, end_reason=end)
+            self._emit(EventType.ended, rec, reason=end, message=reason)
             log.warning("recovered sandbox", extra={"sandbox": rec.id, "was": rec.state.value, "now": final.value})
         # Anything a runtime or its disk holds that no live record owns is an orphan.
         for b in self._distinct_backends():
@@ -183,6 +185,8 @@ class Lifecycle(EdgeCore):
             raise SandboxFailed(f"sandbox creation failed: {e!r}") from e
         rec.state = SandboxState.running
         self.records.set_state(rec.id, SandboxState.running)
+        self._emit(EventType.created, rec, backend=rec.backend, image=rec.image, cpu_cores=rec.cpu_cores,
+                   memory_mb=rec.memory_mb, labels=dict(rec.args.labels), warm=warm is not None)
         self._watch_exit(live)
         self._schedule(rec)
         return rec.info(self.node_id)
@@ -196,11 +200,12 @@ class Lifecycle(EdgeCore):
         except Exception as e:
             reason += f"; its teardown failed too: {e!r}"
             log.exception("teardown after a failed create failed", extra={"sandbox": live.id})
-        live.rec.state = SandboxState.failed
+        live.rec.state, live.rec.end_reason = SandboxState.failed, "create_failed"
         try:
-            self.records.set_state(live.id, SandboxState.failed, reason)
+            self.records.set_state(live.id, SandboxState.failed, reason, end_reason="create_failed")
         except Exception:   # the record stays `creating`: the next start's recovery fails it
             log.exception("could not record a failed create", extra={"sandbox": live.id})
+        self._emit(EventType.ended, live.rec, reason="create_failed", message=reason)
         log.error("create failed", extra={"sandbox": live.id, "error": str(error) or repr(error)})
 
     async def _adopt_agent(self, live: LiveSandbox) -> None:
@@ -242,7 +247,9 @@ class Lifecycle(EdgeCore):
         """An image by name (cached briefly), NotFound naming `field`."""
         return await self.stacks.resolve(name, field)
 
-    async def stop(self, sandbox_id: str, reason: str | None = None) -> SandboxInfo:
+    async def stop(self, sandbox_id: str, reason: str | None = None, end: str = "killed") -> SandboxInfo:
+        """Stop it; `reason` the free text its record keeps, `end` the end reason its event
+        says (types/events.py: 'killed' for a caller's stop, 'ttl'/'lifetime' for the reaper's)."""
         rec = self._record(sandbox_id)
         if rec.state in (SandboxState.stopped, SandboxState.failed):
             return rec.info(self.node_id)
@@ -252,19 +259,23 @@ class Lifecycle(EdgeCore):
         live = self._live.get(rec.id)
         if live is not None:
             await self._teardown(live)
-        rec.state, rec.error = SandboxState.stopped, reason or rec.error
+        rec.state, rec.error, rec.end_reason = SandboxState.stopped, reason or rec.error, end
         rec.ended_at = time.time()
-        self.records.set_state(rec.id, SandboxState.stopped, reason)
+        self.records.set_state(rec.id, SandboxState.stopped, reason, end_reason=end)
+        self._emit(EventType.ended, rec, reason=end, message=reason or "stopped on request")
         log.info("sandbox stopped", extra={"sandbox": rec.id, "reason": reason or "requested"})
         return rec.info(self.node_id)
 
-    async def _fail(self, live: LiveSandbox, reason: str) -> None:
+    async def _fail(self, live: LiveSandbox, reason: str, end: str = "agent_died") -> None:
+        """Fail it: `reason` the free text, `end` the end reason (types/events.py)."""
         rec = live.rec
         if rec.state == SandboxState.failed:
             return                                  # already failed by another path
         # state first: requests woken by the teardown below must already see why
         rec.state, rec.error, rec.ended_at = SandboxState.failed, reason + live.backend.log_tail(rec.id), time.time()
-        self.records.set_state(rec.id, SandboxState.failed, rec.error)
+        rec.end_reason = end
+        self.records.set_state(rec.id, SandboxState.failed, rec.error, end_reason=end)
+        self._emit(EventType.ended, rec, reason=end, message=rec.error)
         await self._teardown(live)
         log.error("sandbox failed", extra={"sandbox": rec.id, "reason": rec.error})
 
@@ -283,6 +294,6 @@ class Lifecycle(EdgeCore):
     async def _fail_exited(self, live: LiveSandbox) -> None:
         try:
             if live.rec.state == SandboxState.running and not await live.backend.is_running(live.id):
-                await self._fail(live, live.backend.end_reason(live.id, None))
+                await self._fail(live, live.backend.end_reason(live.id, None), live.backend.end_code(live.id))
         except Exception:
             log.exception("could not fail an exited sandbox", extra={"sandbox": live.id})

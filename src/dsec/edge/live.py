@@ -118,5 +118,5 @@ class LiveSandbox:
         commands it still follows end with the sandbox's failure, when that is why."""
         failed = self.rec.state == SandboxState.failed
         self.commands.close(SandboxFailed(f"sandbox {self.id} failed: {self.rec.error}", field="sandbox_id",
-                                          fix="create a new sandbox") if failed else None)
+                                          fix="create a new sandbox", reason=self.rec.end_reason) if failed else None)
         await self.drop_agent()

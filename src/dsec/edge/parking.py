@@ -12,7 +12,7 @@ from typing import Any
 from dsec.agent.client import AgentError
 from dsec.backends.base import Hibernation, Parking, Snapshots
 from dsec.edge.live import LiveSandbox
-from dsec.types import (BulkItem, DsecError, NotFound, SandboxInfo, SandboxState, SnapshotInfo, Unavailable,
+from dsec.types import (EventType, BulkItem, DsecError, NotFound, SandboxInfo, SandboxState, SnapshotInfo, Unavailable,
                         make_snapshot_id)
 from dsec.edge.core import BULK_PARALLEL, EdgeCore, log
 
@@ -108,6 +108,7 @@ class ParkingVerbs(EdgeCore):
             live.rec.state = SandboxState.suspended
             self._load.update(live.rec, live=True)
             self.records.set_state(live.id, SandboxState.suspended)
+            self._emit(EventType.paused, live.rec, where=live.parked_where)
         log.info("sandbox parked", extra={"sandbox": live.id, "bytes": size})
         return live.rec.info(self.node_id)
 
@@ -144,6 +145,7 @@ class ParkingVerbs(EdgeCore):
                 self._load.update(rec, live=True)
                 self.records.set_state(rec.id, SandboxState.running)
                 self._restart_lifetime(rec)
+                self._emit(EventType.resumed, rec)
                 self._watch_exit(live)
                 self._schedule(rec)
                 log.info("sandbox resumed", extra={"sandbox": rec.id, "seconds": round(time.monotonic() - t0, 3)})

@@ -14,6 +14,7 @@ from dsec.edge.live import LiveSandbox
 from dsec.edge.records import SandboxRecord
 from dsec.types import DsecError, SandboxState
 from dsec.edge.core import PURGE_EVERY_S, _park_after, EdgeCore, log
+from dsec.edge.event_log import KEEP_S as EVENTS_KEEP_S
 
 
 class Reaping(EdgeCore):
@@ -43,7 +44,7 @@ class Reaping(EdgeCore):
             used = await asyncio.to_thread(live.backend.disk_usage, live.id)
             if used > limit and live.rec.state == SandboxState.running:
                 await self._fail(live, f"disk quota exceeded: the writable layer holds {used >> 20} MiB, "
-                                       f"more than disk_mb={limit >> 20}")
+                                       f"more than disk_mb={limit >> 20}", "disk_quota")
 
     async def _check_liveness(self) -> None:
         """Sandboxes of LivenessWatched backends whose runtime has exited are marked failed at
@@ -51,7 +52,7 @@ class Reaping(EdgeCore):
         watched = self._running_of(lambda b: isinstance(b, LivenessWatched))
         for live in watched:
             if not await live.backend.is_running(live.id) and live.rec.state == SandboxState.running:
-                await self._fail(live, live.backend.end_reason(live.id, None))
+                await self._fail(live, live.backend.end_reason(live.id, None), live.backend.end_code(live.id))
         due = []
         for b in {id(x.backend): x.backend for x in watched}.values():
             assert isinstance(b, LivenessWatched)
@@ -132,7 +133,7 @@ class Reaping(EdgeCore):
             if r.state not in (SandboxState.running, SandboxState.suspended):
                 continue
             if r.in_flight == 0 and now - r.last_active_at > r.ttl_idle_s:
-                await self.stop(r.id, reason=f"idle for more than ttl_idle_s={r.ttl_idle_s}s")
+                await self.stop(r.id, reason=f"idle for more than ttl_idle_s={r.ttl_idle_s}s", end="ttl")
                 reaped.append(r.id)
                 continue
             if r.expires_at is not None and now >= r.expires_at and getattr(r.args, "on_timeout", "stop") == "pause":
@@ -140,7 +141,7 @@ class Reaping(EdgeCore):
                 self._schedule(r)
                 continue
             if r.expires_at is not None and now >= r.expires_at:   # busy or not
-                await self.stop(r.id, reason="its lifetime ended (lifetime_s / set_timeout)")
+                await self.stop(r.id, reason="its lifetime ended (lifetime_s / set_timeout)", end="lifetime")
                 reaped.append(r.id)
                 continue
             park_after = _park_after(r)
@@ -154,6 +155,7 @@ class Reaping(EdgeCore):
         if time.monotonic() >= self._purge_next:
             self._purge_next = time.monotonic() + PURGE_EVERY_S
             self.records.purge_ended(now - self.settings.keep_ended_s)
+            self.events.purge(now - EVENTS_KEEP_S)
             for b in self._distinct_backends():
                 b.purge(now - self.settings.keep_ended_s)
         return reaped

@@ -35,7 +35,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     error TEXT,
     output_used_bytes INTEGER NOT NULL DEFAULT 0,  -- lifetime output budget spent (output_budget.py)
     expires_at REAL,               -- absolute lifetime end (lifetime_s, set_timeout)
-    idempotency_key TEXT           -- the create's key: a retried create returns this sandbox
+    idempotency_key TEXT,          -- the create's key: a retried create returns this sandbox
+    end_reason TEXT                -- why it ended, one word of types/events.py's vocabulary
 );
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
 """
@@ -43,9 +44,10 @@ INDEXES = "CREATE INDEX IF NOT EXISTS sandboxes_idem ON sandboxes(project, idemp
 # Columns added after the first schema, with how to add them to an older edge.db.
 MIGRATIONS = {"output_used_bytes": "ALTER TABLE sandboxes ADD COLUMN output_used_bytes INTEGER NOT NULL DEFAULT 0",
               "expires_at": "ALTER TABLE sandboxes ADD COLUMN expires_at REAL",
-              "idempotency_key": "ALTER TABLE sandboxes ADD COLUMN idempotency_key TEXT"}
+              "idempotency_key": "ALTER TABLE sandboxes ADD COLUMN idempotency_key TEXT",
+              "end_reason": "ALTER TABLE sandboxes ADD COLUMN end_reason TEXT"}
 COLUMNS = ("id, project, backend, state, args, image, image_digest, uid, gid, created_at, last_active_at, "
-           "ended_at, error, output_used_bytes, expires_at")
+           "ended_at, error, output_used_bytes, expires_at, end_reason")
 ARGS = TypeAdapter(SandboxArgs)
 LEGACY_USED_KEY = "output_used_bytes"    # older edges kept the counter inside the args JSON
 
@@ -74,6 +76,7 @@ class SandboxRecord:
     error: str | None = None
     output_used_bytes: int = 0
     expires_at: float | None = None
+    end_reason: str | None = None   # why it ended (types/events.py); error keeps the message
     # not persisted: commands in flight (a busy sandbox is never idle-reaped)
     in_flight: int = field(default=0, compare=False)
 
@@ -95,7 +98,7 @@ class SandboxRecord:
                            state=self.state, image=self.image, image_digest=self.image_digest,
                            cpu_cores=self.cpu_cores, memory_mb=self.memory_mb,
                            ttl_idle_s=self.ttl_idle_s, created_at=ts(self.created_at),
-                           last_active_at=ts(self.last_active_at), error=self.error,
+                           last_active_at=ts(self.last_active_at), error=self.error, end_reason=self.end_reason,
                            expires_at=ts(self.expires_at) if self.expires_at is not None else None,
                            labels=self.args.labels, on_timeout=getattr(self.args, "on_timeout", "stop"),
                            volumes=getattr(self.args, "volumes", None) or [],
@@ -122,16 +125,18 @@ class EdgeRecords:
     def insert(self, r: SandboxRecord) -> None:
         with self._lock:
             self._db.execute(
-                f"INSERT INTO sandboxes ({COLUMNS}, idempotency_key) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                f"INSERT INTO sandboxes ({COLUMNS}, idempotency_key) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (r.id, r.project, r.backend, r.state.value, r.args.model_dump_json(), r.image,
                  r.image_digest, r.uid, r.gid, r.created_at, r.last_active_at, r.ended_at, r.error,
-                 r.output_used_bytes, r.expires_at, r.args.idempotency_key))
+                 r.output_used_bytes, r.expires_at, r.end_reason, r.args.idempotency_key))
 
-    def set_state(self, sandbox_id: str, state: SandboxState, error: str | None = None) -> None:
+    def set_state(self, sandbox_id: str, state: SandboxState, error: str | None = None,
+                  end_reason: str | None = None) -> None:
         ended = time.time() if state in (SandboxState.stopped, SandboxState.failed) else None
         with self._lock:
-            self._db.execute("UPDATE sandboxes SET state=?, error=COALESCE(?, error), ended_at=COALESCE(?, ended_at) "
-                             "WHERE id=?", (state.value, error, ended, sandbox_id))
+            self._db.execute("UPDATE sandboxes SET state=?, error=COALESCE(?, error), ended_at=COALESCE(?, ended_at), "
+                             "end_reason=COALESCE(?, end_reason) WHERE id=?",
+                             (state.value, error, ended, end_reason, sandbox_id))
 
     def set_args(self, sandbox_id: str, args: SandboxArgs) -> None:
         with self._lock:
@@ -167,7 +172,8 @@ class EdgeRecords:
             out.append(SandboxRecord(id=r[0], project=r[1], backend=r[2], state=SandboxState(r[3]), args=args,
                                      image=r[5], image_digest=r[6], uid=r[7], gid=r[8], created_at=r[9],
                                      last_active_at=r[10], ended_at=r[11], error=r[12],
-                                     output_used_bytes=max(r[13], legacy_used), expires_at=r[14]))
+                                     output_used_bytes=max(r[13], legacy_used), expires_at=r[14],
+                                     end_reason=r[15]))
         return out
 
     def get(self, sandbox_id: str) -> SandboxRecord | None:

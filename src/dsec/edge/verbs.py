@@ -7,7 +7,7 @@ import asyncio
 import builtins
 
 from dsec.backends.base import Console, Egress, EgressSecrets, LayerDiff
-from dsec.types import (DEFAULT_SCRUB, Conflict, DsecError, EgressSecret, ImageInfo,
+from dsec.types import (EventType, DEFAULT_SCRUB, Conflict, DsecError, EgressSecret, ImageInfo,
                         NetworkPolicy, NetworkRuleSet, PackDiffRequest, SandboxInfo, SandboxState)
 from dsec.edge.core import EdgeCore, log
 
@@ -25,6 +25,7 @@ class CapabilityVerbs(EdgeCore):
                                fix="create a new sandbox") from e
             live.rec.args = live.rec.args.model_copy(update={"network": policy})
             self.records.set_args(live.id, live.rec.args)
+            self._emit(EventType.updated, live.rec, network=policy.model_dump(mode="json"))
         self._touch(live.rec)
         log.info("network policy replaced", extra={"sandbox": live.id, "rules": len(policy.rules)})
         return live.rec.info(self.node_id)

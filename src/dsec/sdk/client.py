@@ -36,6 +36,7 @@ from dsec.types import VolumeCreate, VolumeInfo, VolumeList
 from dsec.types import (ERRORS_BY_CODE, SDK_KEY_PREFIX, ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult, FsEvent,
                         FileEntry, FileList, ImageInfo, ImageList, NetworkPolicy, NodeStatus, SandboxInfo, SandboxList,
                         Unavailable)
+from dsec.types import EventList, SandboxEvent, WebhookCreate, WebhookInfo, WebhookList, DeliveryList, ended_error
 
 DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
 AUTOSTART_WAIT_S = 120.0
@@ -55,7 +56,11 @@ def _raise_for(resp: httpx.Response, body: bytes) -> None:
     try:
         err = json.loads(body)["error"]
         cls = ERRORS_BY_CODE.get(err.get("code"), DsecError)
-        e = cls(err.get("message", "error"), field=err.get("field"), fix=err.get("fix"))
+        if err.get("reason"):   # the sandbox ended: InfrastructureFailure or EndedByUser, carrying why
+            e = ended_error(cls, str(err["reason"]), err.get("message", "error"), field=err.get("field"),
+                            fix=err.get("fix"))
+        else:
+            e = cls(err.get("message", "error"), field=err.get("field"), fix=err.get("fix"))
     except (ValueError, KeyError, TypeError):
         raise DsecError(f"HTTP {resp.status_code}: {body[:500].decode(errors='replace')}") from None
     retry = resp.headers.get("retry-after", "")
@@ -500,6 +505,52 @@ class Client:
     async def delete_volume(self, name: str) -> None:
         """Delete it and its files (refused while a sandbox mounts it)."""
         await self._request("DELETE", f"/v1/volumes/{name}")
+
+    # -- lifecycle events and webhooks (docs/events.md) ------------------------------------
+    async def events(self, after: int = 0, *, sandbox_id: str | None = None, limit: int = 500) -> EventList:
+        """Lifecycle events with an id above `after`, oldest first (this key's projects; an
+        admin key's: all). Pass the answer's last_id as `after` for the next page."""
+        params: dict[str, Any] = {"after": after, "limit": limit}
+        if sandbox_id is not None:
+            params["sandbox_id"] = sandbox_id
+        resp = await self._request("GET", "/v1/events", params=params)
+        return EventList.model_validate_json(resp.content)
+
+    async def follow_events(self, after: int = 0, *, sandbox_id: str | None = None) -> AsyncIterator[SandboxEvent]:
+        """Lifecycle events after `after` as they come (an NDJSON stream; resume a broken one
+        with the last id seen)."""
+        await self._ensure_ready()
+        params: dict[str, Any] = {"after": after, "follow": "true"}
+        if sandbox_id is not None:
+            params["sandbox_id"] = sandbox_id
+        async with self._http.stream("GET", "/v1/events", params=params, timeout=None) as resp:
+            if resp.status_code >= 400:
+                _raise_for(resp, await resp.aread())
+            async for line in resp.aiter_lines():
+                if line.strip():
+                    yield SandboxEvent.model_validate_json(line)
+
+    async def add_webhook(self, url: str, *, events: builtins.list[str] | None = None, secret: str | None = None,
+                          name: str = "", project: str | None = None) -> WebhookInfo:
+        """POST this project's lifecycle events to `url`, signed with `secret` (made and
+        returned once when left out): header dsec-signature: v1=HMAC-SHA256(secret, ts + "." + body)."""
+        req = WebhookCreate.model_validate({"url": url, "events": events, "secret": secret, "name": name,
+                                            "project": project})
+        resp = await self._request("POST", "/v1/webhooks", content=req.model_dump_json(exclude_none=True),
+                                   headers=JSON)
+        return WebhookInfo.model_validate_json(resp.content)
+
+    async def webhooks(self) -> builtins.list[WebhookInfo]:
+        resp = await self._request("GET", "/v1/webhooks")
+        return WebhookList.model_validate_json(resp.content).webhooks
+
+    async def remove_webhook(self, webhook_id: str) -> None:
+        await self._request("DELETE", f"/v1/webhooks/{webhook_id}")
+
+    async def webhook_deliveries(self, webhook_id: str, limit: int = 100) -> DeliveryList:
+        """The webhook's latest deliveries and how many are pending, delivered, failed."""
+        resp = await self._request("GET", f"/v1/webhooks/{webhook_id}/deliveries", params={"limit": limit})
+        return DeliveryList.model_validate_json(resp.content)
 
     # -- fncall: short stateless code in warm pool containers ----------------------------
     async def fncall(self, code: str | FnCallRequest, language: str = "python", *, stdin: str | None = None,

@@ -23,10 +23,11 @@ from typing import Any, cast
 from dsec.sdk import _sync
 from dsec.sdk.client import Client, Created, Files, Forked, Pty, Sandbox
 from dsec.sdk.iam_types import KeyInfo, NewKey, ProjectInfo, QuotaInfo
-from dsec.types import (BulkItem, ContainerArgs, DsecError, ExecEvent, ExecInfo, ExecResult, FileEntry,
-                        FnCallRequest, FnCallResult, FsEvent, ImageBuildResult, ImageConfig, ImageInfo,
-                        ImageProgress, MicroVMArgs, NetworkPolicy, NodeStatus, SandboxArgs, SandboxInfo,
-                        SandboxList, SnapshotInfo, UsageSample, VMArgs, VolumeInfo)
+from dsec.types import (BulkItem, ContainerArgs, DeliveryList, DsecError, EventList, ExecEvent, ExecInfo,
+                        ExecResult, FileEntry, FnCallRequest, FnCallResult, FsEvent, ImageBuildResult,
+                        ImageConfig, ImageInfo, ImageProgress, MicroVMArgs, NetworkPolicy, NodeStatus,
+                        SandboxArgs, SandboxEvent, SandboxInfo, SandboxList, SnapshotInfo, UsageSample,
+                        VMArgs, VolumeInfo, WebhookInfo)
 
 __all__ = ["SyncClient", "SyncCreated", "SyncForked", "SyncSandbox", "SyncFiles", "SyncPty"]
 
@@ -267,6 +268,36 @@ class SyncClient(_sync.Synchronized):
     def delete_volume(self, name: str) -> None:
         """Delete it and its files (refused while a sandbox mounts it)."""
         _sync.call(self, "delete_volume", name)
+
+    def events(self, after: int = 0, *, sandbox_id: str | None = None, limit: int = 500) -> EventList:
+        """Lifecycle events with an id above `after`, oldest first (this key's projects; an
+        admin key's: all). Pass the answer's last_id as `after` for the next page.
+        """
+        return cast("EventList", _sync.call(self, "events", after, sandbox_id=sandbox_id, limit=limit))
+
+    def follow_events(self, after: int = 0, *, sandbox_id: str | None = None) -> Iterator[SandboxEvent]:
+        """Lifecycle events after `after` as they come (an NDJSON stream; resume a broken one
+        with the last id seen).
+        """
+        return cast("Iterator[SandboxEvent]", _sync.call(self, "follow_events", after, sandbox_id=sandbox_id))
+
+    def add_webhook(self, url: str, *, events: builtins.list[str] | None = None, secret: str | None = None,
+                    name: str = "", project: str | None = None) -> WebhookInfo:
+        """POST this project's lifecycle events to `url`, signed with `secret` (made and
+        returned once when left out): header dsec-signature: v1=HMAC-SHA256(secret, ts + "." + body).
+        """
+        return cast("WebhookInfo", _sync.call(self, "add_webhook", url, events=events, secret=secret,
+                                              name=name, project=project))
+
+    def webhooks(self) -> builtins.list[WebhookInfo]:
+        return cast("builtins.list[WebhookInfo]", _sync.call(self, "webhooks"))
+
+    def remove_webhook(self, webhook_id: str) -> None:
+        _sync.call(self, "remove_webhook", webhook_id)
+
+    def webhook_deliveries(self, webhook_id: str, limit: int = 100) -> DeliveryList:
+        """The webhook's latest deliveries and how many are pending, delivered, failed."""
+        return cast("DeliveryList", _sync.call(self, "webhook_deliveries", webhook_id, limit))
 
     def fncall(self, code: str | FnCallRequest, language: str = "python", *, stdin: str | None = None,
                files: dict[str, str | bytes] | None = None, timeout_s: float = 10.0,

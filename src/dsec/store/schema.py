@@ -129,6 +129,59 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
             UNIQUE (project_id, name)
         )""",
     ]),
+    (8, "lifecycle events, webhooks, their deliveries", [
+        # ids come from events_head's one row, bumped in the ingesting transaction: the row lock
+        # orders the ingests, so ids commit in order and a stream resumed after an id misses none
+        "CREATE TABLE events_head (k INTEGER PRIMARY KEY, last_id BIGINT NOT NULL)",
+        "INSERT INTO events_head (k, last_id) VALUES (1, 0)",
+        """CREATE TABLE events (
+            id         BIGINT PRIMARY KEY,
+            source     TEXT NOT NULL,
+            seq        BIGINT NOT NULL,
+            type       TEXT NOT NULL,
+            sandbox_id TEXT NOT NULL,
+            project_id TEXT NOT NULL,
+            node       TEXT NOT NULL,
+            reason     TEXT,
+            message    TEXT,
+            at         DOUBLE PRECISION NOT NULL,
+            details    TEXT NOT NULL DEFAULT '{}'
+        )""",
+        "CREATE INDEX events_project ON events(project_id, id)",
+        "CREATE INDEX events_sandbox ON events(sandbox_id, id)",
+        "CREATE INDEX events_at ON events(at)",
+        # how far each source (an edge's node id) has been ingested
+        "CREATE TABLE event_cursors (source TEXT PRIMARY KEY, seq BIGINT NOT NULL)",
+        """CREATE TABLE webhooks (
+            id         TEXT PRIMARY KEY,
+            project_id TEXT NOT NULL REFERENCES projects(id) ON DELETE CASCADE,
+            url        TEXT NOT NULL,
+            name       TEXT NOT NULL DEFAULT '',
+            events     TEXT,
+            secret     TEXT NOT NULL,
+            scheme     TEXT NOT NULL,
+            enabled    INTEGER NOT NULL DEFAULT 1,
+            private_ok INTEGER NOT NULL DEFAULT 0,
+            created_at DOUBLE PRECISION NOT NULL
+        )""",
+        "CREATE INDEX webhooks_project ON webhooks(project_id)",
+        # one row per (webhook, event): queued with the event, sent until delivered or given up
+        """CREATE TABLE webhook_deliveries (
+            id           TEXT PRIMARY KEY,
+            webhook_id   TEXT NOT NULL REFERENCES webhooks(id) ON DELETE CASCADE,
+            event_id     BIGINT NOT NULL,
+            status       TEXT NOT NULL,
+            attempts     INTEGER NOT NULL DEFAULT 0,
+            next_at      DOUBLE PRECISION NOT NULL,
+            lease_until  DOUBLE PRECISION NOT NULL DEFAULT 0,
+            last_status  INTEGER,
+            last_error   TEXT,
+            created_at   DOUBLE PRECISION NOT NULL,
+            delivered_at DOUBLE PRECISION
+        )""",
+        "CREATE INDEX webhook_deliveries_due ON webhook_deliveries(status, next_at)",
+        "CREATE INDEX webhook_deliveries_hook ON webhook_deliveries(webhook_id, created_at)",
+    ]),
 ]
 
 LATEST = MIGRATIONS[-1][0]

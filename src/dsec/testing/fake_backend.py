@@ -53,6 +53,7 @@ class FakeBackend(Backend):
         self.create_delay_s = 0.0
         self._faults: dict[str, tuple[BaseException, bool]] = {}
         self._end_reasons: dict[str, str] = {}
+        self._end_codes: dict[str, str] = {}
 
     # -- knobs for tests -----------------------------------------------------------------
     def fail_next(self, stage: Stage, error: BaseException, *, leave_behind: bool = False) -> None:
@@ -60,9 +61,11 @@ class FakeBackend(Backend):
         fake breaks the contract and leaves the running stub, as a buggy backend would."""
         self._faults[stage] = (error, leave_behind)
 
-    async def kill(self, sandbox_id: str, reason: str = "killed by the test") -> None:
-        """The sandbox dies: its commands are killed, its agent is gone, its dir stays."""
+    async def kill(self, sandbox_id: str, reason: str = "killed by the test", code: str = "agent_died") -> None:
+        """The sandbox dies: its commands are killed, its agent is gone, its dir stays.
+        `code`: the end reason (types/events.py) end_code() answers for it."""
         self._end_reasons[sandbox_id] = reason
+        self._end_codes[sandbox_id] = code
         stub = self.stubs.pop(sandbox_id, None)
         if stub is not None:
             await stub.stop()
@@ -147,6 +150,9 @@ class FakeBackend(Backend):
 
     def end_reason(self, sandbox_id: str, cause: BaseException | None) -> str:
         return self._end_reasons.get(sandbox_id) or super().end_reason(sandbox_id, cause)
+
+    def end_code(self, sandbox_id: str) -> str:
+        return self._end_codes.get(sandbox_id) or super().end_code(sandbox_id)
 
     async def recover(self, live_ids: set[str]) -> None:
         self.recovered = set(live_ids)

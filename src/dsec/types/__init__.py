@@ -30,10 +30,18 @@ from dsec.types.builds import (ImageConfig, ImageBuildResult, ImageProgress, Ima
 from dsec.types.usage import (UsageSample, UsageList)
 from dsec.types.secrets import (SecretCreate, SecretInfo, SecretList, EgressSecret, E2B_INLINE_MARK)
 from dsec.types.forks import (MAX_FORKS, ForkRequest, ForkItem, ForkResult)
+from dsec.types.events import (MAX_EVENT_ID, INFRASTRUCTURE_REASONS, USER_REASONS, END_REASONS, is_infrastructure, EventType,
+                               SandboxEvent, EdgeEvents, EventList, WebhookCreate, WebhookInfo, WebhookList,
+                               DeliveryInfo, DeliveryList, SandboxEnded, InfrastructureFailure, EndedByUser,
+                               ended_error)
+
 from dsec.types.volumes import (VolumeMount, VolumeCreate, VolumeInfo, VolumeList)
 
 __all__ = [
     "VolumeMount", "VolumeCreate", "VolumeInfo", "VolumeList",
+    "MAX_EVENT_ID", "INFRASTRUCTURE_REASONS", "USER_REASONS", "END_REASONS", "is_infrastructure", "EventType", "SandboxEvent",
+    "EdgeEvents", "EventList", "WebhookCreate", "WebhookInfo", "WebhookList", "DeliveryInfo", "DeliveryList",
+    "SandboxEnded", "InfrastructureFailure", "EndedByUser", "ended_error",
     "SecretCreate", "SecretInfo", "SecretList", "EgressSecret", "E2B_INLINE_MARK",
     "UsageSample", "UsageList", "MAX_FORKS", "ForkRequest", "ForkItem", "ForkResult",
     "DsecError", "InvalidArgument", "NotFound", "Unauthorized", "Forbidden", "Conflict", "CapacityExceeded",

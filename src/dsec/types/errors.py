@@ -12,16 +12,22 @@ class DsecError(Exception):
 
     status: int = 400
     code: str = "bad_request"
+    reason: str | None = None    # a request to an ended sandbox: its end reason (types/events.py)
 
-    def __init__(self, message: str, *, field: str | None = None, fix: str | None = None):
+    def __init__(self, message: str, *, field: str | None = None, fix: str | None = None,
+                 reason: str | None = None):
         super().__init__(message)
         self.message = message
         self.field = field
         self.fix = fix
+        if reason is not None:
+            self.reason = reason
 
     def to_body(self) -> dict[str, Any]:
-        return {"error": {"code": self.code, "message": self.message, "field": self.field,
-                          "fix": self.fix}}
+        body: dict[str, Any] = {"code": self.code, "message": self.message, "field": self.field, "fix": self.fix}
+        if self.reason:
+            body["reason"] = self.reason
+        return {"error": body}
 
 
 class InvalidArgument(DsecError):
@@ -105,6 +111,8 @@ class ErrorDetail(BaseModel):
     message: str
     field: str | None = Field(description="the request field at fault (dotted path), if any")
     fix: str | None = Field(description="what to change so that the request succeeds, if known")
+    reason: str | None = Field(None, description="a request to a sandbox that ended: why it ended, one word of "
+                                                 "docs/events.md's vocabulary (e.g. oom_killed, ttl)")
 
 
 class ErrorBody(BaseModel):

@@ -378,6 +378,8 @@ class SandboxInfo(BaseModel):
     on_timeout: str = Field("stop", description="what the end of its lifetime does: stop, or pause (auto-pause)")
     volumes: list[VolumeMount] = Field(default_factory=list, description="the volumes it mounts")
     error: str | None = None
+    end_reason: str | None = Field(None, description="why it ended, one word of docs/events.md's vocabulary "
+                                                     "(error keeps the free-text message)")
     labels: dict[str, str] = Field(default_factory=dict)
     network: NetworkPolicy | None = Field(None, description="current egress policy (container sandboxes)")
     accel: str | None = Field(None, description="VM sandboxes: the accelerator in use, 'kvm' or 'tcg'")

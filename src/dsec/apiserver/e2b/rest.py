@@ -197,6 +197,8 @@ def build_rest_app(ctx: ApiContext, tokens: AccessTokens, domain: str | None = N
     add_template_routes(app, ctx)      # before the catch-all below
     from dsec.apiserver.e2b.volumes import add_volume_routes
     add_volume_routes(app, ctx)
+    from dsec.apiserver.e2b.events import add_event_routes
+    add_event_routes(app, ctx)         # /events/sandboxes, /events/webhooks (docs/events.md)
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     async def not_served(path: str, request: Request) -> Response:

@@ -822,6 +822,17 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
             return f"the sandbox's init (its agent) exited with status {os.WEXITSTATUS(status)}"
         return super().end_reason(sandbox_id, cause)
 
+    def end_code(self, sandbox_id: str) -> str:
+        """oom_killed where the cgroup counted an OOM kill and the init died of SIGKILL (or
+        its status is unknown), as end_reason() words it; else the runtime died (agent_died)."""
+        w = self._watches.get(sandbox_id)
+        status = w.status if w is not None and w.status is not None else (self._exit_status(w) if w else None)
+        signalled = status is not None and os.WIFSIGNALED(status)
+        if cgroups.oom_kills(cgroup_path(sandbox_id)) and (
+                status is None or (signalled and os.WTERMSIG(status) == signal.SIGKILL)):
+            return "oom_killed"
+        return "agent_died"
+
     def _memory_mb(self, sandbox_id: str) -> int | str:
         try:
             cfg = json.loads((self.sandbox_dir(sandbox_id) / "config.json").read_text())

@@ -616,6 +616,13 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
             return "the guest shut itself down (reboot or poweroff inside the VM)"
         return "the VM's QEMU process exited (killed, or crashed)"
 
+    def end_code(self, sandbox_id: str) -> str:
+        """The guest powering off or rebooting itself is the sandbox's own doing (exited)."""
+        console = self.log_tail(sandbox_id)
+        if "Kernel panic" not in console and ("reboot: Restarting system" in console or "reboot: Power down" in console):
+            return "exited"
+        return "agent_died"
+
     async def release_node(self) -> None:
         await asyncio.to_thread(self.templates.remove_all)   # template RAM lives on tmpfs: give it back
 

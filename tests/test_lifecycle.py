@@ -166,7 +166,8 @@ async def test_edge_killed_mid_burst_loses_nothing_and_leaks_nothing(server):
             assert live[sid].state.value == "running"
             assert (await (await c.get(sid)).run("echo ok")).stdout == "ok\n"
         assert _crun_ids(server) == set(live)
-        on_disk = {p.name for p in server.paths.sandboxes.iterdir()}
+        # dot names are the node's snapshots and volumes (.snap, .volumes), not sandboxes
+        on_disk = {p.name for p in server.paths.sandboxes.iterdir() if not p.name.startswith(".")}
         assert on_disk == set(live)
         ended = [s for s in await c.list(include_ended=True) if s.id not in live and s.id not in before]
         for s in ended:

@@ -20,7 +20,7 @@ pytest.importorskip("prometheus_client", reason="pip install -e '.[server]' (pro
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 ALLOWED_LABELS = {"project", "backend", "outcome", "stage", "reason", "kind", "node", "state", "parked",
-                  "resource", "image", "of", "result", "le"}
+                  "resource", "image", "of", "result", "le", "infrastructure"}
 
 
 def small_project_key(server) -> str:

@@ -22,7 +22,7 @@ try {
   await sbx.kill()
 }
 // egressProxy (issue 30 item 3): accepted; its password stays outside too (the tunnel itself is
-// shown with a local SOCKS5 server in tests/compat/test_e2b_socks.py); TLS to the proxy refused
+// shown with a local SOCKS5 server in tests/compat/test_e2b_socks.py); not together with rules
 const tunnelled = await Sandbox.create('debian-python', {
   timeoutMs: 120_000,
   network: { allowOut: ['10.0.0.0/8'], egressProxy: { address: 'proxy.invalid:1080', username: 'u', password: SECRET } } })
@@ -36,7 +36,9 @@ try {
 }
 let refused = ''
 try {
-  await Sandbox.create('debian-python', { network: { egressProxy: { address: 'proxy.invalid:1080', tls: true } } })
+  await Sandbox.create('debian-python', { network: {
+    allowOut: ['api.test'], egressProxy: { address: 'proxy.invalid:1080' },
+    rules: { 'api.test': [{ transform: { headers: { X: 'y' } } }] } } })
 } catch (e) { refused = String(e) }
-check(refused.includes('network.egressProxy.tls'), 'TLS to the egress proxy refused by name', refused)
+check(refused.includes('network.egress_proxy') && refused.includes('SOCKS5'), 'egressProxy with rules refused by name', refused)
 done()

@@ -5,6 +5,7 @@ proxy's credentials never inside."""
 
 from __future__ import annotations
 
+import signal
 import time
 
 import httpx
@@ -13,6 +14,13 @@ import socks_peer
 from socks_peer import PASSWORD, probe
 
 xpeer, xserver = socks_peer.xpeer, socks_peer.xserver   # the module's fixtures
+
+
+def _alive(srv) -> bool:
+    try:
+        return httpx.get(f"{srv.url}/healthz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def _wait_seen(socks, pred, timeout_s: float = 30.0) -> list[dict]:
@@ -95,3 +103,30 @@ async def test_wrong_credentials_or_none_fail_closed(xserver, xpeer):
         finally:
             await bad.stop()
             await anon.stop()
+
+
+async def test_still_tunnelled_after_the_edge_is_killed(xserver, xpeer):
+    """kill -9 of the server: the restarted edge rebuilds the tunnel set from its SQLite, so the
+    sandbox never goes direct; the credentials were in memory only, so this proxy (which needs
+    them) now refuses: the connection is accepted by the node proxy and closed, though the
+    policy allows the peer directly."""
+    p, socks = xpeer, xpeer.socks
+    async with xserver.client() as c:
+        sb = await c.create_container(image="debian-python", network={
+            "rules": [{"cidr": p.ip}], "egress_proxy": {"address": socks.address, "username": "u1",
+                                                          "password": PASSWORD}})
+        r = await probe(sb, [["ip80", "http", p.ip, 80, "k.test"]])
+        assert r["ip80"].startswith("ok:200"), r
+    try:
+        xserver.kill(signal.SIGKILL)
+        xserver.start()
+        async with xserver.client() as c:
+            sb = await c.get(sb.id)
+            try:
+                r = await probe(sb, [["ip80", "http", p.ip, 80, "k2.test"]])
+                assert r["ip80"] == "err:closed", r
+            finally:
+                await sb.stop()
+    finally:
+        if not _alive(xserver):   # the module's fixture outlives this test
+            xserver.start()

@@ -454,8 +454,10 @@ class SandboxNetworks:
         elements = f"elements = {{ {', '.join(ips)} }}" if ips else ""
         tips = sorted(self._tunnel_ips)
         telements = f"elements = {{ {', '.join(tips)} }}" if tips else ""
+        # deleted and made again in one transaction: `flush table` keeps set elements, and a
+        # stale address in tunnel4/domain4 would follow the address to its next sandbox
         return f"""table inet {t} {{}}
-flush table inet {t}
+delete table inet {t}
 table inet {t} {{
   set domain4 {{
     type ipv4_addr

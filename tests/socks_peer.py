@@ -140,11 +140,15 @@ def xserver(images, dsec_home, tmp_path_factory, xpeer):
 
 
 # Run in a sandbox: argv[1] a JSON list of [name, kind, host, port, extra]; kind http (extra: Host),
-# https (extra: SNI, no verification) or tcp (connect only); prints {name: "ok:..." | "err:..."}.
+# https (extra: SNI, no verification), tcp (connect only) or udp (one datagram); prints {name: "ok:..." | "err:..."}.
 PROBE = r'''
 import json, socket, ssl, sys
 def one(kind, host, port, extra):
     try:
+        if kind == "udp":
+            u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            u.sendto(b"x", (host, port))
+            return "ok:sent"
         s = socket.create_connection((host, port), timeout=8)
         if kind == "tcp":
             s.settimeout(3)

@@ -45,12 +45,16 @@ async def test_all_tcp_goes_through_socks_and_fails_closed(xserver, xpeer):
                 ["port9000", "tcp", p.ip, 9000, ""],              # any port the policy allows
                 ["other", "https", "other.test", 443, "other.test"],         # not allowed: never asked
                 ["socks_direct", "tcp", p.ip2, 1080, ""],         # the SOCKS server itself: not the sandbox's
+                ["udp9000", "udp", p.ip, 9000, ""],               # the rule's UDP: not tunnelled, so denied
+                ["dns", "http", "allowed.test", 80, "allowed.test"],   # DNS as without a proxy (names resolve)
             ])
             assert r["ip80"].startswith(f"ok:200 {p.ip} x.test"), r
             assert r["name443"].startswith(f"ok:200 {p.ip} allowed.test allowed.test"), r
             assert r["port9000"] == "err:closed", r       # the SOCKS server had nothing there to reach
             assert r["other"].startswith("err:"), r
             assert r["socks_direct"].startswith("err:PermissionError"), r
+            assert r["udp9000"].startswith("err:PermissionError"), r
+            assert r["dns"].startswith(f"ok:200 {p.ip} allowed.test"), r
             seen = _wait_seen(socks, lambda s: len(s) >= 3)
             assert {"user": "u1", "target": p.ip, "port": 80} in seen, seen
             assert {"user": "u1", "target": "allowed.test", "port": 443} in seen, seen   # by name

@@ -96,7 +96,10 @@ def test_tunnel_entry_opens_nothing_by_itself(tmp_path):
     allows = resolve(pol, Rulesets(tmp_path / "none.json"))
     assert tunnel_of(allows) == "proxy.test:1080"
     assert tunnel_of(egress_allows(allows)) is None
-    assert [a.cidr for a in kernel_allows(allows)] == ["10.0.0.0/8", "0.0.0.0/0"]    # the rule and DNS
+    assert [(a.cidr, a.protos) for a in kernel_allows(allows)] == [("10.0.0.0/8", 1), ("0.0.0.0/0", 3)]  # TCP; DNS
+    e2b = resolve(NetworkPolicy(rules=[{"cidr": "0.0.0.0/0"}, {"cidr": "::/0"}, {"cidr": "1.2.3.4", "protocol": "udp"}],
+                                egress_proxy={"address": "p.test:1"}), Rulesets(tmp_path / "none.json"))
+    assert [(a.cidr, a.protos) for a in kernel_allows(e2b)] == [("0.0.0.0/0", 1), ("0.0.0.0/0", 3)]  # no UDP, no v6
     only = resolve(NetworkPolicy(egress_proxy={"address": "p.test:1"}), Rulesets(tmp_path / "none.json"))
     assert kernel_allows(only) == [] and compile_allows(only) == {}                # no DNS, no egress
     with pytest.raises(ValueError, match="password"):

@@ -113,9 +113,15 @@ def kernel_allows(allows: list[Allow]) -> list[Allow]:
     """What the BPF maps hold for a policy: its CIDR rules; with any egress at all, UDP and TCP 53
     to any IPv4 address (the node's nftables sends it to the DNS forwarder, whatever the address);
     with domain rules, TCP 80 and 443 to any IPv4 address (sent to the egress proxy, which decides
-    by name). IPv6 gets nothing implicit: the bridge does not route it."""
+    by name). IPv6 gets nothing implicit: the bridge does not route it. With an egress proxy
+    (tunnel entry) the CIDR rules keep their TCP and IPv4 part only: the SOCKS5 tunnel carries TCP,
+    so any other UDP than DNS, or IPv6, would leave beside it (E2B lets it; dsec is fail-closed)."""
+    tunnelled = tunnel_of(allows) is not None
     allows = egress_allows(allows)
     out = [a for a in allows if not a.is_domain]
+    if tunnelled:
+        out = [Allow(a.cidr, a.lo, a.hi, a.protos & PROTO_BITS["tcp"]) for a in out
+               if a.protos & PROTO_BITS["tcp"] and _network(a.cidr).version == 4]
     if not allows:
         return out
     out.append(Allow(ANY4, DNS_PORT, DNS_PORT, PROTO_BITS["any"]))

@@ -25,8 +25,7 @@ async def test_a_sandbox_cannot_use_another_sandboxs_socks_proxy(xserver, xpeer)
             assert r["ip80"].startswith("ok:200"), r
             mine = await py(holder, f"""
 import socket
-s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-s.connect(("{p.ip}", 80))
+s = socket.create_connection(("{p.ip}", 80), timeout=10)   # TCP: its UDP is denied (tunnelled)
 OUT["ip"] = s.getsockname()[0]
 """)
             u1_before = [s for s in socks.seen() if s["user"] == "u1"]

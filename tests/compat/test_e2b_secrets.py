@@ -1,6 +1,6 @@
 """The stock e2b SDK's per-host header transforms (network={"rules": {host: [{"transform":
-{"headers": ...}}]}}) mapped onto dsec's egress secrets (issue 30), and egress_proxy refused by
-name. Local peers only (tests/secrets_peer.py)."""
+{"headers": ...}}]}}) mapped onto dsec's egress secrets (issue 30), and egress_proxy with rules refused
+by name. Local peers only (tests/secrets_peer.py)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,9 @@ def test_rules_transform_headers_added_outside_the_sandbox(e2b_at, speer):
         sbx.kill()
 
 
-def test_egress_proxy_is_refused_by_name(e2b_at):
+def test_egress_proxy_with_rules_is_refused_by_name(e2b_at):
     with pytest.raises(SandboxException) as e:
-        Sandbox.create("debian-python", network={"egress_proxy": {"address": "proxy.example.com:1080"}})
-    assert "egressProxy" in str(e.value) and "SOCKS5" in str(e.value)
+        Sandbox.create("debian-python", network={
+            "allow_out": ["secret.test"], "egress_proxy": {"address": "proxy.example.com:1080"},
+            "rules": {"secret.test": [{"transform": {"headers": {"X": "y"}}}]}})
+    assert "network.egress_proxy" in str(e.value) and "SOCKS5" in str(e.value)

@@ -67,8 +67,8 @@ def test_e2b_allow_out_takes_names_and_deny_out_only_networks():
     assert network_policy({"dnsServers": ["8.8.8.8"]}, False) is None
     with pytest.raises(Unsupported, match="network.denyOut"):
         network_policy({"denyOut": ["pypi.org"]}, True)
-    with pytest.raises(Unsupported, match="network.egressProxy"):
-        network_policy({"egressProxy": {"address": "x:1"}}, True)
+    with pytest.raises(Unsupported, match="network.egressProxy.tls"):
+        network_policy({"egressProxy": {"address": "x:1", "tls": True}}, True)
 
 
 def test_a_project_held_to_some_networks_cannot_allow_names():

@@ -129,8 +129,8 @@ def test_e2b_rules_map_to_sandbox_secrets_and_the_rest_is_refused_by_name():
             transform_rules(bad)
         assert e.value.field == field
     with pytest.raises(Unsupported) as e:
-        network_policy({"egressProxy": {"address": "p:1080"}}, None)
-    assert e.value.field == "network.egressProxy"
+        network_policy({"egressProxy": {"address": "p:1080", "dial": 1}}, None)
+    assert e.value.field == "network.egressProxy.dial"
     with pytest.raises(Unsupported) as e:
         network_policy(net, None)                     # PUT .../network: rules at create only
     assert e.value.field == "network.rules"

@@ -115,6 +115,8 @@ async def set_network(ctx: ApiContext, edge: EdgeHandle, sandbox_id: str, policy
     project, which may be a sub-project of the caller's)."""
     project = (await edge.get(sandbox_id)).project
     check_network(ctx.iam.effective_policy(project), policy, project, prefix="")
+    if policy.egress_proxy is not None and policy.egress_proxy.password is not None:   # never stored
+        policy = policy.model_copy(update={"egress_proxy": policy.egress_proxy.model_copy(update={"password": None})})
     return await edge.set_network(sandbox_id, policy)
 
 

@@ -33,9 +33,14 @@ def prepare(ctx: ApiContext, project: str, args: SandboxArgs,
             inline: list[EgressSecret] | None = None) -> tuple[SandboxArgs, list[EgressSecret]]:
     """The args with the trust variables added, and the rules to push once the sandbox exists
     (InvalidArgument naming `secrets[i]` for a name the project lacks: before anything exists)."""
+    args, socks = _socks_credentials(args)
     names = list(getattr(args, "secrets", None) or [])
     if not names:
-        return args, []
+        return args, socks
+    if socks or getattr(getattr(args, "network", None), "egress_proxy", None) is not None:
+        raise InvalidArgument("secrets are added by the node's egress proxy on connections it makes itself; "
+                              "with an egress_proxy every connection goes through the SOCKS5 proxy instead",
+                              field="network.egress_proxy", fix="use either secrets (or E2B rules) or an egress proxy")
     if args.backend != "container":
         raise InvalidArgument("secrets are added by the node's egress proxy, which serves container sandboxes",
                               field="secrets", fix="use a container sandbox, or leave secrets empty")
@@ -43,6 +48,20 @@ def prepare(ctx: ApiContext, project: str, args: SandboxArgs,
     rules = store(ctx).rules(project, stored) + list(inline or [])
     env = {**trust_env(), **args.env}
     return args.model_copy(update={"env": env}), rules
+
+
+def _socks_credentials(args: SandboxArgs) -> tuple[SandboxArgs, list[EgressSecret]]:
+    """NetworkPolicy.egress_proxy's password out of the args (which are stored and returned):
+    the edge gets the credentials in memory, like secret rules; the address stays in the policy,
+    so the sandbox is tunnelled from its first packet whatever happens to the push."""
+    net = getattr(args, "network", None)
+    proxy = getattr(net, "egress_proxy", None)
+    if proxy is None or proxy.username is None:
+        return args, []
+    rule = EgressSecret(id="socks5", hosts=[], ports=[], headers={}, kind="socks5",
+                        auth=[proxy.username, proxy.password or ""])
+    stripped = net.model_copy(update={"egress_proxy": proxy.model_copy(update={"password": None})})
+    return args.model_copy(update={"network": stripped}), [rule]
 
 
 async def push(ctx: ApiContext, info: SandboxInfo, rules: list[EgressSecret]) -> None:

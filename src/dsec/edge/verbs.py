@@ -17,6 +17,9 @@ class CapabilityVerbs(EdgeCore):
         """Replace a running sandbox's egress policy; new connections see it immediately."""
         live = self._running(sandbox_id)
         egress = self._capability(live.rec, Egress, "set_network")
+        kept = getattr(getattr(live.rec.args, "network", None), "egress_proxy", None)
+        if policy.egress_proxy is None and kept is not None:   # a tunnel lasts the sandbox's life
+            policy = policy.model_copy(update={"egress_proxy": kept})
         async with live.net_lock:
             try:
                 await egress.set_network(live.id, policy)

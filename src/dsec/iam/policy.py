@@ -135,6 +135,11 @@ def _fix(project_id: str, what: str) -> str:
 
 def check_network(policy: SandboxPolicy, net: NetworkPolicy, project_id: str, prefix: str = "network.") -> None:
     _check_egress(policy, net, project_id, prefix)
+    if net.egress_proxy is not None and (policy.cidrs is not None or policy.egress not in (None, "internet")):
+        # the SOCKS server sees every byte: a project held to some networks cannot name any server
+        raise Forbidden(f"project {project_id} restricts egress; an egress proxy at {net.egress_proxy.address!r} "
+                        "would receive the sandbox's traffic", field=f"{prefix}egress_proxy",
+                        fix=_fix(project_id, "leave egress_proxy unset"))
     if net.domains and policy.cidrs is not None:
         # a name may resolve anywhere: a project held to some networks cannot allow names
         raise Forbidden(f"project {project_id} allows egress only to {policy.cidrs or 'no networks'}; "

@@ -44,6 +44,7 @@ RULESETS_FILE = "network-rulesets.json"
 MAX_RANGES = 16          # per prefix, as in netpolicy.bpf.c
 PROTO_BITS = {"tcp": 1, "udp": 2, "any": 3}
 PROTO_DOMAIN = 4         # an Allow whose `cidr` is a domain pattern: served by the node's egress proxy
+PROTO_TUNNEL = 8         # an Allow whose `cidr` is a SOCKS5 proxy's host:port (NetworkPolicy.egress_proxy)
 ANY4 = "0.0.0.0/0"
 DNS_PORT = 53
 PROXIED_PORTS = (80, 443)   # TCP ports matched by name (HTTP Host, TLS SNI), as in E2B
@@ -71,6 +72,10 @@ class Allow:
     def is_domain(self) -> bool:
         return bool(self.protos & PROTO_DOMAIN)
 
+    @property
+    def is_tunnel(self) -> bool:
+        return bool(self.protos & PROTO_TUNNEL)
+
     def to_json(self) -> list:
         return [self.cidr, self.lo, self.hi, self.protos]
 
@@ -92,12 +97,31 @@ def domains_of(allows: list[Allow]) -> tuple[str, ...]:
     return tuple(a.cidr for a in allows if a.is_domain)
 
 
+def tunnel_of(allows: list[Allow]) -> str | None:
+    """The SOCKS5 proxy (host:port) the sandbox's TCP is carried through, if any. It travels as an
+    allow entry so it is wherever the allow-list is (SQLite, the park-to-disk spec, warm claims)
+    from the sandbox's first packet: fail-closed without waiting for anything pushed later."""
+    return next((a.cidr for a in allows if a.is_tunnel), None)
+
+
+def egress_allows(allows: list[Allow]) -> list[Allow]:
+    """The entries that allow anything (the tunnel entry alone opens nothing)."""
+    return [a for a in allows if not a.is_tunnel]
+
+
 def kernel_allows(allows: list[Allow]) -> list[Allow]:
     """What the BPF maps hold for a policy: its CIDR rules; with any egress at all, UDP and TCP 53
     to any IPv4 address (the node's nftables sends it to the DNS forwarder, whatever the address);
     with domain rules, TCP 80 and 443 to any IPv4 address (sent to the egress proxy, which decides
-    by name). IPv6 gets nothing implicit: the bridge does not route it."""
+    by name). IPv6 gets nothing implicit: the bridge does not route it. With an egress proxy
+    (tunnel entry) the CIDR rules keep their TCP and IPv4 part only: the SOCKS5 tunnel carries TCP,
+    so any other UDP than DNS, or IPv6, would leave beside it (E2B lets it; dsec is fail-closed)."""
+    tunnelled = tunnel_of(allows) is not None
+    allows = egress_allows(allows)
     out = [a for a in allows if not a.is_domain]
+    if tunnelled:
+        out = [Allow(a.cidr, a.lo, a.hi, a.protos & PROTO_BITS["tcp"]) for a in out
+               if a.protos & PROTO_BITS["tcp"] and _network(a.cidr).version == 4]
     if not allows:
         return out
     out.append(Allow(ANY4, DNS_PORT, DNS_PORT, PROTO_BITS["any"]))
@@ -167,6 +191,8 @@ def resolve(policy: NetworkPolicy, rulesets: Rulesets, field: str = "network") -
     for rule in policy.rules:
         allows += allows_of_rule(rule)
     allows += allows_of_domains(policy.domains)
+    if policy.egress_proxy is not None:
+        allows.append(Allow(policy.egress_proxy.address, 0, 0, PROTO_TUNNEL))
     wanted = [name for name, on in policy.rulesets.items() if on]
     if policy.rulesets:
         known = rulesets.get()
@@ -199,7 +225,7 @@ def compile_allows(allows: list[Allow], field: str = "network.rules"
                    ) -> dict[ipaddress.IPv4Network | ipaddress.IPv6Network, list[tuple[int, int, int]]]:
     """Map entries: each distinct network -> merged (lo, hi, protos) ranges of every rule containing it."""
     nets: dict = collections.defaultdict(list)
-    parsed = [(_network(a.cidr), a) for a in allows if not a.is_domain]
+    parsed = [(_network(a.cidr), a) for a in allows if not a.is_domain and not a.is_tunnel]
     for net, _ in parsed:
         nets.setdefault(net, [])
     for net in nets:

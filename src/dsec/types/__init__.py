@@ -16,7 +16,7 @@ from dsec.types.ids import (NODE_ID_RE, SANDBOX_ID_RE, make_sandbox_id, SNAPSHOT
 from dsec.types.sandboxes import (NAME_RE, MAX_TTL_S, ENV_KEY_RE, MAX_ENV_VARS, MAX_ENV_BYTES, Env, USER_RE, STORED,
                                   MAX_LABELS, MAX_LABEL_VALUE, LABEL_KEY_RE, ImageRef, SandboxUser, Labels, IdleTtl,
                                   Lifetime, IDEMPOTENCY_KEY_RE, SDK_KEY_PREFIX, IdempotencyKey, OutputCap,
-                                  PORT_RANGE_RE, RULESET_NAME_RE, NetworkRule, NetworkPolicy, NetworkRuleSet,
+                                  PORT_RANGE_RE, RULESET_NAME_RE, NetworkRule, NetworkPolicy, NetworkRuleSet, EgressProxy,
                                   ContainerArgs,
                                   MicroVMArgs, VMArgs, SandboxArgs, VM_BACKENDS, SandboxState, SandboxInfo,
                                   BulkSelector, BulkItem, BulkResult, SnapshotInfo, SnapshotList, SandboxList)
@@ -50,7 +50,7 @@ __all__ = [
     "SNAPSHOT_ID_PATTERN", "make_snapshot_id", "node_of_snapshot", "node_of", "NAME_RE", "MAX_TTL_S", "ENV_KEY_RE",
     "MAX_ENV_VARS", "MAX_ENV_BYTES", "Env", "USER_RE", "STORED", "MAX_LABELS", "MAX_LABEL_VALUE", "LABEL_KEY_RE",
     "ImageRef", "SandboxUser", "Labels", "IdleTtl", "Lifetime", "IDEMPOTENCY_KEY_RE", "SDK_KEY_PREFIX",
-    "IdempotencyKey", "OutputCap", "PORT_RANGE_RE", "RULESET_NAME_RE", "NetworkRule", "NetworkPolicy", "NetworkRuleSet",
+    "IdempotencyKey", "OutputCap", "PORT_RANGE_RE", "RULESET_NAME_RE", "NetworkRule", "NetworkPolicy", "NetworkRuleSet", "EgressProxy",
     "ContainerArgs", "MicroVMArgs", "VMArgs", "SandboxArgs", "VM_BACKENDS", "SandboxState", "SandboxInfo",
     "BulkSelector", "BulkItem", "BulkResult", "SnapshotInfo", "SnapshotList", "SandboxList", "MAX_EXEC_TIMEOUT_S",
     "PtySize", "ResizeRequest", "ExecRequest", "ExecResult", "ExecInfo", "ExecList", "SignalRequest", "TimeoutRequest", "ExecEvent", "FileWrite",

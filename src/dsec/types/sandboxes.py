@@ -9,7 +9,7 @@ from enum import Enum
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag,
-                      ValidationInfo, WithJsonSchema, field_validator)
+                      ValidationInfo, WithJsonSchema, field_validator, model_validator)
 from dsec.types.domains import normalize_pattern
 from dsec.types.ids import SNAPSHOT_ID_PATTERN
 from dsec.types.volumes import VolumeMount, check_mounts
@@ -174,6 +174,39 @@ class NetworkRule(_Strict):
         return out
 
 
+SOCKS_ADDRESS_RE = r"^(\[?[A-Za-z0-9.-]{1,253}\]?):([0-9]{1,5})$"
+
+
+class EgressProxy(_Strict):
+    """A SOCKS5 proxy the node's egress proxy carries all of the sandbox's outbound TCP through
+    (E2B's `egress_proxy`), after the policy's checks; fail-closed: never direct. Set at create."""
+
+    address: Annotated[str, Field(pattern=SOCKS_ADDRESS_RE, max_length=260,
+                                  description="the SOCKS5 server, 'host:port' (a name or an IPv4 address)")]
+    username: Annotated[str | None, Field(min_length=1, max_length=255,
+                                          description="RFC 1929 username")] = None
+    password: Annotated[str | None, Field(max_length=255, description=(
+        "RFC 1929 password; never stored nor returned: the apiserver hands it to the sandbox's edge, "
+        "which keeps it in memory"))] = None
+
+    @field_validator("address")
+    @classmethod
+    def _port(cls, v: str) -> str:
+        port = int(v.rsplit(":", 1)[1])
+        if not 1 <= port <= 65535:
+            raise ValueError(f"{v!r}: the port must be 1-65535")
+        if v.startswith("["):
+            raise ValueError(f"{v!r}: IPv6 proxies are not reachable from dsec's nodes (IPv4 only); "
+                             "use a name or an IPv4 address")
+        return v.lower()
+
+    @model_validator(mode="after")
+    def _auth(self) -> "EgressProxy":
+        if self.password is not None and self.username is None:
+            raise ValueError("password: only valid together with username")
+        return self
+
+
 class NetworkPolicy(_Strict):
     """Egress allow-list of a sandbox. Empty (the default) denies everything but loopback; any
     allowed egress also gives the sandbox DNS (the node's forwarder)."""
@@ -187,6 +220,10 @@ class NetworkPolicy(_Strict):
         description="allow egress to these names and wildcards ('pypi.org', '*.githubusercontent.com') on "
                     "TCP 80 (HTTP Host) and 443 (TLS SNI), through the node's egress proxy; the sandbox's "
                     "DNS then answers only for them")] = Field(default_factory=list)
+
+    egress_proxy: EgressProxy | None = Field(None, description=(
+        "carry all of the sandbox's outbound TCP (what the rules and domains allow) through this SOCKS5 "
+        "proxy; fail-closed. Set at create; a later set_network keeps it"))
 
     @field_validator("domains")
     @classmethod

@@ -98,4 +98,7 @@ class EgressSecret(_Strict):
     hosts: list[str]
     ports: list[int] = [443]
     headers: dict[str, str]
-    kind: Literal["stored", "inline"] = "stored"
+    kind: Literal["stored", "inline", "socks5"] = "stored"
+    # kind socks5: the RFC 1929 [username, password] of the sandbox's NetworkPolicy.egress_proxy
+    # (its address travels in the policy; only the credentials take this in-memory path)
+    auth: list[str] | None = None

@@ -1,6 +1,6 @@
 // The stock `e2b` JS SDK's network.rules header transforms (issue 30): accepted at create, the
 // value kept outside the sandbox (only the trust bundle's path is in its environment);
-// egressProxy refused naming the field. The header itself arriving at its destination is shown
+// egressProxy accepted, its password outside too. The header itself arriving at its destination is shown
 // with local HTTPS peers in tests/compat/test_e2b_secrets.py.
 import { Sandbox } from 'e2b'
 import { check, done } from './check.mjs'
@@ -21,9 +21,24 @@ try {
 } finally {
   await sbx.kill()
 }
+// egressProxy (issue 30 item 3): accepted; its password stays outside too (the tunnel itself is
+// shown with a local SOCKS5 server in tests/compat/test_e2b_socks.py); not together with rules
+const tunnelled = await Sandbox.create('debian-python', {
+  timeoutMs: 120_000,
+  network: { allowOut: ['10.0.0.0/8'], egressProxy: { address: 'proxy.invalid:1080', username: 'u', password: SECRET } } })
+try {
+  const env = (await tunnelled.commands.run("cat /proc/*/environ | tr '\\0' '\\n'", { user: 'root' })).stdout
+  check(env.includes('PATH=') && !env.includes(SECRET), 'the proxy password is not in the sandbox environment')
+  const info = JSON.stringify(await Sandbox.getInfo(tunnelled.sandboxId))
+  check(!info.includes(SECRET), 'the sandbox info does not return the proxy password', info)
+} finally {
+  await tunnelled.kill()
+}
 let refused = ''
 try {
-  await Sandbox.create('debian-python', { network: { egressProxy: { address: 'proxy.example.com:1080' } } })
+  await Sandbox.create('debian-python', { network: {
+    allowOut: ['api.test'], egressProxy: { address: 'proxy.invalid:1080' },
+    rules: { 'api.test': [{ transform: { headers: { X: 'y' } } }] } } })
 } catch (e) { refused = String(e) }
-check(refused.includes('network.egressProxy') && refused.includes('SOCKS5'), 'egressProxy refused by name', refused)
+check(refused.includes('network.egress_proxy') && refused.includes('SOCKS5'), 'egressProxy with rules refused by name', refused)
 done()

@@ -137,6 +137,36 @@ def transform_rules(net: dict[str, Any] | None, prefix: str = "network") -> list
         raise _invalid(e) from None
 
 
+def _egress_proxy(raw: Any, field: str, keep_password: bool) -> dict[str, Any] | None:
+    """E2B's egressProxy ({address, username?, password?, tls?}) as NetworkPolicy.egress_proxy.
+    The password is taken at create only (the edge keeps it in memory; an update keeps the
+    sandbox's tunnel and credentials, dsec's proxy being set at create)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or not isinstance(raw.get("address"), str):
+        raise _refuse(field, "must be {\"address\": \"host:port\", ...}", "give the SOCKS5 server's host:port")
+    if raw.get("tls"):
+        raise _refuse(f"{field}.tls", "dsec speaks SOCKS5 to the proxy without TLS", "leave tls unset")
+    extra = sorted(set(raw) - {"address", "username", "password", "tls"})
+    if extra:
+        raise _refuse(f"{field}.{extra[0]}", "not available in dsec", "give address, username and password only")
+    out = {"address": raw["address"], "username": raw.get("username"),
+           "password": raw.get("password") if keep_password else None}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def check_kept_proxy(raw: dict[str, Any] | None, current: Any) -> None:
+    """PUT .../network: dsec's egress proxy is set at create and kept for the sandbox's life (an
+    update that omits it keeps tunnelling: never direct); naming another one is refused."""
+    want = ((raw or {}).get("egress_proxy") or {}).get("address")
+    have = getattr(getattr(current, "egress_proxy", None), "address", None)
+    if want is not None and want.lower() != have:
+        raise _refuse("network.egressProxy", "dsec sets a sandbox's egress proxy when it is created only" +
+                      (f" (this one tunnels through {have})" if have else ""),
+                      f"repeat {have!r} or leave egressProxy unset" if have else
+                      "create a new sandbox with the egress proxy")
+
+
 def network_policy(net: dict[str, Any] | None, internet: bool | None, prefix: str = "network",
                    rules_ok: bool = False) -> dict[str, Any] | None:
     """dsec's egress policy (deny-all by default) from E2B's allow_internet_access and network
@@ -144,11 +174,7 @@ def network_policy(net: dict[str, Any] | None, internet: bool | None, prefix: st
     E2B's semantics: allowOut wins over denyOut; domains only in allowOut, matched on TCP 80/443.
     `rules` (header transforms) are read by transform_rules, at create only."""
     net = dict(net or {})
-    if net.get("egressProxy") is not None:
-        raise _refuse(f"{prefix}.egressProxy", "dsec does not tunnel a sandbox's egress through a SOCKS5 proxy",
-                      "leave egress_proxy unset; use allowOut for the destinations and `rules` transforms "
-                      "(or dsec secrets) for credentials")
-    net.pop("egressProxy", None)
+    proxy = _egress_proxy(net.pop("egressProxy", None), f"{prefix}.egressProxy", keep_password=rules_ok)
     if net.get("rules") and not rules_ok:
         raise _refuse(f"{prefix}.rules", "dsec sets header transforms when the sandbox is created only",
                       "create a new sandbox with the rules")
@@ -171,9 +197,11 @@ def network_policy(net: dict[str, Any] | None, internet: bool | None, prefix: st
     rulesets = {v: True for kind, v in allow if kind == "ruleset"}
     if internet and not deny and not allow:
         cidrs = list(ALL_TRAFFIC)
-    if not cidrs and not domains and not rulesets:
+    if not cidrs and not domains and not rulesets and proxy is None:
         return None                    # dsec's default: no egress but loopback
     out: dict[str, Any] = {"rules": [{"cidr": c} for c in cidrs], "domains": domains}
+    if proxy is not None:
+        out["egress_proxy"] = proxy
     if rulesets:
         out["rulesets"] = rulesets
     return out

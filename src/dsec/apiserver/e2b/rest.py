@@ -164,6 +164,7 @@ def build_rest_app(ctx: ApiContext, tokens: AccessTokens, domain: str | None = N
         if internet is None:     # E2B's default (on), where the project's egress allows it
             internet = default_internet(ctx.iam.effective_policy(info.project))
         raw = mapping.network_policy(body, internet, prefix="network")
+        mapping.check_kept_proxy(raw, info.network)
         await set_sandbox_network(ctx, ctx.edge_for(info.id), info.id,
                                   NetworkPolicy.model_validate(raw or {}))
         return Response(status_code=204)

@@ -49,9 +49,9 @@ from dsec.backends.container.spec import (VOLUME_STAGING, ContainerSpec, build_c
 from dsec.config import Paths
 from dsec.native import compile_static
 from dsec.security.users import resolve_user
-from dsec.security.netpolicy import Rulesets, resolve
+from dsec.security.netpolicy import Rulesets, resolve, tunnel_of
 from dsec.settings import Settings
-from dsec.types import ContainerArgs, NetworkPolicy, NetworkRuleSet, SandboxArgs, SandboxFailed, Unavailable
+from dsec.types import ContainerArgs, InvalidArgument, NetworkPolicy, NetworkRuleSet, SandboxArgs, SandboxFailed, Unavailable
 
 log = logging.getLogger("dsec.backends.container")
 
@@ -430,6 +430,15 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
     async def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> None:
         """Replace a running sandbox's egress policy (BPF map update; first allow adds a veth)."""
         allows = resolve(policy, self.rulesets, field="")
+        old, new = tunnel_of(self.net.allows_of(sandbox_id)), tunnel_of(allows)
+        if new != old and new is not None:
+            raise InvalidArgument(f"egress_proxy: sandbox {sandbox_id} " + (
+                f"is tunnelled through {old}; the proxy is set at create only" if old else
+                "was created without an egress proxy; it is set at create only"),
+                field="egress_proxy", fix=f"repeat {old!r} or leave egress_proxy unset" if old
+                else "create a new sandbox with network.egress_proxy")
+        if old is not None and new is None:   # kept for the sandbox's life: never direct
+            allows = [*allows, next(a for a in self.net.allows_of(sandbox_id) if a.is_tunnel)]
         await self.net.apply(sandbox_id, self._pid(sandbox_id), allows)
 
     def set_rulesets(self, sets: dict[str, NetworkRuleSet]) -> None:

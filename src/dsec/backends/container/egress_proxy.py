@@ -16,6 +16,10 @@ Secrets (issue 30, tls_intercept.py): a sandbox with secret rules also sends its
 whatever its policy; on a port a rule names, the SNI is read first, and a name with a rule
 (allowed by the sandbox's policy) is terminated and the secret added; anything else goes on as
 above, the TLS untouched.
+A sandbox with an egress proxy (NetworkPolicy.egress_proxy, E2B's egress_proxy) sends ALL its
+TCP here (nft set tunnel4); what its policy allows (the CIDR rules by address and port, 80/443 by
+name as above) is carried through that SOCKS5 server (socks5.py), by name when the decision was
+by name; if the server is down or refuses, the sandbox's connection is closed, never direct.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ import socket
 import struct
 
 from dsec.backends.container.dns import Lookup, SourceSlots, Upstream
+from dsec.backends.container.socks5 import SocksRefused, socks_connect, split_address
 from dsec.backends.container.tls_intercept import Interceptor
-from dsec.security.netpolicy import compile_allows
+from dsec.security.netpolicy import compile_allows, tunnel_of
 from dsec.types.domains import matches
 
 log = logging.getLogger("dsec.backends.container.egress_proxy")
@@ -160,6 +165,10 @@ class EgressProxy:
         raw = sock.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)
         port = struct.unpack(">H", raw[2:4])[0]
         orig = socket.inet_ntoa(raw[4:8])
+        tunnel = tunnel_of(view.allows)
+        if tunnel is not None:
+            await self._tunnel(view, tunnel, orig, port, reader, writer)
+            return
         secrets = self.interceptor is not None and port in self.interceptor.ports(view.sandbox_id)
         if not view.domains and not (self.interceptor is not None and self.interceptor.rules.has(view.sandbox_id)):
             return   # in the proxy's set for neither names nor secrets (a stale DNAT): nothing
@@ -199,6 +208,58 @@ class EgressProxy:
             log.info("egress name has no permitted address", extra={"sandbox": view.sandbox_id, "host": name})
             return
         await self._splice(head, reader, writer, addrs, port)
+
+    async def _tunnel(self, view, tunnel: str, orig: str, port: int,
+                      reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Every TCP connection of a tunnelled sandbox: decided as a direct one would be (the CIDR
+        rules by address and port, else 80/443 by name), then carried through its SOCKS5 proxy;
+        anything the proxy cannot carry is closed (fail-closed: there is no direct path)."""
+        cidr = compile_allows(view.allows)
+        if forbidden(orig, self.subnet):
+            return
+        head, target = b"", None
+        if _cidr_allows(cidr, orig, port):
+            target = orig
+        elif view.domains and port in (80, 443):
+            async with asyncio.timeout(HEAD_TIMEOUT_S):
+                while True:
+                    chunk = await reader.read(HEAD_MAX - len(head))
+                    if not chunk or len(head) + len(chunk) > HEAD_MAX:
+                        return
+                    head += chunk
+                    found = sni_of(head) if head[:1] == b"\x16" else host_of(head)
+                    if found is not False:
+                        break
+            if not found or not matches(found, view.domains):
+                log.info("egress refused", extra={"sandbox": view.sandbox_id, "host": (found or "")[:253],
+                                                   "port": port})
+                return
+            target = found   # by name: the SOCKS server resolves it, the sandbox's address is ignored
+        if target is None:
+            return
+        host, sport = split_address(tunnel)
+        addrs = [host] if _is_ipv4(host) else await self.upstream.resolve4(host)
+        addrs = [a for a in addrs if not forbidden(a, self.subnet)]
+        auth = self.interceptor.rules.tunnel_auth(view.sandbox_id) if self.interceptor is not None else None
+        up_r = up_w = None
+        for a in addrs[:4]:
+            try:
+                up_r, up_w = await asyncio.wait_for(asyncio.open_connection(a, sport), CONNECT_TIMEOUT_S)
+                break
+            except (OSError, asyncio.TimeoutError):
+                continue
+        if up_r is None or up_w is None:
+            log.info("egress proxy unreachable", extra={"sandbox": view.sandbox_id, "proxy": tunnel})
+            return
+        try:
+            await asyncio.wait_for(socks_connect(up_r, up_w, target, port, auth), CONNECT_TIMEOUT_S)
+            if head:
+                up_w.write(head)
+            await asyncio.gather(_pipe(reader, up_w), _pipe(up_r, writer))
+        except SocksRefused as e:
+            log.info("egress proxy refused", extra={"sandbox": view.sandbox_id, "proxy": tunnel, "error": str(e)})
+        finally:
+            up_w.close()
 
     async def _secret(self, view, head: bytes, name: str | None, port: int, cidr: dict,
                       reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
@@ -249,6 +310,14 @@ async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
             dst.write_eof()
     except (OSError, RuntimeError):
         dst.close()
+
+
+def _is_ipv4(host: str) -> bool:
+    try:
+        ipaddress.IPv4Address(host)
+        return True
+    except ValueError:
+        return False
 
 
 def _cidr_allows(entries: dict, ip: str, port: int) -> bool:

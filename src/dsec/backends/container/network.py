@@ -40,7 +40,7 @@ from dsec.backends.container.secret_rules import SecretRules
 from dsec.backends.container.tls_intercept import Interceptor
 from dsec.security.egress_ca import EgressCA
 from dsec.config import Paths
-from dsec.security.netpolicy import Allow, PolicyProgram, domains_of
+from dsec.security.netpolicy import Allow, PolicyProgram, domains_of, egress_allows, tunnel_of
 from dsec.types import SandboxFailed, Unavailable
 
 log = logging.getLogger("dsec.backends.container.network")
@@ -158,6 +158,7 @@ class SandboxNetworks:
         self._cgids: dict[str, int] = {}          # sandbox id -> cgroup id, for every attached sandbox
         self._by_ip: dict[str, str] = {r["ip"]: sid for sid, r in self._rows.items() if r["ip"]}
         self._domain_ips: set[str] = set()        # in the nft set: TCP 80/443 go to the egress proxy
+        self._tunnel_ips: set[str] = set()        # in the nft set tunnel4: all TCP goes to the egress proxy
         self._dns: DnsServer | None = None
         self._proxy: EgressProxy | None = None
         self.secrets = SecretRules()              # issue 30: rules the egress proxy adds secrets by
@@ -220,7 +221,7 @@ class SandboxNetworks:
         row = self._rows.get(sid) if sid else None
         if row is None:
             return None
-        return SandboxView(sid, bool(row["allows"]), domains_of(row["allows"]), row["allows"])
+        return SandboxView(sid, bool(egress_allows(row["allows"])), domains_of(row["allows"]), row["allows"])
 
     def egress_ca(self) -> EgressCA:
         """The node's egress CA (one instance: made on first use, by the first sandbox with secrets)."""
@@ -301,11 +302,16 @@ class SandboxNetworks:
             row = self._rows.get(sandbox_id)
             old = row["allows"] if row else []
             domains = bool(domains_of(allows)) or self.secrets.has(sandbox_id)
+            tunnel = tunnel_of(allows) is not None
             if domains and row and row["ip"]:
                 await self._domain_mode(row["ip"], True)   # the redirect before BPF lets 80/443 out
+            if tunnel and row and row["ip"]:
+                await self._tunnel_mode(row["ip"], True)   # the redirect before BPF lets any TCP out
             prog.write(cgid, allows)   # deny before a link exists; effective for new connections now
             if not domains and row and row["ip"]:
                 await self._domain_mode(row["ip"], False)
+            if not tunnel and row and row["ip"]:
+                await self._tunnel_mode(row["ip"], False)
             if row is None and not allows:
                 return
             new_row = {"sandbox_id": sandbox_id, "ip": row["ip"] if row else None, "cgid": cgid, "allows": allows}
@@ -317,6 +323,8 @@ class SandboxNetworks:
                         self._save(new_row)   # durable before the veth exists
                         if domains:
                             await self._domain_mode(new_row["ip"], True)
+                        if tunnel:
+                            await self._tunnel_mode(new_row["ip"], True)
                     t0 = time.monotonic()
                     await self._plug(sandbox_id, pid, new_row["ip"])
                     log.info("sandbox plugged into the bridge",
@@ -326,6 +334,7 @@ class SandboxNetworks:
                     await asyncio.shield(self._unplug(sandbox_id))
                     if new_row["ip"]:
                         await asyncio.shield(self._domain_mode(new_row["ip"], False))
+                        await asyncio.shield(self._tunnel_mode(new_row["ip"], False))
                     if row:
                         self._save(row)
                     else:
@@ -355,6 +364,7 @@ class SandboxNetworks:
         await self._unplug(sandbox_id)
         if row["ip"]:
             await self._domain_mode(row["ip"], False)
+            await self._tunnel_mode(row["ip"], False)
         self._forget(sandbox_id)
         await self._maybe_teardown()
 
@@ -442,17 +452,26 @@ class SandboxNetworks:
         gw = s.gateway
         ips = sorted(self._domain_ips)
         elements = f"elements = {{ {', '.join(ips)} }}" if ips else ""
+        tips = sorted(self._tunnel_ips)
+        telements = f"elements = {{ {', '.join(tips)} }}" if tips else ""
+        # deleted and made again in one transaction: `flush table` keeps set elements, and a
+        # stale address in tunnel4/domain4 would follow the address to its next sandbox
         return f"""table inet {t} {{}}
-flush table inet {t}
+delete table inet {t}
 table inet {t} {{
   set domain4 {{
     type ipv4_addr
     {elements}
   }}
+  set tunnel4 {{
+    type ipv4_addr
+    {telements}
+  }}
   chain prerouting {{
     type nat hook prerouting priority dstnat; policy accept;
     iifname {br} meta l4proto {{ tcp, udp }} th dport 53 dnat ip to {gw}:{s.dns_port}
     iifname {br} ip saddr @domain4 tcp dport {{ 80, 443 }} dnat ip to {gw}:{s.proxy_port}
+    iifname {br} ip saddr @tunnel4 meta l4proto tcp dnat ip to {gw}:{s.proxy_port}
   }}
   chain postrouting {{
     type nat hook postrouting priority srcnat; policy accept;
@@ -495,6 +514,7 @@ table inet {t} {{
                 self._meta(f"forwarding:{dev}", old)   # restored when the bridge goes away
         self._domain_ips = {r["ip"] for r in self._rows.values()
                             if r["ip"] and (domains_of(r["allows"]) or self.secrets.has(r["sandbox_id"]))}
+        self._tunnel_ips = {r["ip"] for r in self._rows.values() if r["ip"] and tunnel_of(r["allows"])}
         await _run("nft", "-f", "-", stdin=self._nft_rules())   # (re)loaded whole: rules of this version
         await self._start_services()
         self._infra_ready = True
@@ -506,6 +526,15 @@ table inet {t} {{
         verb = "add" if on else "delete"
         await _run("nft", verb, "element", "inet", self.settings.nft_table, "domain4", f"{{ {ip} }}", check=on)
         (self._domain_ips.add if on else self._domain_ips.discard)(ip)
+
+    async def _tunnel_mode(self, ip: str, on: bool) -> None:
+        """Add or remove a sandbox address in the set whose every TCP connection the egress proxy
+        gets (NetworkPolicy.egress_proxy: carried through the SOCKS5 proxy, never direct)."""
+        if on == (ip in self._tunnel_ips):
+            return
+        verb = "add" if on else "delete"
+        await _run("nft", verb, "element", "inet", self.settings.nft_table, "tunnel4", f"{{ {ip} }}", check=on)
+        (self._tunnel_ips.add if on else self._tunnel_ips.discard)(ip)
 
     async def _start_services(self) -> None:
         """The DNS forwarder and the egress proxy on the gateway, while the bridge exists."""
@@ -554,6 +583,7 @@ table inet {t} {{
             self._infra_ready = False
             await self._stop_services()
             self._domain_ips.clear()
+            self._tunnel_ips.clear()
             if _link_exists(s.bridge):
                 await _run("ip", "link", "del", s.bridge, check=False)
                 log.info("removed sandbox bridge", extra={"bridge": s.bridge})

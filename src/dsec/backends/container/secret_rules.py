@@ -32,6 +32,13 @@ class SecretRules:
         """Whether the sandbox was given rules (its TCP 443 then goes to the proxy)."""
         return sandbox_id in self._by_sandbox
 
+    def tunnel_auth(self, sandbox_id: str) -> tuple[str, str] | None:
+        """The RFC 1929 credentials of the sandbox's SOCKS5 egress proxy, if it was given any."""
+        for r in self._by_sandbox.get(sandbox_id, ()):
+            if r.kind == "socks5" and r.auth and len(r.auth) == 2:
+                return r.auth[0], r.auth[1]
+        return None
+
     def ports(self, sandbox_id: str) -> set[int]:
         return {p for r in self._by_sandbox.get(sandbox_id, ()) for p in r.ports}
 

@@ -183,16 +183,26 @@ def peer(tmp_path_factory):
         yield p
 
 
+@contextmanager
+def side_server(dsec_home, tmp_path_factory, name: str, peer: EgressPeer, **env: str):
+    """A dsec server of its own home on a bridge of its own (side_server_env) whose DNS
+    forwarder asks the peer; `env` adds settings. Stopped and its home cleaned after."""
+    from conftest import ServerProc, _cleanup_home, side_home
+    home = side_home(dsec_home, tmp_path_factory, name)
+    srv = ServerProc(home, env={**side_server_env(peer), **env})
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.kill(signal.SIGTERM)
+        _cleanup_home(home)
+
+
 @pytest.fixture(scope="module")
 def dserver(images, dsec_home, tmp_path_factory, peer):
     """A dsec server on a bridge of its own whose DNS forwarder asks the peer."""
-    from conftest import ServerProc, _cleanup_home, side_home
-    home = side_home(dsec_home, tmp_path_factory, "egress")
-    srv = ServerProc(home, env=side_server_env(peer))
-    srv.start()
-    yield srv
-    srv.kill(signal.SIGTERM)
-    _cleanup_home(home)
+    with side_server(dsec_home, tmp_path_factory, "egress", peer) as srv:
+        yield srv
 
 
 # A probe run inside sandboxes (python3 of debian-python): argv[1] is a JSON list of

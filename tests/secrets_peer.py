@@ -9,7 +9,6 @@ import datetime
 import hashlib
 import json
 import secrets
-import signal
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from egress_peer import egress_peer, side_server_env
+from egress_peer import egress_peer, side_server
 
 SECRET = "sk-dsec-" + secrets.token_hex(16)
 BASIC = "robot:" + secrets.token_hex(12)
@@ -63,13 +62,8 @@ def speer(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sserver(images, dsec_home, tmp_path_factory, speer):
-    from conftest import ServerProc, _cleanup_home, side_home
-    home = side_home(dsec_home, tmp_path_factory, "secrets")
-    srv = ServerProc(home, env={**side_server_env(speer), "DSEC_NET_UPSTREAM_CA_FILE": speer.ca_file})
-    srv.start()
-    yield srv
-    srv.kill(signal.SIGTERM)
-    _cleanup_home(home)
+    with side_server(dsec_home, tmp_path_factory, "secrets", speer, DSEC_NET_UPSTREAM_CA_FILE=speer.ca_file) as srv:
+        yield srv
 
 
 # Run in the sandbox: argv[1] JSON list of [name, url, {"sni":..., "host":..., "verify": bool}];

@@ -6,14 +6,13 @@ dialled. Names are resolved from the peer's zone file. Nothing leaves the machin
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from egress_peer import egress_peer, side_server_env
+from egress_peer import egress_peer, side_server
 
 PASSWORD = "socks-pw-" + "7f3a9c1e5b"
 SOCKS_PORT = 1080
@@ -130,13 +129,8 @@ def xpeer(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def xserver(images, dsec_home, tmp_path_factory, xpeer):
-    from conftest import ServerProc, _cleanup_home, side_home
-    home = side_home(dsec_home, tmp_path_factory, "socks")
-    srv = ServerProc(home, env=side_server_env(xpeer))
-    srv.start()
-    yield srv
-    srv.kill(signal.SIGTERM)
-    _cleanup_home(home)
+    with side_server(dsec_home, tmp_path_factory, "socks", xpeer) as srv:
+        yield srv
 
 
 # Run in a sandbox: argv[1] a JSON list of [name, kind, host, port, extra]; kind http (extra: Host),

@@ -17,7 +17,7 @@ import pytest
 from conftest import ServerProc, _cleanup_home, side_home
 
 from dsec.iam import IAM
-from dsec.testing.postgres import PostgresCluster, pg_bindir
+from dsec.testing.postgres import own_pg_cluster
 from dsec.testing.waiting import wait_until
 from dsec.types import Unauthorized, Unavailable
 
@@ -27,12 +27,8 @@ PORT = 8123
 @pytest.fixture(scope="module")
 def pg():
     """A PostgreSQL server of this module's own: it is stopped and started."""
-    if pg_bindir() is None:
-        pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) not installed: apt-get install postgresql")
-    c = PostgresCluster()
-    c.start()
-    yield c
-    c.destroy()
+    with own_pg_cluster() as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from dsec.iam import IAM
 from dsec.store import SandboxIndex, connect, open_db
 from dsec.store.migrate import migrate
 from dsec.store.schema import LATEST
-from dsec.testing.postgres import PostgresCluster, pg_bindir
+from dsec.testing.postgres import own_pg_cluster
 from dsec.types import Conflict, InvalidArgument
 
 
@@ -135,12 +135,8 @@ def test_idempotency_claims_of_sdk_keys_are_kept_an_hour_others_a_week(dsn):
 @pytest.fixture
 def own_cluster():
     """A PostgreSQL server of this test's own (it is restarted)."""
-    if pg_bindir() is None:
-        pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) not installed: apt-get install postgresql")
-    c = PostgresCluster()
-    c.start()
-    yield c
-    c.destroy()
+    with own_pg_cluster() as c:
+        yield c
 
 
 def test_postgres_restart_mid_use_loses_nothing(own_cluster, tmp_path):

@@ -45,6 +45,11 @@ def is_postgres_dsn(dsn: str | Path) -> bool:
     return isinstance(dsn, str) and dsn.startswith(("postgresql://", "postgres://"))
 
 
+def in_clause(column: str, values: Sequence[object]) -> str:
+    """`column IN (?,?,...)`, one placeholder per value (the caller passes the values)."""
+    return f"{column} IN ({','.join('?' * len(values))})"
+
+
 def redact(dsn: str) -> str:
     """The DSN without its password, for logs and errors."""
     parts = urlsplit(dsn)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from dsec.store.db import Database, Row, Tx
+from dsec.store.db import Database, Row, Tx, in_clause
 from dsec.types import (DeliveryInfo, EventType, NotFound, SandboxEvent, WebhookInfo, is_infrastructure)
 
 KEEP_S = 7 * 86400.0        # events and finished deliveries are kept a week
@@ -105,8 +105,8 @@ class EventStore:
                         e.at.timestamp(), json.dumps(e.details, default=str)))
             if e.project not in hooks:
                 projects = audience(e.project) or [e.project]
-                hooks[e.project] = tx.all(f"SELECT id, events FROM webhooks WHERE enabled=1 AND project_id IN "
-                                          f"({','.join('?' * len(projects))})", projects)
+                hooks[e.project] = tx.all("SELECT id, events FROM webhooks WHERE enabled=1 AND "
+                                          + in_clause("project_id", projects), projects)
             for h in hooks[e.project]:
                 wanted = json.loads(h["events"]) if h["events"] else None
                 if wanted is None or e.type.value in wanted:
@@ -122,7 +122,7 @@ class EventStore:
         if projects is not None:
             if not projects:
                 return []
-            where.append(f"project_id IN ({','.join('?' * len(projects))})")
+            where.append(in_clause("project_id", projects))
             params.extend(projects)
         if sandbox_id is not None:
             where.append("sandbox_id = ?")
@@ -160,7 +160,7 @@ class EventStore:
         if projects is not None:
             if not projects:
                 return []
-            where.append(f"project_id IN ({','.join('?' * len(projects))})")
+            where.append(in_clause("project_id", projects))
             params.extend(projects)
         if scheme is not None:
             where.append("scheme = ?")

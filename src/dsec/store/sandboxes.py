@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from dsec.store.db import Database, Row, Tx
+from dsec.store.db import Database, Row, Tx, in_clause
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ class SandboxIndex:
         if projects is not None:
             if not projects:
                 return []
-            where.append(f"project_id IN ({','.join('?' * len(projects))})")
+            where.append(in_clause("project_id", projects))
             params += list(projects)
         if node is not None:
             where.append("node=?")

@@ -16,6 +16,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -98,9 +99,10 @@ class PostgresCluster:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
-def pg_cluster() -> Iterator[PostgresCluster]:
-    """One PostgreSQL server for the test session (skipped, naming the package, if not installed)."""
+@contextmanager
+def own_pg_cluster() -> Iterator[PostgresCluster]:
+    """A PostgreSQL server of the caller's own, destroyed after (the test is skipped, naming the
+    package, if it is not installed)."""
     if pg_bindir() is None:
         pytest.skip(f"PostgreSQL server binaries (initdb, pg_ctl) not installed: {INSTALL_FIX}")
     cluster = PostgresCluster()
@@ -109,6 +111,13 @@ def pg_cluster() -> Iterator[PostgresCluster]:
         yield cluster
     finally:
         cluster.destroy()
+
+
+@pytest.fixture(scope="session")
+def pg_cluster() -> Iterator[PostgresCluster]:
+    """One PostgreSQL server for the test session."""
+    with own_pg_cluster() as cluster:
+        yield cluster
 
 
 @pytest.fixture

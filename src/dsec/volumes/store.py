@@ -12,7 +12,6 @@ is never found by name (NotFound, as if it did not exist).
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import secrets
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec.backends.base import VolumeDirs
+from dsec.images.store import FileLock
 from dsec.types import CapacityExceeded as QuotaExceeded, Conflict, NotFound, VolumeCreate, VolumeInfo
 
 
@@ -38,12 +38,8 @@ class VolumeStore:
     @contextmanager
     def _locked(self) -> Iterator[None]:
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        with FileLock(self.root / ".lock"):
             yield
-        finally:
-            os.close(fd)
 
     def records(self, project: str | None = None) -> list[dict[str, Any]]:
         out = []

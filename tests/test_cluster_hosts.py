@@ -57,8 +57,24 @@ RAY_ENV = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_thres
 SRC = str(Path(__import__("dsec").__file__).resolve().parents[1])
 
 
+EDGE_ERROR = """
+import sys, ray
+ray.init(address=sys.argv[1], logging_level="ERROR")
+try:
+    print(ray.get(ray.get_actor(sys.argv[2], namespace="dsec").address.remote(), timeout=60))
+except Exception as e:
+    print(type(e).__name__, e)
+"""
+
+
 def _ns(h: str) -> str:
     return f"d28{TAG}{h}"
+
+
+def _in(h: str) -> list[str]:
+    """Run in the host's network namespace only (`ip netns exec` would also mount a sysfs of
+    its own over /sys, hiding the cgroup tree the edge needs)."""
+    return ["nsenter", f"--net=/run/netns/{_ns(h)}", "--"]
 
 
 def _node(h: str) -> str:
@@ -73,7 +89,8 @@ def _sh(*argv: str, check: bool = True, env: dict[str, str] | None = None,
         timeout: float = 300) -> subprocess.CompletedProcess[str]:
     p = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout)
     if check and p.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} failed ({p.returncode}): {p.stderr[-3000:]}{p.stdout[-1000:]}")
+        raise RuntimeError(f"{' '.join(argv)} failed ({p.returncode}): {p.stderr[:4000]}\n...\n"
+                           f"{p.stderr[-1500:]}{p.stdout[-1000:]}")
     return p
 
 
@@ -118,7 +135,7 @@ class NetnsPostgres(PostgresCluster):
     def start(self) -> None:
         opts = (f"-p {self.port} -k {self.dir} -c listen_addresses={PG_IP} -c fsync=off "
                 "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
-        cmd = ["ip", "netns", "exec", _ns(PG_HOST), "runuser", "-u", "postgres", "--", str(self.bindir / "pg_ctl"),
+        cmd = [*_in(PG_HOST), "runuser", "-u", "postgres", "--", str(self.bindir / "pg_ctl"),
                "-D", str(self.data), "-o", opts, "-l", str(self.dir / "server.log"), "-w", "-t", "60", "start"]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=self.dir)
         if p.returncode != 0:
@@ -132,36 +149,57 @@ class Hosts:
         self.env = {**os.environ, **RAY_ENV, "PYTHONPATH": SRC}
         self.pg: NetnsPostgres | None = None
         self.key = ""
+        self.up = lambda: ""
 
-    def ray_start(self, h: str) -> None:
+    def ray_start(self, h: str, attempts: int = 3) -> None:
+        """`ray start` on the host; Ray gives a raylet 30 s to register (hard-coded), which a
+        loaded box can miss: then that host's processes are killed and it is started again."""
+        for attempt in range(attempts):
+            try:
+                return self._ray_start(h)
+            except RuntimeError as e:
+                if attempt == attempts - 1:
+                    raise
+                print(f"ray start on {h} failed, again: {str(e)[-300:]}")
+                _kill_host(h)
+
+    def _ray_start(self, h: str) -> None:
         res = json.dumps({f"dsec_node:{_node(h)}": 1})
         where = ["--head", "--port", "6379", "--temp-dir", str(self.base / "ray"), "--include-dashboard=false"] \
             if h == "a" else ["--address", f"{_ip('a')}:6379"]
-        _sh("ip", "netns", "exec", _ns(h), self.ray, "start", *where, "--node-ip-address", _ip(h),
+        _sh(*_in(h), self.ray, "start", *where, "--node-ip-address", _ip(h),
             "--num-cpus", "1", "--resources", res, "--disable-usage-stats",
             env=self.env)
 
     def dsec(self, *args: str, host: str = "a", timeout: float = 600) -> str:
         """`python -m dsec ...` as a Ray driver on a host (Ray wants its drivers beside a raylet)."""
-        return _sh("ip", "netns", "exec", _ns(host), sys.executable, "-m", "dsec", *args,
+        return _sh(*_in(host), sys.executable, "-m", "dsec", *args,
                    env=self.env, timeout=timeout).stdout
 
     def api(self, h: str) -> str:
         return f"http://{_ip(h)}:{API_PORT}"
 
 
-def _seed_homes(node_homes: Path) -> None:
-    """Each node's compiled helpers, built once here rather than by each of three edges."""
+def _seed_homes(node_homes: Path, dsec_home: Path) -> None:
+    """Each node's compiled helpers and busybox image, built once (the session's) rather than by
+    each of three edges on a loaded box: the layer files shared, the image records copied."""
+    import sqlite3
+
     from dsec.cluster.actors import seed_native_helpers
     from dsec.cluster.local import _seed_bin
     from dsec.config import Paths
     seed = Path(_seed_bin(node_homes.parent))
     for h in HOSTS:
-        seed_native_helpers(seed, Paths(node_homes / _node(h)).bin)
+        home = node_homes / _node(h)
+        home.mkdir(parents=True)
+        seed_native_helpers(seed, Paths(home).bin)
+        (home / "store").symlink_to(dsec_home / "store")
+        with sqlite3.connect(dsec_home / "images.db") as src, sqlite3.connect(home / "images.db") as dst:
+            src.backup(dst)
 
 
 @pytest.fixture(scope="module")
-def hosts():
+def hosts(dsec_home, images):
     requires_root()
     for tool in ("ip", "runuser"):
         if shutil.which(tool) is None:
@@ -185,13 +223,20 @@ def hosts():
         t0 = time.monotonic()
         for h in HOSTS:
             w.ray_start(h)
-        _seed_homes(base / "nodes")
+        print(f"three raylets in {time.monotonic() - t0:.1f}s")
+        _seed_homes(base / "nodes", dsec_home)
         edge_env = {**NO_PSI_ADMISSION, "DSEC_VM": "0", "DSEC_LOG_LEVEL": "WARNING"}
-        w.dsec("cluster", "up", "--address", f"{_ip('a')}:6379", "--home", str(base / "cluster"),
+        w.up = lambda: w.dsec("cluster", "up", "--address", f"{_ip('a')}:6379", "--home", str(base / "cluster"),
                "--node-homes", str(base / "nodes"), "--db-url", f"postgresql://dsec@{PG_IP}:5432/hosts",
                "--api-nodes", f"{_node('a')},{_node('b')}", "--port", str(API_PORT), "--edge-port", str(EDGE_PORT),
                "--builtin", "busybox", "--subnet-prefix", "24",
                *(x for k, v in edge_env.items() for x in ("--edge-env", f"{k}={v}")))
+        try:
+            w.up()
+        except RuntimeError as e:      # why an edge did not start: its address() call's error
+            why = _sh(*_in("a"), sys.executable, "-c", EDGE_ERROR, f"{_ip('a')}:6379",
+                      f"dsec-edge-{_node('a')}", env=w.env, check=False)
+            raise RuntimeError(f"{e}\nedge a: {why.stdout[-3000:]}{why.stderr[-1500:]}") from None
         print(f"three hosts up in {time.monotonic() - t0:.1f}s")
         w.key = (base / "cluster" / "admin.key").read_text().strip()
         yield w

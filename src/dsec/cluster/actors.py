@@ -312,7 +312,8 @@ class ApiReplica:
             if self._stack is None:
                 await self._start()
         import ray
-        return {"name": self.name, "url": self._url, "ray_node": ray.get_runtime_context().get_node_id()}
+        return {"name": self.name, "url": self._url, "ray_node": ray.get_runtime_context().get_node_id(),
+                "pid": os.getpid()}
 
     async def stop(self) -> None:
         async with self._lock:

@@ -111,3 +111,10 @@ def test_https_edge_without_a_ca_is_refused():
     with pytest.raises(InvalidArgument) as e:
         HttpEdge("https://127.0.0.1:1", "x" * 32, NODE)
     assert e.value.field == "cluster_ca"
+
+
+def test_a_missing_ca_file_names_the_fix(short_tmp):
+    from dsec.types import Unavailable
+    with pytest.raises(Unavailable) as e:
+        cluster_ca.client_context(short_tmp / "nope.pem")
+    assert e.value.field == "cluster_ca" and "cluster up" in (e.value.fix or "")

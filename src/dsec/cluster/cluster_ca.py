@@ -23,6 +23,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from dsec.types import Unavailable
+
 CA_CERT = "cluster-ca.pem"       # in the cluster home, and in <node-homes> on every node
 CA_KEY = "cluster-ca.key"        # in the cluster home only
 EDGE_TLS = "edge-tls.pem"        # in <node-homes>/<name>: key + certificate
@@ -107,7 +109,12 @@ def install(path: Path | str, data: bytes, mode: int = 0o600) -> None:
 def client_context(ca_file: Path | str) -> ssl.SSLContext:
     """What a replica verifies edges with: only the cluster CA, hostname checked (against the
     node name, given as the server_hostname / sni_hostname of each connection)."""
-    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(ca_file))
+    try:
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(ca_file))
+    except (OSError, ssl.SSLError) as e:
+        raise Unavailable(f"the cluster CA file {ca_file} cannot be read on this node ({e})", field="cluster_ca",
+                          fix="run `dsec cluster up` (it installs <node-homes>/cluster-ca.pem on every live "
+                              "node)") from None
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     return ctx
 

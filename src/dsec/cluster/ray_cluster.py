@@ -3,13 +3,16 @@
 up: one EdgeNode per eligible live node that advertises a node name (names.py; detached, named
 `dsec-edge-<name>`, placed by the name's Ray resource, so Ray starts it again wherever the name
 comes back), each with its own DSEC_HOME, bridge and subnet (several Ray nodes may share a
-host: CI, tests); then `replicas` ApiReplica actors spread over the nodes. Idempotent: nodes
+host: CI, tests); then `replicas` ApiReplica actors spread over the nodes (or one pinned to each
+of `api_nodes`: a stable API address). Idempotent: nodes
 that already have an edge keep it (a node that is down too), new nodes get one; each name's
 subnet is given once and kept in the control store (store/nodes.py). The cluster secret
 (apiserver <-> edge authentication) is generated on the first `up` into <home>/cluster.secret
 (0600) and reused after; every `up` installs it on every live Ray node as
 <node-homes>/cluster.secret (secret_file.py), which that node's edges and replicas read: it is
 never an actor argument. rotate_secret() replaces it on every live node without downtime.
+Replicas reach edges over TLS: a cluster CA in <home>, each edge a certificate for its node name
+(cluster_ca.py), installed by every `up`.
 
 Node-global on one host, per edge: DSEC_HOME (edge.db, crun root, layer mounts, scratch),
 bridge + nft table (named after the bridge) + subnet, the edge service's port (`edge_port`, else
@@ -229,6 +232,7 @@ async def up(settings: ClusterSettings) -> dict[str, Any]:
                           field="node_name" if unnamed else "node_resource",
                           fix="start each raylet with `ray start ... --resources \"$(dsec cluster node-resources)\"`"
                           + ("" if unnamed else ", or drop --node-resource"))
+    placements = replica_placements(settings, set(nodes))     # a bad --api-nodes before anything starts
     existing = {n.removeprefix(EDGE_PREFIX) for n in await asyncio.to_thread(named_actors, EDGE_PREFIX)}
     # an edge whose node is down keeps its actor (Ray starts it again where its name comes back),
     # unless the node was forgotten (`dsec nodes forget`): then its name and subnet are free
@@ -267,7 +271,7 @@ async def up(settings: ClusterSettings) -> dict[str, Any]:
     replica_cls = ray.remote(ApiReplica)
     have = set(await asyncio.to_thread(named_actors, API_PREFIX))
     new_replicas = []
-    for name, placement in replica_placements(settings, set(nodes)).items():
+    for name, placement in placements.items():
         if name in have:
             continue
         replica_cls.options(name=name, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_restarts=-1,

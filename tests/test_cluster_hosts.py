@@ -17,7 +17,9 @@ bridge's own address: an operator's machine). Then, in order:
    shown as last known) and host a's sandboxes answer meanwhile;
 4. PostgreSQL is stopped for STORE_DOWN_S: host a's sandboxes keep answering; after its
    return a create succeeds (the SDK waits out the 503s).
-Marked `hosts` (about 2-3 minutes); skipped without root, ip, ray or PostgreSQL.
+Marked `hosts` (about 2.5 minutes on the loaded 2-core box, beside the session's image
+builds); skipped without root, ip, ray or PostgreSQL. DSEC_KEEP_HOSTS=1 keeps the Ray logs of a
+failed run in its /var/tmp/dsec-hosts-* dir (everything else is removed).
 """
 
 from __future__ import annotations

@@ -461,6 +461,8 @@ class SnapshotInfo(BaseModel):
                                         "the files of its writable layer, shared copy-on-write; 0 in a "
                                         "fork's answer, which does not measure)")
     created_at: datetime
+    name: str | None = Field(None, description="the name it was taken under ('name:tag'), if any: a name of "
+                                               "the project, held by its newest snapshot (E2B's snapshot names)")
 
 
 class SnapshotList(BaseModel):

@@ -563,7 +563,8 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
         j = json.loads((d / "spec.json").read_text())
         return {"id": snapshot_id, "backend": j["kind"], "image": j.get("image", ""),
                 "project": j.get("project", ""), "sandbox_id": j.get("source", ""),
-                "created_at": j.get("created_at") or (d / "state").stat().st_mtime, "size_bytes": chain.own_bytes(d)}
+                "created_at": j.get("created_at") or (d / "state").stat().st_mtime, "size_bytes": chain.own_bytes(d),
+                "name": j.get("name")}
 
     def snapshot_records(self) -> list[dict]:
         out = []

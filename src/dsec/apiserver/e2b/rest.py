@@ -199,7 +199,7 @@ def build_rest_app(ctx: ApiContext, tokens: AccessTokens, domain: str | None = N
     from dsec.apiserver.e2b.templates import add_template_routes
     add_template_routes(app, ctx)      # before the catch-all below
     from dsec.apiserver.e2b.volumes import add_volume_routes
-    add_volume_routes(app, ctx)
+    add_volume_routes(app, ctx, tokens)
     from dsec.apiserver.e2b.events import add_event_routes
     add_event_routes(app, ctx)         # /events/sandboxes, /events/webhooks (docs/events.md)
 

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("e2b", reason="the e2b SDK is not installed: pip install -e '.[e2b]'")
 
 from e2b import Sandbox, Volume
-from e2b.exceptions import NotFoundException
+from e2b.exceptions import NotFoundException, SandboxException
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +69,12 @@ def test_the_token_opens_its_own_volume_only(vol, e2b_env):
         assert Volume.connect(other.volume_id).read_file("/secret") == "other's"   # with the API key: its token
     finally:
         Volume.destroy(other.volume_id)
+
+
+def test_a_vm_with_a_volume_is_refused_naming_the_ways_that_work(vol):
+    """No volumes in VMs (no 9p in the guest kernel; virtiofs would stop clones, snapshots,
+    forks and parking): refused before anything starts, naming both ways around it."""
+    with pytest.raises(SandboxException) as e:
+        Sandbox.create("busybox", timeout=60, metadata={"dsec.backend": "microvm"}, volume_mounts={"/data": vol})
+    msg = str(e.value)
+    assert "volumeMounts" in msg and "container" in msg and "dsec volume cp" in msg, msg

@@ -337,9 +337,13 @@ class _VMArgs(_Strict):
     @classmethod
     def _no_volumes(cls, v: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if v:
-            raise ValueError("volumes: VM sandboxes cannot mount volumes yet (virtiofs is not wired into dsec's "
-                             "VMs: it needs a virtiofsd per VM and shared guest memory, which the template "
-                             "clones do not use); use a container sandbox (backend 'container') to mount volumes")
+            # the guest kernel has no 9p; virtiofs (virtiofsd) needs shared guest memory and QEMU 7.2
+            # cannot migrate it: no template clone, snapshot, fork or park of such a VM (D6x)
+            raise ValueError("volumes: VM sandboxes cannot mount volumes (the guest kernel has no 9p, and a "
+                             "virtiofs device would stop this VM from being cloned, snapshotted, forked or "
+                             "parked); mount the volume in a container sandbox (backend 'container'), or copy "
+                             "files between the volume and the VM with the volume file API (`dsec volume cp`, "
+                             "Volume.read_file/write_file) and the sandbox's files API")
         return v
 
     @property

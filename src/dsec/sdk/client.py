@@ -32,7 +32,7 @@ from dsec.types import BulkItem, BulkResult, ExecInfo, ExecList, PackDiffRequest
 from dsec.types import MicroVMArgs, SandboxArgs, SnapshotInfo, SnapshotList, UsageList, UsageSample, VMArgs
 from dsec.types import ImageBuildResult, ImageConfig, ImageProgress, ImagePullRequest
 from dsec.types import ForkRequest, ForkResult
-from dsec.types import VolumeCreate, VolumeInfo, VolumeList
+from dsec.types import VolumeCreate, VolumeEntry, VolumeEntryList, VolumeInfo, VolumeList
 from dsec.types import (ERRORS_BY_CODE, SDK_KEY_PREFIX, ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult, FsEvent,
                         FileEntry, FileList, ImageInfo, ImageList, NetworkPolicy, NodeStatus, SandboxInfo, SandboxList,
                         InvalidArgument, Unavailable)
@@ -551,6 +551,31 @@ class Client:
     async def delete_volume(self, name: str) -> None:
         """Delete it and its files (refused while a sandbox mounts it)."""
         await self._request("DELETE", f"/v1/volumes/{name}")
+
+    # the volume's files, without a sandbox (no link is followed; the byte quota holds)
+    async def volume_read(self, name: str, path: str) -> bytes:
+        return (await self._request("GET", f"/v1/volumes/{name}/file", params={"path": path})).content
+
+    async def volume_write(self, name: str, path: str, data: bytes | str, *, mode: int | None = None,
+                           uid: int | None = None, gid: int | None = None) -> VolumeEntry:
+        """Write a whole file (parents made); owned by uid/gid 1000 (the default user) unless named."""
+        params: dict[str, Any] = {"path": path, **{k: v for k, v in (("mode", mode), ("uid", uid), ("gid", gid))
+                                                   if v is not None}}
+        resp = await self._request("PUT", f"/v1/volumes/{name}/file", params=params,
+                                   content=data.encode() if isinstance(data, str) else data, headers=OCTETS)
+        return VolumeEntry.model_validate_json(resp.content)
+
+    async def volume_ls(self, name: str, path: str = "/", depth: int = 1) -> builtins.list[VolumeEntry]:
+        resp = await self._request("GET", f"/v1/volumes/{name}/dir", params={"path": path, "depth": depth})
+        return VolumeEntryList.model_validate_json(resp.content).entries
+
+    async def volume_mkdir(self, name: str, path: str, *, parents: bool = False) -> VolumeEntry:
+        resp = await self._request("POST", f"/v1/volumes/{name}/dir", params={"path": path, "parents": parents})
+        return VolumeEntry.model_validate_json(resp.content)
+
+    async def volume_remove(self, name: str, path: str) -> None:
+        """A file, a link, or a directory with what it holds."""
+        await self._request("DELETE", f"/v1/volumes/{name}/file", params={"path": path})
 
     # -- lifecycle events and webhooks (docs/events.md) ------------------------------------
     async def events(self, after: int = 0, *, sandbox_id: str | None = None, limit: int = 500) -> EventList:

@@ -35,10 +35,10 @@ from dsec.types.events import (MAX_EVENT_ID, INFRASTRUCTURE_REASONS, USER_REASON
                                DeliveryInfo, DeliveryList, SandboxEnded, InfrastructureFailure, EndedByUser,
                                ended_error)
 
-from dsec.types.volumes import (VolumeMount, VolumeCreate, VolumeInfo, VolumeList)
+from dsec.types.volumes import (VolumeMount, VolumeCreate, VolumeEntry, VolumeEntryList, VolumeInfo, VolumeList)
 
 __all__ = [
-    "VolumeMount", "VolumeCreate", "VolumeInfo", "VolumeList",
+    "VolumeMount", "VolumeCreate", "VolumeEntry", "VolumeEntryList", "VolumeInfo", "VolumeList",
     "MAX_EVENT_ID", "INFRASTRUCTURE_REASONS", "USER_REASONS", "END_REASONS", "is_infrastructure", "EventType", "SandboxEvent",
     "EdgeEvents", "EventList", "WebhookCreate", "WebhookInfo", "WebhookList", "DeliveryInfo", "DeliveryList",
     "SandboxEnded", "InfrastructureFailure", "EndedByUser", "ended_error",

@@ -9,18 +9,31 @@ under test runs on a bridge of its own. One VM guest carries most checks (TCG is
 from __future__ import annotations
 
 import json
+import os
 import time
+from pathlib import Path
 
 import pytest
 
 from dsec.types import DsecError
 
-from egress_peer import PROBE, peer, side_server  # noqa: F401 (fixtures)
+from egress_peer import PROBE, egress_peer, side_server
 
 
 @pytest.fixture(scope="module")
-def vserver(images, dsec_home, tmp_path_factory, peer):
-    with side_server(dsec_home, tmp_path_factory, "vmegress", peer, vm=True) as srv:
+def vpeer(tmp_path_factory):
+    """The peer (egress_peer.py) with names allowed.test, other.test, a.wild.test -> its first address."""
+    from conftest import requires_root
+    requires_root()
+    with egress_peer(tmp_path_factory.mktemp("vm-egress-peer")) as p:
+        p.set_zone({"allowed.test": p.ip, "other.test": p.ip, "a.wild.test": p.ip})
+        yield p
+
+
+@pytest.fixture(scope="module")
+def vserver(images, dsec_home, tmp_path_factory, vpeer):
+    """A server with VM backends on a bridge of its own, its forwarder asking the peer."""
+    with side_server(dsec_home, tmp_path_factory, "vmegress", vpeer, vm=True) as srv:
         yield srv
 
 
@@ -36,7 +49,8 @@ async def _vm_backends(c) -> None:
         pytest.skip("the node offers no VM backends: guest kernel not fetched (dsec vm fetch-kernel)")
 
 
-async def test_vm_domains_dns_bypasses_set_network_and_resume(vserver, peer):
+async def test_vm_domains_dns_bypasses_set_network_and_resume(vserver, vpeer):
+    peer = vpeer
     """One guest: names allowed by SNI/Host at the node proxy, the forwarder answering only
     those; the bypasses (raw IP, other SNI, DNS to another address or over TCP, other ports,
     IPv6) fail; set_network counts for the next connection; a parked VM comes back plugged in
@@ -46,6 +60,10 @@ async def test_vm_domains_dns_bypasses_set_network_and_resume(vserver, peer):
         sb = await c.create_microvm(image="debian-python", network={"domains": ["allowed.test", "*.wild.test"]})
         try:
             assert sb.info.network is not None and sb.info.network.domains == ["allowed.test", "*.wild.test"]
+            # the guest's sockets are its QEMU's: in the sandbox's cgroup and a netns of its own
+            pid = int((vserver.paths.vm_sandboxes / sb.id / "qemu.pid").read_text())
+            assert f"/dsec/{sb.id}" in Path(f"/proc/{pid}/cgroup").read_text()
+            assert os.readlink(f"/proc/{pid}/ns/net") != os.readlink("/proc/self/ns/net")
             r = await probe(sb, [
                 ["resolv", "resolve", "allowed.test"], ["dns_other", "resolve", "other.test"],
                 ["dns_wild", "resolve", "a.wild.test"],

@@ -149,6 +149,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
         self.started: dict[str, str] = {}   # how each VM came up here: cold|clone|snapshot|resumed
         self._pmem_lock = asyncio.Lock()
         self.network = network        # the node's sandbox networks (None: VMs cannot have a NIC here)
+        self._net_cgroups: dict[str, Path] = {}   # sandbox id -> the cgroup its next QEMU starts in
         if network is not None:       # their rows survive the container backend's recover()
             network.node.add_live_source(self._networked_live)
 
@@ -204,7 +205,8 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
                        agent_socket=d / "agent.sock",
                        qmp_socket=d / "qmp.sock", console_log=d / "console.log",
                        console_pipe=vmconsole.chardev_base(d), pidfile=d / "qemu.pid",
-                       incoming=incoming, net=spec.net is not None)
+                       incoming=incoming, net=spec.net is not None,
+                       cgroup=self._net_cgroups.get(spec.sandbox_id) if spec.net is not None else None)
 
     async def _pmem_file(self, lay: LayerFile) -> Pmem:
         """virtio-pmem maps whole 2 MiB units: the layer padded to that (a copy made once per
@@ -286,30 +288,34 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
                       gid=prepared.gid, workdir=a.workdir, nofile=4096, pmem=bool(getattr(a, "pmem", False)),
                       clone=a.clone and plan.boot_disk is None, snapshot_dir=plan.snapshot_dir,
                       boot_disk=plan.boot_disk, net=self.network.resolver if plan.net and self.network else None)
-        await self.start(sandbox_id, spec)
+        await self.start(sandbox_id, spec, list(prepared.allows))
         if spec.net is not None:
             await self._plug(sandbox_id, list(prepared.allows))
 
     async def _plug(self, sandbox_id: str, allows: list) -> None:
-        """The running QEMU under its policy (network.py); the VM is destroyed if that fails."""
+        """The running QEMU (started in its cgroup) under its policy (network.py): a veth when
+        the policy allows anything. The VM is destroyed if that fails."""
         assert self.network is not None
         try:
             pid = self._pid(sandbox_id)
             if pid is None:
                 raise SandboxFailed(f"VM {sandbox_id} has no QEMU process to plug in")
-            await self.network.attach(sandbox_id, self.sandbox_dir(sandbox_id), pid, allows)
+            await self.network.plug(sandbox_id, pid, allows)
         except BaseException:
             await asyncio.shield(self.destroy(sandbox_id))
             raise
 
-    async def start(self, sandbox_id: str, spec: VMSpec) -> None:
-        """Boot, clone or restore the VM `spec` describes."""
+    async def start(self, sandbox_id: str, spec: VMSpec, allows: list | None = None) -> None:
+        """Boot, clone or restore the VM `spec` describes (with a NIC: in its cgroup, under
+        `allows` once plugged in)."""
         d = self.sandbox_dir(sandbox_id)
         t0 = time.monotonic()
         try:
             await asyncio.to_thread(self.holds.hold, HOLD_PREFIX + sandbox_id, [lay.digest for lay in spec.layers])
             d.mkdir(mode=0o700)
             (d / "spec.json").write_text(json.dumps(_spec_json(spec)))
+            if spec.net is not None and self.network is not None:
+                self._net_cgroups[sandbox_id] = await self.network.prepare(sandbox_id, d, allows or [])
             if spec.snapshot_dir is not None:
                 how = "snapshot"
                 s = spec.snapshot_dir
@@ -446,6 +452,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
         vmconsole.detach(d)      # the last lines QEMU wrote, then stop reading
         self.started.pop(sandbox_id, None)
         if self.network is not None:   # cheap when it had no NIC: no row, no cgroup
+            self._net_cgroups.pop(sandbox_id, None)
             await self.network.detach(sandbox_id)
         if d.exists():
             self._keep_console(d)
@@ -597,6 +604,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
             await kill(pid, sandbox_id)
         vmconsole.detach(d)
         if self.network is not None and (d / NET_FILE).exists():   # its netns went with QEMU
+            self._net_cgroups.pop(sandbox_id, None)
             await self.network.detach(sandbox_id)
         for f in ("agent.sock", "qmp.sock", "qemu.pid"):
             (d / f).unlink(missing_ok=True)
@@ -612,6 +620,8 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
         spec = _spec_from_json(json.loads((d / "spec.json").read_text()))
         upper = d / _upper_name(d)
         fmt = "qcow2" if upper.suffix == ".qcow2" else "raw"
+        if spec.net is not None and self.network is not None:   # a new QEMU: born in its cgroup again
+            self._net_cgroups[sandbox_id] = await self.network.prepare(sandbox_id, d, saved_allows(d))
         m = await self.machine(spec, d, Disk(upper, "dsec-upper", readonly=False, fmt=fmt), incoming=True)
         await self._launch(m, d)
         try:

@@ -2,8 +2,10 @@
 
 A VM created with `network` gets a virtio-net NIC on QEMU's user-mode network (slirp): every
 connection the guest makes becomes a socket of its QEMU process. That QEMU runs in a network
-namespace of its own (`unshare --net`, qemu.launch) and, once started, in a cgroup of its own
-at the path a container of the same id would have. The node's `SandboxNetworks` (the
+namespace of its own (`unshare --net`, qemu.launch) and is started as a member of a cgroup of
+its own (at the path a container of the same id would have), whose policy programs are
+attached before QEMU exists: every socket it ever makes, one for a guest's flow before the
+VM is plugged in included, is the sandbox's. The node's `SandboxNetworks` (the
 containers' one instance: bridge, IPAM, cgroup-BPF policy, nft sets, DNS forwarder, egress
 proxy) then treats the QEMU exactly as a container's init: the BPF programs on its cgroup
 decide each connect()/sendmsg(), the first allow plugs a veth into its namespace, port 53 goes
@@ -71,17 +73,24 @@ class VMNetwork:
                                   fix="use a container sandbox for an egress proxy, or leave egress_proxy unset")
         return resolve(policy, self.rulesets, field=field)
 
-    async def attach(self, sandbox_id: str, d: Path, pid: int, allows: list[Allow]) -> None:
-        """The VM's QEMU (just started, in its own empty netns) into its cgroup, under the
-        policy; plugged into the bridge when the policy allows anything."""
+    async def prepare(self, sandbox_id: str, d: Path, allows: list[Allow]) -> Path:
+        """Before QEMU starts: the policy kept in `d`, the cgroup made with the policy programs
+        attached (deny all). Returns the cgroup QEMU must be started in (Machine.cgroup)."""
         _save(d, allows)
         cg = self.node.cgroup_of(sandbox_id)
         try:
-            await asyncio.to_thread(_enter_cgroup, cg, pid)
+            await asyncio.to_thread(cg.mkdir, parents=True, exist_ok=True)
         except OSError as e:
-            raise SandboxFailed(f"could not put VM {sandbox_id}'s QEMU into cgroup {cg}: {e}",
+            raise SandboxFailed(f"could not make VM {sandbox_id}'s cgroup {cg}: {e}",
                                 fix="cgroup v2 must be mounted (scripts/host-setup.sh)") from e
-        await self.node.setup(sandbox_id, pid, allows)
+        await self.node.setup(sandbox_id, 0, [])
+        return cg
+
+    async def plug(self, sandbox_id: str, pid: int, allows: list[Allow]) -> None:
+        """After QEMU started (in its cgroup and empty netns): the policy, and the veth when
+        it allows anything."""
+        if allows:
+            await self.node.apply(sandbox_id, pid, allows)
 
     async def set_policy(self, sandbox_id: str, d: Path, pid: int, allows: list[Allow]) -> None:
         await self.node.apply(sandbox_id, pid, allows)
@@ -104,11 +113,6 @@ def _save(d: Path, allows: list[Allow]) -> None:
     tmp = d / (NET_FILE + ".tmp")
     tmp.write_text(json.dumps([a.to_json() for a in allows]))
     os.replace(tmp, d / NET_FILE)
-
-
-def _enter_cgroup(cg: Path, pid: int) -> None:
-    cg.mkdir(parents=True, exist_ok=True)
-    (cg / "cgroup.procs").write_text(str(pid))   # the whole process, every QEMU thread
 
 
 async def _remove_cgroup(cg: Path) -> None:

@@ -82,6 +82,9 @@ class Machine:
     # this QEMU, which runs in a network namespace of its own (launch) that the node plugs
     # into its bridge and governs like a container's (backends/vm/network.py)
     net: bool = False
+    # started as a member of this cgroup (v2 dir): every socket QEMU ever makes is the
+    # sandbox's, under the policy programs attached there before the guest runs
+    cgroup: Path | None = None
 
     def _dev(self, name: str) -> str:
         # microvm has no PCI: virtio devices sit on virtio-mmio ("-device" suffix)
@@ -147,6 +150,8 @@ async def launch(m: Machine, workdir: Path) -> int:
     (workdir / "qemu.argv").write_text("\0".join(argv))
     if m.net:   # its own, empty network namespace: nothing leaves until the node plugs it in
         argv = ["unshare", "--net", *argv]
+    if m.cgroup is not None:   # joined before exec: no socket of QEMU's ever outside it
+        argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(m.cgroup / "cgroup.procs"), *argv]
     log_path = workdir / "qemu.log"
     with open(log_path, "ab") as logf:
         proc = await asyncio.create_subprocess_exec(

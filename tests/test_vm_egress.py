@@ -144,3 +144,38 @@ async def test_vm_network_errors_name_the_field(vserver):
             assert e.value.field == "network" and "network={}" in (e.value.fix or ""), e.value
         finally:
             await sb.stop()
+
+
+def test_stock_e2b_sdk_vm_allow_out_and_update_network(vserver, vpeer, monkeypatch):
+    """The stock e2b SDK: a microVM (metadata dsec.backend) with allow_out by name, then
+    update_network (PUT /sandboxes/{id}/network) to another name."""
+    e2b = pytest.importorskip("e2b", reason="the e2b SDK is not installed: pip install -e '.[e2b]'")
+    url = f"{vserver.url}/e2b"
+    for k, v in {"E2B_API_URL": url, "E2B_SANDBOX_URL": url, "E2B_API_KEY": vserver.key,
+                 "E2B_DOMAIN": "dsec.invalid"}.items():
+        monkeypatch.setenv(k, v)
+    peer = vpeer
+
+    def run(sbx, checks: list[list]) -> dict:
+        sbx.files.write("/tmp/eprobe.py", PROBE)
+        r = sbx.commands.run(f"python3 /tmp/eprobe.py '{json.dumps(checks)}'", user="root", timeout=240)
+        return json.loads(r.stdout)
+
+    sbx = e2b.Sandbox.create("debian-python", timeout=600, metadata={"dsec.backend": "microvm"},
+                             network={"allow_out": ["allowed.test"], "deny_out": ["0.0.0.0/0"]})
+    try:
+        r = run(sbx, [["http", "http", "allowed.test", 80, "allowed.test"],
+                      ["other", "http", peer.ip, 80, "other.test"], ["raw", "tcp", peer.ip2, 8080]])
+        assert r["http"] == f"ok:200 {peer.ip} allowed.test -", r
+        assert r["other"].startswith("ok:403") and r["raw"].startswith("err:"), r
+        t0 = time.monotonic()
+        sbx.update_network({"allow_out": ["other.test"], "deny_out": ["0.0.0.0/0"]})
+        assert time.monotonic() - t0 < 1.0
+        r = run(sbx, [["allowed", "http", peer.ip, 80, "allowed.test"],
+                      ["other", "http", "other.test", 80, "other.test"]])
+        assert r["allowed"].startswith("ok:403") and r["other"] == f"ok:200 {peer.ip} other.test -", r
+        with pytest.raises(e2b.exceptions.SandboxException, match="network.egressProxy"):
+            e2b.Sandbox.create("debian-python", metadata={"dsec.backend": "microvm"},
+                               network={"egress_proxy": {"address": "192.0.2.1:1080"}})
+    finally:
+        sbx.kill()

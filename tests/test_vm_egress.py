@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -179,3 +180,25 @@ def test_stock_e2b_sdk_vm_allow_out_and_update_network(vserver, vpeer, monkeypat
                                network={"egress_proxy": {"address": "192.0.2.1:1080"}})
     finally:
         sbx.kill()
+
+
+async def test_vm_policy_holds_across_an_edge_restart(vserver, vpeer):
+    """The edge killed and started again (VMs keep running): the VM's row, address and BPF
+    entries are kept (the VM driver names its networked VMs to the node network's recover),
+    the forwarder and proxy come back, the policy still decides. Last in the module: it
+    restarts the module's server."""
+    peer = vpeer
+    async with vserver.client() as c:
+        await _vm_backends(c)
+        sb = await c.create_microvm(image="debian-python", network={"domains": ["allowed.test"]})
+    vserver.kill(signal.SIGKILL)
+    vserver.start(timeout_s=180)
+    async with vserver.client() as c:
+        sb = await c.get(sb.id)
+        try:
+            r = await probe(sb, [["a", "http", "allowed.test", 80, "allowed.test"],
+                                 ["o", "http", peer.ip, 80, "other.test"], ["raw", "tcp", peer.ip2, 8080]])
+            assert r["a"] == f"ok:200 {peer.ip} allowed.test -", r
+            assert r["o"].startswith("ok:403") and r["raw"].startswith("err:"), r
+        finally:
+            await sb.stop()

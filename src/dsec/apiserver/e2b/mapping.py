@@ -261,7 +261,10 @@ def sandbox_args(body: NewSandbox, idem: str | None, internet_default: bool = Fa
     if backend in VM_BACKENDS:
         if "cpu_cores" in own:
             raw["vcpus"] = own.pop("cpu_cores")
-        raw["network"] = net or {}   # always a NIC: E2B's update_network may open it later
+        # always a NIC (E2B's update_network may open it later); a VM restored from a snapshot
+        # has the snapshot's devices, so there only what the user named
+        if not re.match(SNAPSHOT_ID_PATTERN, body.template_id) or body.network or body.allow_internet_access:
+            raw["network"] = net or {}
     else:
         if net is not None:
             raw["network"] = net

@@ -38,11 +38,13 @@ class SyncClient(_sync.Synchronized):
 
     url: str
     autostart: bool
+    busy_retry_s: float
 
     def __init__(self, url: str | None = None, api_key: str | None = None, *, timeout_s: float = 3600.0,
-                 autostart: bool | None = None, max_connections: int = 256) -> None:
+                 autostart: bool | None = None, max_connections: int = 256,
+                 busy_retry_s: float | None = None) -> None:
         _sync.construct(self, url, api_key, timeout_s=timeout_s, autostart=autostart,
-                        max_connections=max_connections)
+                        max_connections=max_connections, busy_retry_s=busy_retry_s)
 
     def __enter__(self) -> SyncClient:
         return cast("SyncClient", _sync.call(self, "__aenter__"))

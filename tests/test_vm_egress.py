@@ -182,15 +182,15 @@ def test_stock_e2b_sdk_vm_allow_out_and_update_network(vserver, vpeer, monkeypat
         sbx.kill()
 
 
-async def test_vm_policy_holds_across_an_edge_restart(vserver, vpeer):
+async def test_q35_vm_policy_holds_across_an_edge_restart(vserver, vpeer):
     """The edge killed and started again (VMs keep running): the VM's row, address and BPF
     entries are kept (the VM driver names its networked VMs to the node network's recover),
-    the forwarder and proxy come back, the policy still decides. Last in the module: it
-    restarts the module's server."""
+    the forwarder and proxy come back, the policy still decides. A q35 `vm` (virtio-net-pci)
+    where the others are microVMs. Last in the module: it restarts the module's server."""
     peer = vpeer
     async with vserver.client() as c:
         await _vm_backends(c)
-        sb = await c.create_microvm(image="debian-python", network={"domains": ["allowed.test"]})
+        sb = await c.create_vm(image="debian-python", network={"domains": ["allowed.test"]})
     vserver.kill(signal.SIGKILL)
     vserver.start(timeout_s=180)
     async with vserver.client() as c:

@@ -184,11 +184,14 @@ def peer(tmp_path_factory):
 
 
 @contextmanager
-def side_server(dsec_home, tmp_path_factory, name: str, peer: EgressPeer, **env: str):
+def side_server(dsec_home, tmp_path_factory, name: str, peer: EgressPeer, vm: bool = False, **env: str):
     """A dsec server of its own home on a bridge of its own (side_server_env) whose DNS
-    forwarder asks the peer; `env` adds settings. Stopped and its home cleaned after."""
-    from conftest import ServerProc, _cleanup_home, side_home
+    forwarder asks the peer; `env` adds settings; `vm`: with the node's guest kernel (VM
+    backends). Stopped and its home cleaned after."""
+    from conftest import ServerProc, _cleanup_home, link_downloads, side_home
     home = side_home(dsec_home, tmp_path_factory, name)
+    if vm:
+        link_downloads(home)
     srv = ServerProc(home, env={**side_server_env(peer), **env})
     srv.start()
     try:

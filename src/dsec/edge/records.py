@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pydantic import TypeAdapter
 
-from dsec.types import STORED, ContainerArgs, SandboxArgs, SandboxInfo, SandboxState
+from dsec.types import STORED, SandboxArgs, SandboxInfo, SandboxState
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
@@ -102,7 +102,7 @@ class SandboxRecord:
                            expires_at=ts(self.expires_at) if self.expires_at is not None else None,
                            labels=self.args.labels, on_timeout=getattr(self.args, "on_timeout", "stop"),
                            volumes=getattr(self.args, "volumes", None) or [],
-                           network=self.args.network if isinstance(self.args, ContainerArgs) else None,
+                           network=getattr(self.args, "network", None),
                            accel=getattr(self.args, "accel", None))
 
 

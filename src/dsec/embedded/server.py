@@ -42,6 +42,7 @@ from dsec.watcher import Watcher
 
 if TYPE_CHECKING:
     from dsec.backends.vm.driver import VMDriver
+    from dsec.backends.vm.network import NodeNetwork
 
 log = logging.getLogger("dsec.server")
 
@@ -83,8 +84,10 @@ async def node_services(settings: Settings, node_id: str, system_project_id: str
     paths.ensure()
     images = ImageService(paths, keep_reader=True, settings=settings.images)
     rulesets = Rulesets(paths.home / RULESETS_FILE)   # operator's named network rule sets
-    backends: list[Backend] = [ContainerDriver(paths, agent_binary(paths.bin), rulesets, conf=settings)]
-    vm, vm_problem = await asyncio.to_thread(vm_driver, paths, settings.vm)
+    containers = ContainerDriver(paths, agent_binary(paths.bin), rulesets, conf=settings)
+    backends: list[Backend] = [containers]
+    # VMs with a NIC are plugged into the containers' node network (one bridge, forwarder, proxy)
+    vm, vm_problem = await asyncio.to_thread(vm_driver, paths, settings.vm, containers.net, rulesets)
     if vm is not None:
         backends.append(vm)
     unavailable = {} if vm is not None else {kind: vm_problem for kind in VM_KINDS}
@@ -107,14 +110,17 @@ VM_KINDS = ("microvm", "vm")
 KEEP_ALIVE_S = 75
 
 
-def vm_driver(paths: Paths, settings: VMSettings) -> "tuple[VMDriver | None, tuple[str, str | None]]":
+def vm_driver(paths: Paths, settings: VMSettings, net: "NodeNetwork | None" = None,
+              rulesets: Rulesets | None = None) -> "tuple[VMDriver | None, tuple[str, str | None]]":
     """The QEMU backends when this node has QEMU and a fetched guest kernel; else why not and
     the fix (the node then offers containers and fncall only, and says so to placement)."""
     if not settings.enabled:
         return None, ("disabled by DSEC_VM=0", "start dsec without DSEC_VM=0")
     try:
         from dsec.backends.vm.driver import VMDriver
-        return VMDriver(paths, settings), ("", None)
+        from dsec.backends.vm.network import VMNetwork
+        network = VMNetwork(net, rulesets) if net is not None and rulesets is not None else None
+        return VMDriver(paths, settings, network), ("", None)
     except DsecError as e:
         log.warning("VM backends unavailable", extra={"reason": e.message})
         return None, (e.message, e.fix or "run `dsec vm fetch-kernel` and install qemu-system-x86 "

@@ -16,7 +16,7 @@ mount -t proc proc /proc || fail "mount /proc"
 mount -t sysfs sysfs /sys || fail "mount /sys"
 mount -t devtmpfs devtmpfs /dev || fail "mount /dev"
 
-LAYERS=0 PMEM=0 WORKDIR=/ UID_=0 GID_=0 NOFILE=4096 HOSTNAME_=sandbox WAIT_MS=20000 FSIZE=0
+LAYERS=0 PMEM=0 WORKDIR=/ UID_=0 GID_=0 NOFILE=4096 HOSTNAME_=sandbox WAIT_MS=20000 FSIZE=0 DNS=
 for p in $(cat /proc/cmdline); do
 	case "$p" in
 	dsec.layers=*) LAYERS=${p#*=} ;;
@@ -28,6 +28,7 @@ for p in $(cat /proc/cmdline); do
 	dsec.fsize=*) FSIZE=${p#*=} ;;
 	dsec.hostname=*) HOSTNAME_=${p#*=} ;;
 	dsec.wait_ms=*) WAIT_MS=${p#*=} ;;
+	dsec.dns=*) DNS=${p#*=} ;;
 	esac
 done
 [ "$LAYERS" -ge 1 ] 2>/dev/null || fail "dsec.layers=$LAYERS: need at least one layer"
@@ -40,6 +41,7 @@ HAVE_PCI=0
 while read -r group mod; do
 	[ "$group" = pmem ] && [ "$PMEM" != 1 ] && continue
 	[ "$group" = pci ] && [ "$HAVE_PCI" != 1 ] && continue
+	[ "$group" = net ] && [ -z "$DNS" ] && continue
 	insmod "/lib/modules/$mod" || fail "insmod $mod"
 done </etc/dsec/modules
 
@@ -94,6 +96,11 @@ mount -t overlay -o "lowerdir=$lowerdirs,upperdir=/upperfs/upper,workdir=/upperf
 mkdir -p /newroot/.dsec /newroot/proc /newroot/sys /newroot/dev /newroot/tmp
 mount -t tmpfs -o size=4m,mode=0755,nosuid,nodev dsec /newroot/.dsec || fail "mount /.dsec"
 cp /dsec/agent /newroot/.dsec/agent || fail "copy agent"
+if [ -n "$DNS" ]; then
+	# every guest has the same address on its own QEMU user-mode network; port 53 to any
+	# address reaches the node's forwarder, which answers only what the sandbox's policy allows
+	printf 'nameserver %s\noptions timeout:2 attempts:2\n' "$DNS" >/newroot/.dsec/resolv.conf
+fi
 mount -o remount,ro /newroot/.dsec || fail "remount /.dsec ro"
 
 # Agent channel: the virtio-serial port named dsec.agent (no udev here: look it up in sysfs).
@@ -112,6 +119,14 @@ wait_for "$PORT" test -c "$PORT"
 
 hostname "$HOSTNAME_"
 ifconfig lo 127.0.0.1 up 2>/dev/null
+if [ -n "$DNS" ]; then
+	wait_for "network device eth0" test -e /sys/class/net/eth0
+	ifconfig eth0 10.0.2.15 netmask 255.255.255.0 up || fail "configure eth0"
+	route add default gw 10.0.2.2 || fail "default route"
+	rm -f /newroot/etc/resolv.conf && : >/newroot/etc/resolv.conf || fail "resolv.conf"
+	mount --bind /newroot/.dsec/resolv.conf /newroot/etc/resolv.conf || fail "bind resolv.conf"
+	mount -o remount,bind,ro /newroot/etc/resolv.conf 2>/dev/null
+fi
 
 mount --move /dev /newroot/dev || fail "move /dev"
 mount --move /proc /newroot/proc || fail "move /proc"

@@ -301,7 +301,9 @@ class ContainerArgs(_Strict):
 class _VMArgs(_Strict):
     """Fields shared by the QEMU backends (dsec.backends.vm). The guest boots the same EROFS
     layers as containers (read-only disks shared by every VM on the node) under an overlay
-    with a private writable disk. There is no network device: a VM has no egress at all."""
+    with a private writable disk. A network device only when `network` is given (even empty):
+    the guest's traffic leaves through its QEMU (user-mode networking) under the same node
+    policy as containers (docs/vm.md, "Network")."""
 
     image: ImageRef
     workspace: Annotated[str | None, Field(pattern=NAME_RE, description="workspace layer above the base")] = None
@@ -325,6 +327,10 @@ class _VMArgs(_Strict):
     output_cap_bytes: OutputCap = 1024 * 1024
     labels: Labels = Field(default_factory=dict)
     volumes: list[dict[str, Any]] = Field(default_factory=list, description="not available for VMs (see the error)")
+    network: NetworkPolicy | None = Field(
+        None, description="egress policy, as for containers (rules, domains, rule sets; enforced on the node, "
+                          "DNS through the node's forwarder); None: the VM has no network device at all and "
+                          "set_network is refused (pass an empty policy to change it later)")
     accel: Literal["auto", "kvm", "tcg"] = Field(
         "auto", description="auto: KVM when it boots a guest on this node, else TCG software emulation")
     clone: bool = Field(True, description="start as a copy-on-write clone of the environment's template "
@@ -422,7 +428,7 @@ class SandboxInfo(BaseModel):
     end_reason: str | None = Field(None, description="why it ended, one word of docs/events.md's vocabulary "
                                                      "(error keeps the free-text message)")
     labels: dict[str, str] = Field(default_factory=dict)
-    network: NetworkPolicy | None = Field(None, description="current egress policy (container sandboxes)")
+    network: NetworkPolicy | None = Field(None, description="current egress policy (containers; VMs created with a network)")
     accel: str | None = Field(None, description="VM sandboxes: the accelerator in use, 'kvm' or 'tcg'")
     host_swap_mb: float | None = Field(None, description="container sandboxes: its memory in (compressed) swap, "
                                                          "uncompressed size (a parked one's memory is there)")

@@ -63,9 +63,10 @@ def _check_unsupported(body: NewSandbox, backend: str) -> None:
     for name, value in (("mcp", body.mcp), ("iam", body.iam)):
         if value:
             raise _refuse(name, "not available in dsec", f"leave {name} unset")
-    if backend in VM_BACKENDS and (body.allow_internet_access or body.network):
-        raise _refuse("network" if body.network else "allow_internet_access",
-                      "dsec VMs have no network device", "use a container sandbox (the default) for network access")
+    for key in ("rules", "egressProxy"):   # both need the node to act for the guest's TLS/TCP: containers only
+        if backend in VM_BACKENDS and (body.network or {}).get(key):
+            raise _refuse(f"network.{key}", "dsec VMs cannot have header rules or an egress proxy yet",
+                          "use a container sandbox (the default) for these, or leave it unset")
 
 
 def _cidr(value: str, field: str) -> str:
@@ -256,11 +257,15 @@ def sandbox_args(body: NewSandbox, idem: str | None, internet_default: bool = Fa
         "workdir": E2B_HOME, "on_timeout": "pause" if body.auto_pause else "stop"}
     if body.volume_mounts:      # [{name, path}]: E2B mounts read-write
         raw["volumes"] = [{"name": m.get("name"), "path": m.get("path")} for m in body.volume_mounts]
+    net = _network(body, internet_default)
     if backend in VM_BACKENDS:
         if "cpu_cores" in own:
             raw["vcpus"] = own.pop("cpu_cores")
+        # always a NIC (E2B's update_network may open it later); a VM restored from a snapshot
+        # has the snapshot's devices, so there only what the user named
+        if not re.match(SNAPSHOT_ID_PATTERN, body.template_id) or body.network or body.allow_internet_access:
+            raw["network"] = net or {}
     else:
-        net = _network(body, internet_default)
         if net is not None:
             raw["network"] = net
         if (body.network or {}).get("rules"):
@@ -325,7 +330,7 @@ def detail(info: SandboxInfo, tokens: AccessTokens, domain: str | None = None) -
     out = listed(info)
     egress = bool(info.network and (info.network.rules or info.network.domains or any(info.network.rulesets.values())))
     out.update({"envdAccessToken": tokens.token(info.id), "domain": domain,
-                "allowInternetAccess": egress if info.backend not in VM_BACKENDS else False,
+                "allowInternetAccess": egress,
                 # a paused dsec sandbox resumes on its next request whatever its on_timeout
                 "lifecycle": {"onTimeout": "pause" if info.on_timeout == "pause" else "kill", "autoResume": True}})
     return out

@@ -28,7 +28,7 @@ from dsec.apiserver.e2b.ids import to_dsec, to_e2b
 from dsec.apiserver.e2b.models import ConnectBody, NewSandbox, PauseBody, TimeoutBody
 from dsec.apiserver.guard import principal_of
 from dsec.iam import Principal
-from dsec.types import (MAX_TTL_S, VM_BACKENDS, Conflict, DsecError, InternalError, InvalidArgument, NetworkPolicy, NotFound,
+from dsec.types import (MAX_TTL_S, Conflict, DsecError, InternalError, InvalidArgument, NetworkPolicy, NotFound,
                         SandboxInfo, SandboxState, Unauthorized)
 
 log = logging.getLogger("dsec.apiserver.e2b")
@@ -155,9 +155,6 @@ def build_rest_app(ctx: ApiContext, tokens: AccessTokens, domain: str | None = N
     async def update_network(request: Request, sandbox_id: str, body: Annotated[dict[str, Any], Body()]) -> Response:
         """E2B's update_network: the whole egress policy replaced, effective for new connections."""
         info = await running(sandbox_id, _who(request))
-        if info.backend in VM_BACKENDS:
-            raise Unsupported("network: dsec VMs have no network device", field="network",
-                              fix="use a container sandbox (the default) for network access")
         body = dict(body)
         internet = body.pop("allowInternetAccess", None)
         if internet is not None and not isinstance(internet, bool):

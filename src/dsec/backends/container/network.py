@@ -31,6 +31,7 @@ import socket
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -167,6 +168,9 @@ class SandboxNetworks:
         self._locks: dict[str, asyncio.Lock] = {}
         self._infra_lock = asyncio.Lock()
         self._infra_ready = False
+        # other backends whose sandboxes are plugged in here too (VMs: their QEMU's netns and
+        # cgroup): each gives its live sandbox id -> pid, so recover() keeps their rows
+        self._live_sources: list[Callable[[], dict[str, int]]] = []
         self._cursor = int(self._meta("ipam_cursor") or max(
             [int(ipaddress.IPv4Address(r["ip"])) for r in self._rows.values() if r["ip"]],
             default=int(self.settings.gateway)))
@@ -204,6 +208,19 @@ class SandboxNetworks:
                 return v
             r = self._db.execute("SELECT v FROM net_meta WHERE k=?", (k,)).fetchone()
             return r[0] if r else None
+
+    def cgroup_of(self, sandbox_id: str) -> Path:
+        """The cgroup v2 directory whose processes' sockets the sandbox's policy governs."""
+        return Path(self._cgroup_dir(sandbox_id))
+
+    def add_live_source(self, live: Callable[[], dict[str, int]]) -> None:
+        """Another backend's running networked sandboxes (id -> pid), kept by recover()."""
+        self._live_sources.append(live)
+
+    @property
+    def gateway(self) -> str:
+        """The bridge address: the sandboxes' resolver (port 53 is the forwarder's)."""
+        return str(self.settings.gateway)
 
     def allows_of(self, sandbox_id: str) -> list[Allow]:
         """The sandbox's egress policy now (none: deny all)."""
@@ -372,6 +389,8 @@ class SandboxNetworks:
         """After an edge restart. `live`: running sandbox id -> agent pid. Frees what dead
         sandboxes left; re-attaches this process's programs to every live sandbox (the old
         generation keeps enforcing until then) and re-writes the policies it knew."""
+        for source in self._live_sources:
+            live = {**source(), **live}
         for sid in [s for s in self._rows if s not in live]:
             log.warning("releasing network of a dead sandbox", extra={"sandbox": sid})
             await self.release(sid)

@@ -30,10 +30,11 @@ from pathlib import Path
 from typing import Literal
 
 from dsec.agent.client import AgentClient
-from dsec.backends.base import (PARKED, RUNNING, Backend, Console, ImageStacks, LivenessWatched, MemoryUsage,
+from dsec.backends.base import (PARKED, RUNNING, Backend, Console, Egress, ImageStacks, LivenessWatched, MemoryUsage,
                                 Parking, Prepared, RawUsage, Reclaim, Snapshots, UsageStats)
 from dsec.backends.vm import balloon, chain, console as vmconsole, disks, guest, ramshim, snapram
 from dsec.backends.vm.accel import AccelChooser
+from dsec.backends.vm.network import NET_FILE, VMNetwork, saved_allows
 from dsec.backends.vm.qemu import (Disk, Kind, Machine, Pmem, Qmp, kill, launch, pid_alive, pss_bytes, qemu_binary,
                                    qemu_log_tail, shell_safe)
 from dsec.backends.vm.templates import Templates
@@ -41,7 +42,8 @@ from dsec.config import Paths
 from dsec.images.store import Registry
 from dsec.security.users import resolve_user
 from dsec.settings import VMSettings
-from dsec.types import ImageInfo, InvalidArgument, MicroVMArgs, NotFound, SandboxArgs, SandboxFailed, Unavailable, VMArgs
+from dsec.types import (ImageInfo, InvalidArgument, MicroVMArgs, NetworkPolicy, NetworkRuleSet, NotFound, SandboxArgs,
+                        SandboxFailed, Unavailable, VMArgs)
 
 log = logging.getLogger("dsec.backends.vm")
 
@@ -85,13 +87,17 @@ class VMSpec:
     clone: bool = True
     snapshot_dir: Path | None = None    # restore-as-new from this snapshot
     boot_disk: BootDisk | None = None   # q35 booting its own kernel/init from a disk (no layers)
+    net: str | None = None              # a NIC (network.py); the guest's resolver address
 
     def boot_identity(self) -> dict:
         """What a template must share with a sandbox for the sandbox to be its clone."""
-        return {"kind": self.kind, "accel": self.accel, "layers": [lay.digest for lay in self.layers],
-                "vcpus": self.vcpus, "memory_mb": self.memory_mb, "disk_mb": self.disk_mb,
-                "uid": self.uid, "gid": self.gid, "workdir": self.workdir, "nofile": self.nofile,
-                "pmem": self.pmem}
+        out = {"kind": self.kind, "accel": self.accel, "layers": [lay.digest for lay in self.layers],
+               "vcpus": self.vcpus, "memory_mb": self.memory_mb, "disk_mb": self.disk_mb,
+               "uid": self.uid, "gid": self.gid, "workdir": self.workdir, "nofile": self.nofile,
+               "pmem": self.pmem}
+        if self.net is not None:   # the NIC is in the device state a clone restores
+            out["net"] = self.net
+        return out
 
 
 HOLD_PREFIX = "vm:"      # layer holds (images/store.py) of VM sandboxes and snapshots
@@ -104,16 +110,16 @@ class VMPlan:
     layers: tuple[LayerFile, ...]
     snapshot_dir: Path | None = None
     boot_disk: BootDisk | None = None
+    net: bool = False                   # a NIC: asked for, or the snapshot's VM had one
 
 
-class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, LivenessWatched, Reclaim):
+class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, LivenessWatched, Reclaim, Egress):
     """Both QEMU backends ('microvm' and 'vm'); one instance serves both."""
 
     kinds = ("microvm", "vm")
-    instead = {"pack_diff": "use snapshot() to save a VM",
-               "set_network": "VM sandboxes have no network device; use a container sandbox for tasks "
-                              "that need network"}
-    def __init__(self, paths: Paths, settings: VMSettings | None = None):
+    instead = {"pack_diff": "use snapshot() to save a VM"}
+
+    def __init__(self, paths: Paths, settings: VMSettings | None = None, network: VMNetwork | None = None):
         self.paths = paths
         self.settings = settings or VMSettings()      # the composition root's (dsec.settings)
         self.ping_interval_s = self.settings.ping_s   # liveness check of idle VMs' guests
@@ -143,6 +149,10 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
         self.templates: Templates[VMSpec] = Templates(paths, self, self.settings.templates_max)
         self.started: dict[str, str] = {}   # how each VM came up here: cold|clone|snapshot|resumed
         self._pmem_lock = asyncio.Lock()
+        self.network = network        # the node's sandbox networks (None: VMs cannot have a NIC here)
+        self._net_cgroups: dict[str, Path] = {}   # sandbox id -> the cgroup its next QEMU starts in
+        if network is not None:       # their rows survive the container backend's recover()
+            network.node.add_live_source(self._networked_live)
 
     # -- paths ---------------------------------------------------------------------------
     def sandbox_dir(self, sandbox_id: str) -> Path:
@@ -163,9 +173,10 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
         tsc = guest.host_tsc_khz() if spec.kind == "microvm" and spec.accel == "tcg" else None
         # reboot=t: a reboot inside the guest triple-faults, which QEMU (-no-reboot) turns into
         # its exit; microvm has no keyboard controller, so the kernel's default methods spin
+        net = (f"dsec.dns={spec.net}",) if spec.net is not None else ()
         return guest.kernel_cmdline(layers=len(spec.layers), pmem=spec.pmem, workdir=spec.workdir,
                                     uid=spec.uid, gid=spec.gid, nofile=spec.nofile, tsc_khz=tsc,
-                                    extra=("reboot=t",))
+                                    extra=("reboot=t", *net))
 
     async def machine(self, spec: VMSpec, d: Path, upper: Disk, *, ram_file: Path | None = None,
                       ram_shared: bool = False, incoming: bool = False, name: str | None = None) -> Machine:
@@ -195,7 +206,8 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
                        agent_socket=d / "agent.sock",
                        qmp_socket=d / "qmp.sock", console_log=d / "console.log",
                        console_pipe=vmconsole.chardev_base(d), pidfile=d / "qemu.pid",
-                       incoming=incoming)
+                       incoming=incoming, net=spec.net is not None,
+                       cgroup=self._net_cgroups.get(spec.sandbox_id) if spec.net is not None else None)
 
     async def _pmem_file(self, lay: LayerFile) -> Pmem:
         """virtio-pmem maps whole 2 MiB units: the layer padded to that (a copy made once per
@@ -217,7 +229,12 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
                                       field="backend", fix=f"create it with backend={was.kind!r}")
             args = args.model_copy(update={"vcpus": was.vcpus, "memory_mb": was.memory_mb, "disk_mb": was.disk_mb,
                                            "workdir": was.workdir, "accel": was.accel, "image": meta["image"]})
-            plan = VMPlan(was.layers, snapshot_dir=self.snapshot_dir(snapshot), boot_disk=was.boot_disk)
+            if args.network is not None and was.net is None:
+                raise InvalidArgument(f"network: snapshot {snapshot} is of a VM without a network device, and a "
+                                      "restore has the devices of the VM it copies", field="network",
+                                      fix="leave network unset, or snapshot a VM created with network")
+            plan = VMPlan(was.layers, snapshot_dir=self.snapshot_dir(snapshot), boot_disk=was.boot_disk,
+                          net=was.net is not None)
             uid, gid = was.uid, was.gid
             # the snapshot holds its layers: the image may have been rebuilt or removed since
             image_digest = meta.get("image_digest") or (await images.resolve(args.image)).digest
@@ -232,8 +249,25 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
             files = await asyncio.to_thread(images.layer_files, stack)
             plan = VMPlan(tuple(LayerFile(dg, p) for dg, p in files))
             uid, gid = resolve_user(args.user)
+        allows = self._allows(args, plan)
+        if args.network is not None and not plan.net:
+            plan = VMPlan(plan.layers, plan.snapshot_dir, plan.boot_disk, net=True)
         args = args.model_copy(update={"accel": await self.accel.choose(args.accel)})
-        return Prepared(args=args, image_digest=image_digest, uid=uid, gid=gid, plan=plan)
+        return Prepared(args=args, image_digest=image_digest, uid=uid, gid=gid, plan=plan, allows=allows)
+
+    def _allows(self, args: MicroVMArgs | VMArgs, plan: VMPlan) -> list:
+        """The resolved egress policy of a VM with a NIC (422 naming the field before anything
+        exists), refused by name where this node or this kind of VM cannot have one."""
+        if args.network is None:
+            return []
+        if self.network is None:
+            raise Unavailable("network: this node serves VMs without network devices (no sandbox network)",
+                              field="network", fix="leave network unset, or use a container sandbox")
+        if plan.boot_disk is not None:
+            raise InvalidArgument("network: a VM booted from a disk (its own init) has no network device yet",
+                                  field="network", fix="leave network unset, or use a VM without `disk` "
+                                                       "(layers + dsec's init) or a container")
+        return self.network.resolve(args.network)
 
     def _boot_disk(self, name: str, image: ImageInfo) -> BootDisk:
         """The files of VM disk `name` (disks.py), which must be of `image` as it is now."""
@@ -254,17 +288,35 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
                       vcpus=a.vcpus, memory_mb=a.memory_mb, disk_mb=a.disk_mb, uid=prepared.uid,
                       gid=prepared.gid, workdir=a.workdir, nofile=4096, pmem=bool(getattr(a, "pmem", False)),
                       clone=a.clone and plan.boot_disk is None, snapshot_dir=plan.snapshot_dir,
-                      boot_disk=plan.boot_disk)
-        await self.start(sandbox_id, spec)
+                      boot_disk=plan.boot_disk, net=self.network.resolver if plan.net and self.network else None)
+        await self.start(sandbox_id, spec, list(prepared.allows))
+        if spec.net is not None:
+            await self._plug(sandbox_id, list(prepared.allows))
 
-    async def start(self, sandbox_id: str, spec: VMSpec) -> None:
-        """Boot, clone or restore the VM `spec` describes."""
+    async def _plug(self, sandbox_id: str, allows: list) -> None:
+        """The running QEMU (started in its cgroup) under its policy (network.py): a veth when
+        the policy allows anything. The VM is destroyed if that fails."""
+        assert self.network is not None
+        try:
+            pid = self._pid(sandbox_id)
+            if pid is None:
+                raise SandboxFailed(f"VM {sandbox_id} has no QEMU process to plug in")
+            await self.network.plug(sandbox_id, pid, allows)
+        except BaseException:
+            await asyncio.shield(self.destroy(sandbox_id))
+            raise
+
+    async def start(self, sandbox_id: str, spec: VMSpec, allows: list | None = None) -> None:
+        """Boot, clone or restore the VM `spec` describes (with a NIC: in its cgroup, under
+        `allows` once plugged in)."""
         d = self.sandbox_dir(sandbox_id)
         t0 = time.monotonic()
         try:
             await asyncio.to_thread(self.holds.hold, HOLD_PREFIX + sandbox_id, [lay.digest for lay in spec.layers])
             d.mkdir(mode=0o700)
             (d / "spec.json").write_text(json.dumps(_spec_json(spec)))
+            if spec.net is not None and self.network is not None:
+                self._net_cgroups[sandbox_id] = await self.network.prepare(sandbox_id, d, allows or [])
             if spec.snapshot_dir is not None:
                 how = "snapshot"
                 s = spec.snapshot_dir
@@ -402,6 +454,9 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
             await kill(pid, sandbox_id)
         vmconsole.detach(d)      # the last lines QEMU wrote, then stop reading
         self.started.pop(sandbox_id, None)
+        if self.network is not None:   # cheap when it had no NIC: no row, no cgroup
+            self._net_cgroups.pop(sandbox_id, None)
+            await self.network.detach(sandbox_id)
         if d.exists():
             self._keep_console(d)
             await asyncio.to_thread(shutil.rmtree, d, True)
@@ -463,6 +518,38 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
     async def resume(self, sandbox_id: str) -> None:
         async with Qmp(self.sandbox_dir(sandbox_id) / "qmp.sock", sandbox_id) as q:
             await q.run("cont")
+
+    # -- network (Egress) ------------------------------------------------------------------------
+    async def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> None:
+        """Replace a running VM's egress policy: new connections of its QEMU follow at once."""
+        d = self.sandbox_dir(sandbox_id)
+        if not (d / "spec.json").exists():
+            raise FileNotFoundError(sandbox_id)
+        if self.network is None or json.loads((d / "spec.json").read_text()).get("net") is None:
+            raise InvalidArgument(f"network: VM {sandbox_id} was created without a network device",
+                                  field="network", fix="create the VM with network={} (an empty policy: no egress "
+                                                       "until set_network) to change its policy later")
+        allows = self.network.resolve(policy, field="")
+        pid = self._pid(sandbox_id)
+        if pid is None or not pid_alive(pid, sandbox_id):
+            raise FileNotFoundError(sandbox_id)
+        await self.network.set_policy(sandbox_id, d, pid, allows)
+
+    def set_rulesets(self, sets: dict[str, NetworkRuleSet]) -> None:
+        if self.network is not None:
+            self.network.rulesets.write(sets)
+
+    def known_rulesets(self) -> set[str]:
+        return set(self.network.rulesets.get()) if self.network is not None else set()
+
+    def _networked_live(self) -> dict[str, int]:
+        """Running VMs with a NIC: sandbox id -> QEMU pid (for the node network's recover)."""
+        out = {}
+        for d in self.root.iterdir() if self.root.exists() else ():
+            pid = self._pid(d.name)
+            if (d / NET_FILE).exists() and pid is not None and pid_alive(pid, d.name):
+                out[d.name] = pid
+        return out
 
     # -- snapshots -----------------------------------------------------------------------------
     async def snapshot(self, sandbox_id: str, snapshot_id: str, meta: dict) -> int:
@@ -527,6 +614,9 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
         if pid is not None:
             await kill(pid, sandbox_id)
         vmconsole.detach(d)
+        if self.network is not None and (d / NET_FILE).exists():   # its netns went with QEMU
+            self._net_cgroups.pop(sandbox_id, None)
+            await self.network.detach(sandbox_id)
         for f in ("agent.sock", "qmp.sock", "qemu.pid"):
             (d / f).unlink(missing_ok=True)
         self.started.pop(sandbox_id, None)
@@ -541,6 +631,8 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
         spec = _spec_from_json(json.loads((d / "spec.json").read_text()))
         upper = d / _upper_name(d)
         fmt = "qcow2" if upper.suffix == ".qcow2" else "raw"
+        if spec.net is not None and self.network is not None:   # a new QEMU: born in its cgroup again
+            self._net_cgroups[sandbox_id] = await self.network.prepare(sandbox_id, d, saved_allows(d))
         m = await self.machine(spec, d, Disk(upper, "dsec-upper", readonly=False, fmt=fmt), incoming=True)
         await self._launch(m, d)
         try:
@@ -556,6 +648,8 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
             raise SandboxFailed(f"resuming VM {sandbox_id} failed ({e.__class__.__name__}){console_tail(d)}") from e
         (d / "saved.state").unlink()
         self.started[sandbox_id] = "resumed"
+        if spec.net is not None:   # a new QEMU, a new netns: plugged in again under the same policy
+            await self._plug(sandbox_id, saved_allows(d))
 
     def snapshot_dir(self, snapshot_id: str) -> Path:
         d = self.snapshots / snapshot_id

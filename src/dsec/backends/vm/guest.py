@@ -36,6 +36,9 @@ Kernel command line (`kernel_cmdline()` builds it):
   dsec.fsize=BYTES                  agent -F: RLIMIT_FSIZE of commands (default 0 = none)
   dsec.hostname=NAME                guest hostname (default "sandbox")
   dsec.wait_ms=MS                   how long init waits for devices (default 20000)
+  dsec.dns=IP                       the guest has a NIC (virtio-net, QEMU user-mode network):
+                                    eth0 10.0.2.15/24 via 10.0.2.2, /etc/resolv.conf (a read-only
+                                    bind from /.dsec) names IP; absent: no network configured
 
 Agent channel: virtio-serial port named `dsec.agent`:
   microvm: -device virtio-serial-device     q35: -device virtio-serial-pci
@@ -84,15 +87,17 @@ INIT_SCRIPT = source("vm-init.sh")
 BUSYBOX = Path("/bin/busybox")  # Debian busybox-static
 # applets init.sh uses, linked into /bin (busybox sh finds them through PATH)
 APPLETS = ("sh", "mount", "umount", "mkdir", "cat", "cp", "ln", "insmod", "usleep", "test", "[",
-           "switch_root", "hostname", "ifconfig", "echo", "sleep", "ls", "dmesg")
+           "switch_root", "hostname", "ifconfig", "route", "echo", "sleep", "ls", "dmesg")
 # (group, module): "core" always loads; "pci" only when the guest has PCI (q35, not microvm);
-# "pmem" only with dsec.pmem=1. Builtins are skipped. Each insmod costs ~10 ms under TCG.
-GUEST_MODULE_GROUPS = ("core", "pci", "pmem")
+# "pmem" only with dsec.pmem=1, "net" only with dsec.dns= (a NIC). Builtins are skipped. Each
+# insmod costs ~10 ms under TCG.
+GUEST_MODULE_GROUPS = ("core", "pci", "pmem", "net")
 GUEST_MODULES: tuple[tuple[str, str], ...] = (
     ("core", "virtio_mmio"), ("pci", "virtio_pci"), ("core", "virtio_blk"),
     ("core", "virtio_console"), ("core", "virtio_balloon"), ("core", "erofs"),
     ("core", "overlay"), ("core", "ext4"),
     ("pmem", "virtio_pmem"), ("pmem", "nd_pmem"), ("pmem", "dax"),
+    ("net", "virtio_net"),
 )
 
 

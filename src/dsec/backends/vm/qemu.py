@@ -78,6 +78,13 @@ class Machine:
     console_pipe: Path | None = None
     pidfile: Path = Path("qemu.pid")
     incoming: bool = False            # wait for `migrate-incoming` (restore from a snapshot)
+    # a NIC on QEMU's user-mode network (slirp): the guest's connections become sockets of
+    # this QEMU, which runs in a network namespace of its own (launch) that the node plugs
+    # into its bridge and governs like a container's (backends/vm/network.py)
+    net: bool = False
+    # started as a member of this cgroup (v2 dir): every socket QEMU ever makes is the
+    # sandbox's, under the policy programs attached there before the guest runs
+    cgroup: Path | None = None
 
     def _dev(self, name: str) -> str:
         # microvm has no PCI: virtio devices sit on virtio-mmio ("-device" suffix)
@@ -121,6 +128,9 @@ class Machine:
         for i, p in enumerate(self.pmems):
             a += ["-object", f"memory-backend-file,id=pm{i},mem-path={p.path},size={p.size},share=off,readonly=on",
                   "-device", f"virtio-pmem-pci,memdev=pm{i},id=pmem{i}"]
+        if self.net:   # no IPv6, no host forwards; the guest's address is slirp's (10.0.2.15)
+            a += ["-netdev", "user,id=net0,ipv6=off",
+                  "-device", self._dev("virtio-net") + ",netdev=net0" + ("" if self.kind == "microvm" else ",romfile=")]
         if self.incoming:
             a += ["-incoming", "defer"]
         return a
@@ -138,6 +148,10 @@ async def launch(m: Machine, workdir: Path) -> int:
     once QMP is listening. QEMU's own error message is in the exception if it exits early."""
     argv = m.argv(qemu_binary())
     (workdir / "qemu.argv").write_text("\0".join(argv))
+    if m.net:   # its own, empty network namespace: nothing leaves until the node plugs it in
+        argv = ["unshare", "--net", *argv]
+    if m.cgroup is not None:   # joined before exec: no socket of QEMU's ever outside it
+        argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(m.cgroup / "cgroup.procs"), *argv]
     log_path = workdir / "qemu.log"
     with open(log_path, "ab") as logf:
         proc = await asyncio.create_subprocess_exec(

@@ -156,6 +156,9 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
         stack = await images.stack(args)                 # NotFound names the field
         uid, gid = resolve_user(args.user)
         allows = resolve(args.network, self.rulesets)   # 422 for unknown rule sets, before anything exists
+        cache_env = self.net.sandbox_env()   # pip and npm ask the node's package cache; the user's env wins
+        if cache_env and any(k not in args.env for k in cache_env):
+            args = args.model_copy(update={"env": {**cache_env, **args.env}})
         return Prepared(args=args, image_digest=stack[0].digest, uid=uid, gid=gid, plan=stack, allows=allows)
 
     async def create(self, sandbox_id: str, prepared: Prepared, images: ImageStacks) -> None:

@@ -12,6 +12,7 @@ import base64
 import hashlib
 import io
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -19,6 +20,22 @@ import tarfile
 import time
 import zipfile
 from pathlib import Path
+
+# run in a sandbox: argv[1] is a JSON list of [name, method, url]; prints {name: [status, body]}
+FETCH = r'''
+import json, sys, urllib.request, urllib.error
+out = {}
+for name, method, url in json.loads(sys.argv[1]):
+    try:
+        r = urllib.request.urlopen(urllib.request.Request(url, method=method, data=b"x" if method in ("PUT", "POST") else None), timeout=30)
+        out[name] = [r.status, r.read().decode("utf-8", "replace")[:2000]]
+    except urllib.error.HTTPError as e:
+        out[name] = [e.code, e.read().decode("utf-8", "replace")[:500]]
+    except OSError as e:
+        out[name] = [0, type(e).__name__ + ":" + str(getattr(e, "reason", e))[:200]]
+print(json.dumps(out))
+'''
+
 
 UPSTREAM_SERVER = r"""
 import base64, os, sys
@@ -36,6 +53,18 @@ class H(SimpleHTTPRequestHandler):
             self.end_headers()
             return
         super().do_GET()
+    def copyfile(self, src, dst):
+        # an upstream at internet speed (benchmark): bytes/s from <log>.rate when it exists
+        try:
+            rate = int(open(log + ".rate").read())
+        except (OSError, ValueError):
+            rate = 0
+        if not rate:
+            return super().copyfile(src, dst)
+        import time
+        while chunk := src.read(65536):
+            dst.write(chunk)
+            time.sleep(len(chunk) / rate)
     def log_message(self, *a):
         pass
 ThreadingHTTPServer.daemon_threads = True
@@ -50,11 +79,13 @@ def _record_hash(data: bytes) -> str:
 
 
 def make_wheel(directory: Path, name: str, version: str, value: str, pad: int = 0) -> Path:
-    """A pure-Python wheel: `import <name>; <name>.VALUE == value` (pad: bytes of filler)."""
-    files = {f"{name}/__init__.py": f"VALUE = {value!r}\nPAD = {'x' * pad!r}\n".encode(),
+    """A pure-Python wheel: `import <name>; <name>.VALUE == value` (pad: bytes of random filler)."""
+    files = {f"{name}/__init__.py": f"VALUE = {value!r}\n".encode(),
              f"{name}-{version}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
              f"{name}-{version}.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: dsec-test\nRoot-Is-Purelib: true\n"
                                                   b"Tag: py3-none-any\n"}
+    if pad:
+        files[f"{name}/filler.bin"] = os.urandom(pad)
     record = "".join(f"{k},{_record_hash(v)},{len(v)}\n" for k, v in files.items())
     record += f"{name}-{version}.dist-info/RECORD,,\n"
     path = directory / f"{name}-{version}-py3-none-any.whl"
@@ -109,6 +140,10 @@ class PackageUpstream:
                                       "dist": {"tarball": f"http://pypi.test:{self.port}/tarballs/{tgz.name}",
                                                "integrity": integrity}}}}
         (self.root / "npm" / name).write_text(json.dumps(doc))
+
+    def set_rate(self, bytes_per_s: int) -> None:
+        """Throttle every answer to this rate (0: as fast as it goes)."""
+        Path(str(self.log) + ".rate").write_text(str(bytes_per_s))
 
     def requests(self) -> list[str]:
         return self.log.read_text().splitlines() if self.log.exists() else []

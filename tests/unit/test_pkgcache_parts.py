@@ -49,6 +49,11 @@ def test_the_size_bound_evicts_least_recently_used_and_keeps_seeded(tmp_path):
     store.max_bytes = 500
     store.evict()
     assert store.get("sha256", pinned) is not None and store.total_bytes() == 1000
+    # kept index answers: a tenth of the bound, oldest first, the newest always kept
+    store.max_bytes = 1000
+    for k in ("p1", "p2", "p3"):
+        store.save_page(k, b"x" * 60)   # 100 bytes for pages: only the newest fits
+    assert store.page("p1") is None and store.page("p2") is None and store.page("p3") is not None
 
 
 def test_simple_pages_keep_only_hashed_files_and_point_them_at_the_cache():

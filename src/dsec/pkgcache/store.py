@@ -142,7 +142,14 @@ class BlobStore:
         return (rows[0][0], rows[0][1]) if rows else None
 
     def save_page(self, key: str, body: bytes) -> None:
+        """Kept index answers are bounded too (a tenth of the files' bound): oldest fetched go."""
         self._q("INSERT OR REPLACE INTO pages VALUES (?,?,?)", (key, body, time.time()))
+        over = int(self._q("SELECT coalesce(sum(length(body)), 0) FROM pages")[0][0]) - self.max_bytes // 10
+        for k, size in self._q("SELECT key, length(body) FROM pages WHERE key != ? ORDER BY fetched_at", (key,)):
+            if over <= 0:
+                break
+            self._q("DELETE FROM pages WHERE key=?", (k,))
+            over -= size
 
     def page(self, key: str) -> tuple[bytes, float] | None:
         rows = self._q("SELECT body, fetched_at FROM pages WHERE key=?", (key,))

@@ -42,6 +42,7 @@ def test_the_size_bound_evicts_least_recently_used_and_keeps_seeded(tmp_path):
     pinned = _put(store, b"p" * 1000, pinned=True)
     a = _put(store, b"a" * 1000)
     b = _put(store, b"b" * 900)
+    store._q("UPDATE blobs SET used_at = used_at - 3600")       # an hour ago: a use counts again
     assert store.get("sha256", a) is not None                  # a used after b
     c = _put(store, b"c" * 800)                               # 3700 > 3000: b goes
     assert store.get("sha256", b) is None and not store.path("sha256", b).exists()

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ALGOS = ("sha256", "sha512")
+USE_GRAIN_S = 60.0
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS blobs (algo TEXT, digest TEXT, size INTEGER NOT NULL, used_at REAL NOT NULL,
     pinned INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (algo, digest));
@@ -62,6 +63,7 @@ class BlobStore:
         self._db = sqlite3.connect(str(root / "pkgcache.db"), check_same_thread=False, isolation_level=None,
                                    timeout=30)
         self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")   # a lost last write costs a re-download, never bytes
         self._db.executescript(SCHEMA)
         self._lock = threading.Lock()
 
@@ -81,9 +83,12 @@ class BlobStore:
         if not valid_digest(algo, digest):
             return None
         p = self.path(algo, digest)
-        if not self._q("SELECT 1 FROM blobs WHERE algo=? AND digest=?", (algo, digest)) or not p.exists():
+        rows = self._q("SELECT used_at FROM blobs WHERE algo=? AND digest=?", (algo, digest))
+        if not rows or not p.exists():
             return None
-        self._q("UPDATE blobs SET used_at=? WHERE algo=? AND digest=?", (time.time(), algo, digest))
+        now = time.time()
+        if now - rows[0][0] > USE_GRAIN_S:   # LRU to the minute: a hit is a read, not a write
+            self._q("UPDATE blobs SET used_at=? WHERE algo=? AND digest=?", (now, algo, digest))
         return p
 
     def tmp_file(self) -> Path:

@@ -41,18 +41,18 @@ async def get(url: str, connect_to: ConnectTo, *, accept: str = "*/*", sink: Pat
         status, headers, reader, writer = await _request(url, connect_to, accept, ca_file)
         try:
             if status in (301, 302, 303, 307, 308) and headers.get("location"):
-                url = urljoin(_no_userinfo(url), headers["location"])
+                url = urljoin(redact(url), headers["location"])
                 continue
             if status != 200:
-                raise FetchError(f"{_no_userinfo(url)} answered {status}")
+                raise FetchError(f"{redact(url)} answered {status}")
             body = await asyncio.wait_for(_body(reader, headers, max_bytes, sink), READ_TIMEOUT_S * 10)
             return body, url
         finally:
             writer.close()
-    raise FetchError(f"{_no_userinfo(url)}: more than {MAX_REDIRECTS} redirects")
+    raise FetchError(f"{redact(url)}: more than {MAX_REDIRECTS} redirects")
 
 
-def _no_userinfo(url: str) -> str:
+def redact(url: str) -> str:
     u = urlsplit(url)
     if "@" not in u.netloc:
         return url
@@ -62,7 +62,7 @@ def _no_userinfo(url: str) -> str:
 async def _request(url: str, connect_to: ConnectTo, accept: str, ca_file: str):
     u = urlsplit(url)
     if u.scheme not in ("http", "https") or not u.hostname:
-        raise FetchError(f"not an http(s) URL: {_no_userinfo(url)}")
+        raise FetchError(f"not an http(s) URL: {redact(url)}")
     port = u.port or (443 if u.scheme == "https" else 80)
     addrs = await connect_to(u.hostname, port)
     if not addrs:

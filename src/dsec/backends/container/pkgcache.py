@@ -203,7 +203,7 @@ class PackageCache:
             body, final = await fetch.get(url, self._connect_to(view), accept=accept, max_bytes=INDEX_MAX_BYTES,
                                           ca_file=self.ca_file)
         except (fetch.FetchError, OSError, asyncio.TimeoutError) as e:
-            log.info("package index upstream failed", extra={"url": fetch._no_userinfo(url), "error": str(e)})
+            log.info("package index upstream failed", extra={"url": fetch.redact(url), "error": str(e)})
             if stored is None:
                 return None
             final, _, body = stored[0].partition(b"\n")
@@ -219,7 +219,7 @@ class PackageCache:
         files += [PypiFile(s.filename, s.digest, "") for s in self.store.seeded("pypi", project)
                   if s.filename not in names]
         if got is None and not files:
-            raise HttpError(502, f"{fetch._no_userinfo(self.pypi_url)} did not answer for {project!r} and the "
+            raise HttpError(502, f"{fetch.redact(self.pypi_url)} did not answer for {project!r} and the "
                                  "cache holds nothing for it (seed it: dsec cache seed DIR)")
         if not files:
             raise HttpError(404, f"no files with a sha256 for {project!r}")
@@ -242,7 +242,7 @@ class PackageCache:
             meta["dist"] = {**meta["dist"], "tarball": f"{self.base}/npm/-/sha512/{s.digest}/{s.filename}"}
             seeds.append(meta)
         if got is None and not seeds:
-            raise HttpError(502, f"{fetch._no_userinfo(self.npm_url)} did not answer for {name!r} and the cache "
+            raise HttpError(502, f"{fetch.redact(self.npm_url)} did not answer for {name!r} and the cache "
                                  "holds nothing for it (seed it: dsec cache seed DIR)")
         if not doc["versions"] and not seeds:
             raise HttpError(404, f"no versions with a sha512 integrity for {name!r}")
@@ -281,7 +281,7 @@ class PackageCache:
             path = await asyncio.to_thread(self.store.put_file, algo, digest, tmp)
         except DigestMismatch as e:
             log.warning("package file refused: its bytes do not match the index",
-                        extra={"url": fetch._no_userinfo(src[0]), "error": str(e), "sandbox": view.sandbox_id})
+                        extra={"url": fetch.redact(src[0]), "error": str(e), "sandbox": view.sandbox_id})
             raise HttpError(502, f"{src[1]}: upstream's bytes do not match the {algo} its index gave; refused") from None
         except (fetch.FetchError, OSError, asyncio.TimeoutError) as e:
             raise HttpError(502, f"{src[1]}: {e}") from None

@@ -98,3 +98,21 @@ def test_seeding_pins_wheels_and_npm_tarballs_and_skips_the_rest(tmp_path):
     [n] = store.seeded("npm", "pkg")
     assert json.loads(n.meta)["version"] == "1.2.3"
     assert store.get("sha512", hashlib.sha512(t.read_bytes()).hexdigest()) is not None
+
+
+def test_the_cache_port_is_a_kernel_entry_only_for_untunnelled_egress(tmp_path):
+    from dsec.backends.container.network import SandboxNetworks
+    from dsec.config import Paths
+    from dsec.security.netpolicy import PROTO_TUNNEL, Allow
+    nets = SandboxNetworks(Paths(tmp_path), lambda sid: tmp_path)
+    try:
+        gw = Allow("10.88.0.1/32", 10081, 10081, 1)
+        assert nets._cache_allows([Allow("0.0.0.0/0", 1, 65535, 3)]) == [gw]
+        assert nets._cache_allows([Allow("pypi.org", 80, 443, 4)]) == [gw]
+        assert nets._cache_allows([]) == []                                   # no egress: no route to it
+        assert nets._cache_allows([Allow("10.0.0.1/32", 1, 65535, 1), Allow("p:1080", 0, 0, PROTO_TUNNEL)]) == []
+        # 15 port rules + DNS fill the 16 ranges of 0.0.0.0/0: the cache entry is left out, never an error
+        assert nets._cache_allows([Allow("0.0.0.0/0", p * 10, p * 10, 1) for p in range(1, 16)]) == []
+        assert nets.sandbox_env()["PIP_INDEX_URL"] == "http://10.88.0.1:10081/pypi/simple/"
+    finally:
+        nets.close()

@@ -42,8 +42,9 @@ from dsec.backends.container.secret_rules import SecretRules
 from dsec.backends.container.tls_intercept import Interceptor
 from dsec.security.egress_ca import EgressCA
 from dsec.config import Paths
-from dsec.security.netpolicy import PROTO_BITS, Allow, PolicyProgram, domains_of, egress_allows, tunnel_of
-from dsec.types import SandboxFailed, Unavailable
+from dsec.security.netpolicy import (PROTO_BITS, Allow, PolicyProgram, compile_allows, domains_of, egress_allows,
+                                     kernel_allows, tunnel_of)
+from dsec.types import InvalidArgument, SandboxFailed, Unavailable
 
 log = logging.getLogger("dsec.backends.container.network")
 
@@ -270,7 +271,12 @@ class SandboxNetworks:
         port = self.settings.pkgcache_port
         if not port or not egress_allows(allows) or tunnel_of(allows) is not None:
             return []
-        return [Allow(f"{self.settings.gateway}/32", port, port, PROTO_BITS["tcp"])]
+        extra = [Allow(f"{self.settings.gateway}/32", port, port, PROTO_BITS["tcp"])]
+        try:   # the entry inherits the ranges of rules covering the gateway: never push one past the bound
+            compile_allows(kernel_allows(allows + extra))
+        except InvalidArgument:
+            return []
+        return extra
 
     def sandbox_env(self) -> dict[str, str]:
         """pip's and npm's settings naming the cache (none when it is off)."""

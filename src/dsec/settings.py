@@ -232,6 +232,19 @@ class NetworkSettings(Group):
     upstream_ca_file: str = env("", "DSEC_NET_UPSTREAM_CA_FILE", "CA bundle the egress proxy verifies a "
                                 "destination against before adding a secret (`dsec secret`); unset: the "
                                 "host's default trust store", max_length=4096)
+    # the node's package cache (issue 25.4, backends/container/pkgcache.py)
+    pkgcache_port: int = env(10081, "DSEC_PKGCACHE_PORT", "port of the node's package cache on the gateway "
+                             "address (sandboxes' PIP_INDEX_URL and npm_config_registry name it); 0: no cache",
+                             ge=0, le=65535)
+    pkgcache_max_bytes: int = env(10 * GiB, "DSEC_PKGCACHE_MAX_BYTES", "size bound of the package cache's "
+                                  "files (least recently used go first; seeded files stay)", ge=0)
+    pkgcache_pypi_url: str = env("https://pypi.org/simple/", "DSEC_PKGCACHE_PYPI_URL", "the PEP 503 index the "
+                                 "cache asks (user:password@ for a private one: never shown to sandboxes)",
+                                 max_length=2048, secret=True)
+    pkgcache_npm_url: str = env("https://registry.npmjs.org/", "DSEC_PKGCACHE_NPM_URL", "the npm registry the "
+                                "cache asks (user:password@ as above)", max_length=2048, secret=True)
+    pkgcache_index_ttl_s: float = env(300.0, "DSEC_PKGCACHE_INDEX_TTL_S", "an index page is asked upstream "
+                                      "again after this (and served from the cache while upstream fails)", ge=0)
 
 
 class ImageSettings(Group):

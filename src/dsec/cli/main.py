@@ -21,6 +21,7 @@ from rich.table import Table
 import typer
 
 from dsec.cli.bench import bench_app
+from dsec.cli.cache import cache_app
 from dsec.cli.common import _fail, _run, _settings, console, err_console
 from dsec.cli.events import events as events_cmd, webhook_app
 from dsec.cli.images import image_app, layer_app
@@ -39,7 +40,8 @@ from dsec.types import DsecError
 app = typer.Typer(no_args_is_help=True, help="dsec: elastic sandboxes for agent training and evaluation")
 for group, name in ((image_app, "image"), (sandbox_app, "sandbox"), (bench_app, "bench"), (project_app, "project"),
                     (key_app, "key"), (cluster_app, "cluster"), (layer_app, "layer"), (vm_app, "vm"),
-                    (nodes_app, "nodes"), (ruleset_app, "ruleset"), (secret_app, "secret"), (volume_app, "volume")):
+                    (nodes_app, "nodes"), (ruleset_app, "ruleset"), (secret_app, "secret"), (volume_app, "volume"),
+                    (cache_app, "cache")):
     app.add_typer(group, name=name)
 app.add_typer(webhook_app, name="webhook")
 app.command("events")(events_cmd)

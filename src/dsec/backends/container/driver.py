@@ -156,6 +156,11 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
         stack = await images.stack(args)                 # NotFound names the field
         uid, gid = resolve_user(args.user)
         allows = resolve(args.network, self.rulesets)   # 422 for unknown rule sets, before anything exists
+        # pip and npm ask the node's package cache; the user's env wins. Only sandboxes that can
+        # reach it get it: with no egress or a SOCKS tunnel the env would point pip at a wall.
+        cache_env = self.net.sandbox_env() if allows and tunnel_of(allows) is None else {}
+        if cache_env and any(k not in args.env for k in cache_env):
+            args = args.model_copy(update={"env": {**cache_env, **args.env}})
         return Prepared(args=args, image_digest=stack[0].digest, uid=uid, gid=gid, plan=stack, allows=allows)
 
     async def create(self, sandbox_id: str, prepared: Prepared, images: ImageStacks) -> None:

@@ -37,12 +37,15 @@ from pathlib import Path
 
 from dsec.backends.container.dns import DnsServer, SandboxView, Upstream, parse_upstream
 from dsec.backends.container.egress_proxy import EgressProxy
+from dsec.backends.container.pkgcache import PackageCache, sandbox_env
+from dsec.pkgcache.store import BlobStore
 from dsec.backends.container.secret_rules import SecretRules
 from dsec.backends.container.tls_intercept import Interceptor
 from dsec.security.egress_ca import EgressCA
 from dsec.config import Paths
-from dsec.security.netpolicy import Allow, PolicyProgram, domains_of, egress_allows, tunnel_of
-from dsec.types import SandboxFailed, Unavailable
+from dsec.security.netpolicy import (PROTO_BITS, Allow, PolicyProgram, compile_allows, domains_of, egress_allows,
+                                     kernel_allows, tunnel_of)
+from dsec.types import InvalidArgument, SandboxFailed, Unavailable
 
 log = logging.getLogger("dsec.backends.container.network")
 
@@ -69,12 +72,18 @@ class NetSettings:
     dns_port: int = 10053         # forwarder on the gateway (sandboxes' port 53 is sent there)
     proxy_port: int = 10080       # egress proxy on the gateway (domain-mode TCP 80/443)
     upstream_ca_file: str = ""    # trust for destinations the proxy adds secrets to; empty: the host's
+    pkgcache_port: int = 10081    # the package cache on the gateway (issue 25.4); 0: none
+    pkgcache_max_bytes: int = 10 << 30
+    pkgcache_pypi_url: str = "https://pypi.org/simple/"
+    pkgcache_npm_url: str = "https://registry.npmjs.org/"
+    pkgcache_index_ttl_s: float = 300.0
 
     @classmethod
     def of(cls, group) -> "NetSettings":
         """From dsec.settings.NetworkSettings."""
         return cls(group.bridge, group.subnet, group.dns_upstream, group.dns_port, group.proxy_port,
-                   group.upstream_ca_file)
+                   group.upstream_ca_file, group.pkgcache_port, group.pkgcache_max_bytes, group.pkgcache_pypi_url,
+                   group.pkgcache_npm_url, group.pkgcache_index_ttl_s)
 
     def __post_init__(self) -> None:
         net = ipaddress.IPv4Network(self.subnet)       # raises on a bad value at startup
@@ -162,6 +171,7 @@ class SandboxNetworks:
         self._tunnel_ips: set[str] = set()        # in the nft set tunnel4: all TCP goes to the egress proxy
         self._dns: DnsServer | None = None
         self._proxy: EgressProxy | None = None
+        self._cache: PackageCache | None = None
         self.secrets = SecretRules()              # issue 30: rules the egress proxy adds secrets by
         self._ca: EgressCA | None = None
         self._ca_lock = threading.Lock()
@@ -271,6 +281,25 @@ class SandboxNetworks:
             tmp.replace(path)
         return path
 
+    def _cache_allows(self, allows: list[Allow]) -> list[Allow]:
+        """The package cache on the gateway, for a sandbox with any egress that is not tunnelled
+        (a tunnelled one's TCP all goes to its SOCKS server; nft sends this there too and the
+        proxy refuses the gateway): kernel entries only, never stored as the sandbox's policy."""
+        port = self.settings.pkgcache_port
+        if not port or not egress_allows(allows) or tunnel_of(allows) is not None:
+            return []
+        extra = [Allow(f"{self.settings.gateway}/32", port, port, PROTO_BITS["tcp"])]
+        try:   # the entry inherits the ranges of rules covering the gateway: never push one past the bound
+            compile_allows(kernel_allows(allows + extra))
+        except InvalidArgument:
+            return []
+        return extra
+
+    def sandbox_env(self) -> dict[str, str]:
+        """pip's and npm's settings naming the cache (none when it is off)."""
+        s = self.settings
+        return sandbox_env(str(s.gateway), s.pkgcache_port) if s.pkgcache_port else {}
+
     # -- BPF -----------------------------------------------------------------------------
     def program(self) -> PolicyProgram:
         """The edge's loaded policy program (compiled and loaded on first use)."""
@@ -324,7 +353,7 @@ class SandboxNetworks:
                 await self._domain_mode(row["ip"], True)   # the redirect before BPF lets 80/443 out
             if tunnel and row and row["ip"]:
                 await self._tunnel_mode(row["ip"], True)   # the redirect before BPF lets any TCP out
-            prog.write(cgid, allows)   # deny before a link exists; effective for new connections now
+            prog.write(cgid, allows + self._cache_allows(allows))   # deny before a link exists; new connections now
             if not domains and row and row["ip"]:
                 await self._domain_mode(row["ip"], False)
             if not tunnel and row and row["ip"]:
@@ -356,7 +385,7 @@ class SandboxNetworks:
                         self._save(row)
                     else:
                         self._forget(sandbox_id)
-                    prog.write(cgid, old)
+                    prog.write(cgid, old + self._cache_allows(old))
                     await asyncio.shield(self._maybe_teardown())
                     raise
             else:
@@ -408,7 +437,7 @@ class SandboxNetworks:
                 continue
             row = self._rows.get(sid)
             if row is not None:
-                prog.write(self._cgids[sid], row["allows"])
+                prog.write(self._cgids[sid], row["allows"] + self._cache_allows(row["allows"]))
                 if row["cgid"] != self._cgids[sid]:
                     self._save({**row, "cgid": self._cgids[sid]})
         if any(r["ip"] for r in self._rows.values()):
@@ -472,6 +501,8 @@ class SandboxNetworks:
         ips = sorted(self._domain_ips)
         elements = f"elements = {{ {', '.join(ips)} }}" if ips else ""
         tips = sorted(self._tunnel_ips)
+        # the package cache is dialled directly (BPF allows it only to sandboxes with egress)
+        cache = f"\n    iifname {br} ip daddr {gw} tcp dport {s.pkgcache_port} accept" if s.pkgcache_port else ""
         telements = f"elements = {{ {', '.join(tips)} }}" if tips else ""
         # deleted and made again in one transaction: `flush table` keeps set elements, and a
         # stale address in tunnel4/domain4 would follow the address to its next sandbox
@@ -507,7 +538,7 @@ table inet {t} {{
     type filter hook input priority filter; policy accept;
     iifname {br} ct state established,related accept
     iifname {br} ip daddr {gw} meta l4proto {{ tcp, udp }} th dport {s.dns_port} ct status dnat accept
-    iifname {br} ip daddr {gw} tcp dport {s.proxy_port} ct status dnat accept
+    iifname {br} ip daddr {gw} tcp dport {s.proxy_port} ct status dnat accept{cache}
     iifname {br} drop
   }}
 }}
@@ -575,12 +606,29 @@ table inet {t} {{
                                   "DSEC_NET_BRIDGE and DSEC_NET_SUBNET, or set DSEC_NET_DNS_PORT / "
                                   "DSEC_NET_PROXY_PORT to free ports") from e
         self._dns, self._proxy = dns, proxy
+        if s.pkgcache_port:
+            cache = PackageCache(self.view_of_ip, upstream, str(s.gateway), s.pkgcache_port, s.network,
+                                 BlobStore(self.paths.home / "pkgcache", s.pkgcache_max_bytes),
+                                 pypi_url=s.pkgcache_pypi_url, npm_url=s.pkgcache_npm_url,
+                                 index_ttl_s=s.pkgcache_index_ttl_s, ca_file=s.upstream_ca_file)
+            try:
+                await cache.start()
+            except OSError as e:   # sandboxes keep working without it (pip then fails to reach it)
+                cache.store.close()
+                log.error("package cache not served", extra={"port": s.pkgcache_port, "error": str(e),
+                                                             "fix": "set DSEC_PKGCACHE_PORT to a free port"})
+            else:
+                self._cache = cache
         log.info("sandbox DNS forwarder and egress proxy serving",
                  extra={"gateway": str(s.gateway), "dns_port": s.dns_port, "proxy_port": s.proxy_port,
                         "upstream": "%s:%d" % upstream.addr})
 
     async def _stop_services(self) -> None:
         dns, proxy, self._dns, self._proxy = self._dns, self._proxy, None, None
+        cache, self._cache = self._cache, None
+        if cache is not None:
+            await cache.stop()
+            cache.store.close()
         if dns is not None:
             await dns.stop()
         if proxy is not None:

@@ -1,0 +1,291 @@
+"""The node's package cache, served to sandboxes on <gateway>:DSEC_PKGCACHE_PORT (issue 25.4).
+
+Sandboxes use it by name: PIP_INDEX_URL and npm_config_registry in their environment point here
+(driver.prepare). Per request the sandbox is known by its source address (as the egress proxy
+knows it) and may use an ecosystem only if its network policy reaches the configured upstream
+(by name in its domains, or by its CIDR rules for the upstream's addresses): the cache is a
+shortcut on the egress path, never a way around it. A miss is fetched by the node from the
+address the policy allows (fetch.py, the same never-connect list as the proxy); a tunnelled
+sandbox (egress_proxy) is refused: its traffic leaves only through its SOCKS server.
+
+What a sandbox gets is decided by digests: index pages list only files whose digest upstream
+gave, and a file is served only from the content-addressed store, which takes bytes only when
+they hash to that digest (store.py). A sandbox can name a digest, never supply bytes, and can
+fetch only URLs an upstream index answer named (a digest never seen is 404).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from urllib.parse import quote, unquote, urljoin, urlsplit
+
+from dsec.backends.container.dns import SandboxView, SourceSlots, Upstream
+from dsec.backends.container.egress_proxy import _cidr_allows, _is_ipv4, forbidden
+from dsec.pkgcache import fetch
+from dsec.pkgcache.index import (dumps, merge_npm_seeds, npm_name, parse_simple, pypi_name, render_simple,
+                                 rewrite_npm, safe_filename, PypiFile)
+from dsec.pkgcache.store import BlobStore, DigestMismatch, valid_digest
+from dsec.security.netpolicy import compile_allows, egress_allows, tunnel_of
+from dsec.types.domains import matches
+
+log = logging.getLogger("dsec.backends.container.pkgcache")
+
+HEAD_MAX = 8192
+HEAD_TIMEOUT_S = 10.0
+MAX_PER_SOURCE = 64
+INDEX_MAX_BYTES = 64 << 20
+FILE_MAX_BYTES = 4 << 30
+NPM_ACCEPT = "application/vnd.npm.install-v1+json; q=1.0, application/json; q=0.8, */*"
+
+
+def sandbox_env(gateway: str, port: int) -> dict[str, str]:
+    """What every container sandbox gets (its own env wins): pip and npm ask the node's cache."""
+    base = f"http://{gateway}:{port}"
+    return {"PIP_INDEX_URL": f"{base}/pypi/simple/", "PIP_TRUSTED_HOST": f"{gateway}:{port}",
+            "npm_config_registry": f"{base}/npm/"}
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+REASONS = {200: "OK", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed", 400: "Bad Request",
+           502: "Bad Gateway"}
+
+
+class PackageCache:
+    def __init__(self, lookup: Callable[[str], SandboxView | None], upstream: Upstream, address: str, port: int,
+                 subnet: ipaddress.IPv4Network, store: BlobStore, *, pypi_url: str, npm_url: str,
+                 index_ttl_s: float, ca_file: str = "") -> None:
+        self.lookup, self.upstream, self.store = lookup, upstream, store
+        self.address, self.port, self.subnet = address, port, subnet
+        self.pypi_url = pypi_url.rstrip("/") + "/"
+        self.npm_url = npm_url.rstrip("/") + "/"
+        self.index_ttl_s, self.ca_file = index_ttl_s, ca_file
+        self.base = f"http://{address}:{port}"
+        self._server: asyncio.Server | None = None
+        self._slots = SourceSlots(MAX_PER_SOURCE)
+        self._inflight: dict[tuple[str, str], asyncio.Future] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, self.address, self.port, reuse_address=True,
+                                                  backlog=1024, limit=HEAD_MAX)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for t in list(self._tasks):
+            t.cancel()
+
+    # -- HTTP ----------------------------------------------------------------------------------
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+        source = writer.get_extra_info("peername")[0]
+        if not self._slots.take(source):
+            writer.close()
+            return
+        try:
+            async with asyncio.timeout(HEAD_TIMEOUT_S):
+                head = await reader.readuntil(b"\r\n\r\n")
+            method, target, *_ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
+            try:
+                await self._route(source, method, urlsplit(target).path, writer)
+            except HttpError as e:
+                await self._send(writer, e.status, "text/plain; charset=utf-8",
+                                 f"dsec package cache: {e}\n".encode(), method == "HEAD")
+        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
+            pass
+        except Exception:   # one request, never the loop
+            log.warning("package cache request failed", exc_info=True, extra={"source": source})
+        finally:
+            self._slots.give_back(source)
+            if not writer.is_closing():
+                writer.close()
+            if task is not None:
+                self._tasks.discard(task)
+
+    async def _send(self, writer: asyncio.StreamWriter, status: int, ctype: str, body: bytes | Path,
+                    head_only: bool = False) -> None:
+        size = body.stat().st_size if isinstance(body, Path) else len(body)
+        writer.write(f"HTTP/1.1 {status} {REASONS.get(status, '')}\r\nContent-Type: {ctype}\r\n"
+                     f"Content-Length: {size}\r\nConnection: close\r\n\r\n".encode())
+        if not head_only:
+            if isinstance(body, Path):
+                with open(body, "rb") as f:
+                    await asyncio.get_running_loop().sendfile(writer.transport, f)
+            else:
+                writer.write(body)
+        await writer.drain()
+
+    async def _route(self, source: str, method: str, path: str, writer: asyncio.StreamWriter) -> None:
+        if method not in ("GET", "HEAD"):
+            raise HttpError(405, "the package cache is read-only (GET and HEAD only)")
+        view = self.lookup(source)
+        if view is None or not egress_allows(view.allows) or tunnel_of(view.allows) is not None:
+            raise HttpError(403, "this sandbox has no egress (or sends it through its egress_proxy): "
+                                 "the cache serves what its network policy could fetch itself")
+        head_only = method == "HEAD"
+        parts = path.split("/")
+        if path.startswith("/pypi/"):
+            await self._may_use(view, self.pypi_url, "pypi")
+            if path == "/pypi/simple/" or path == "/pypi/simple":
+                return await self._send(writer, 200, "text/html", b"<!DOCTYPE html><html><body></body></html>\n",
+                                        head_only)
+            if len(parts) in (4, 5) and parts[2] == "simple" and (len(parts) == 4 or parts[4] == ""):
+                project = pypi_name(unquote(parts[3]))
+                if project is None:
+                    raise HttpError(404, f"not a project name: {parts[3][:100]!r}")
+                body = await self._pypi_index(view, project)
+                return await self._send(writer, 200, "text/html; charset=utf-8", body, head_only)
+            if len(parts) == 6 and parts[2] == "files":
+                f = await self._file(view, parts[3], parts[4], unquote(parts[5]))
+                return await self._send(writer, 200, "application/octet-stream", f, head_only)
+        elif path.startswith("/npm/"):
+            await self._may_use(view, self.npm_url, "npm")
+            if len(parts) == 6 and parts[2] == "-":
+                f = await self._file(view, parts[3], parts[4], unquote(parts[5]))
+                return await self._send(writer, 200, "application/octet-stream", f, head_only)
+            name = npm_name("/".join(parts[2:]))
+            if name is not None:
+                body = await self._npm_meta(view, name)
+                return await self._send(writer, 200, "application/json", body, head_only)
+        raise HttpError(404, f"no such cache path: {path[:200]!r} (pip: /pypi/simple/<project>/, npm: /npm/<name>)")
+
+    # -- policy --------------------------------------------------------------------------------
+    def _connect_to(self, view: SandboxView):
+        """The addresses a fetch for this sandbox may dial: by name if its domains cover the host,
+        else those its CIDR rules allow; never the node, loopback, other sandboxes (forbidden)."""
+        async def connect_to(host: str, port: int) -> list[str]:
+            addrs = [host] if _is_ipv4(host) else await self.upstream.resolve4(host)
+            addrs = [a for a in addrs if not forbidden(a, self.subnet)]
+            if matches(host, view.domains):
+                return addrs
+            cidr = compile_allows(view.allows)
+            return [a for a in addrs if _cidr_allows(cidr, a, port)]
+        return connect_to
+
+    async def _may_use(self, view: SandboxView, url: str, eco: str) -> None:
+        u = urlsplit(url)
+        host, port = u.hostname or "", u.port or (443 if u.scheme == "https" else 80)
+        if matches(host, view.domains):
+            return
+        cidr = compile_allows(view.allows)
+        try:
+            addrs = [host] if _is_ipv4(host) else await self.upstream.resolve4(host)
+        except Exception:   # an offline node: only a policy open to any address covers the host
+            addrs = ["0.0.0.0"]
+        if any(_cidr_allows(cidr, a, port) for a in addrs or ["0.0.0.0"]):
+            return
+        raise HttpError(403, f"this sandbox's network policy does not reach {host} ({eco}'s upstream): "
+                             f"add {host!r} to its network domains (or an operator's rule set that has it)")
+
+    # -- pip -----------------------------------------------------------------------------------
+    async def _index_page(self, view: SandboxView, key: str, url: str, accept: str) -> tuple[bytes, str] | None:
+        """Upstream's answer for an index page (kept; reused within DSEC_PKGCACHE_INDEX_TTL_S and
+        whenever upstream fails), with the URL it came from; None if neither."""
+        stored = self.store.page(key)
+        if stored is not None and time.time() - stored[1] < self.index_ttl_s:
+            final, _, body = stored[0].partition(b"\n")
+            return body, final.decode()
+        try:
+            body, final = await fetch.get(url, self._connect_to(view), accept=accept, max_bytes=INDEX_MAX_BYTES,
+                                          ca_file=self.ca_file)
+        except (fetch.FetchError, OSError, asyncio.TimeoutError) as e:
+            log.info("package index upstream failed", extra={"url": fetch.redact(url), "error": str(e)})
+            if stored is None:
+                return None
+            final, _, body = stored[0].partition(b"\n")
+            return body, final.decode()
+        self.store.save_page(key, final.encode() + b"\n" + body)
+        return body, final
+
+    async def _pypi_index(self, view: SandboxView, project: str) -> bytes:
+        got = await self._index_page(view, f"pypi:{project}", urljoin(self.pypi_url, project + "/"), "text/html")
+        files = parse_simple(got[0], got[1]) if got else []
+        self.store.learn([("sha256", f.sha256, f.url, f.filename) for f in files])
+        names = {f.filename for f in files}
+        files += [PypiFile(s.filename, s.digest, "") for s in self.store.seeded("pypi", project)
+                  if s.filename not in names]
+        if got is None and not files:
+            raise HttpError(502, f"{fetch.redact(self.pypi_url)} did not answer for {project!r} and the "
+                                 "cache holds nothing for it (seed it: dsec cache seed DIR)")
+        if not files:
+            raise HttpError(404, f"no files with a sha256 for {project!r}")
+        return render_simple(project, files, self.base)
+
+    # -- npm -----------------------------------------------------------------------------------
+    async def _npm_meta(self, view: SandboxView, name: str) -> bytes:
+        url = self.npm_url + quote(name, safe="@")
+        got = await self._index_page(view, f"npm:{name}", url, NPM_ACCEPT)
+        doc: dict = {"name": name, "versions": {}, "dist-tags": {}}
+        if got is not None:
+            try:
+                doc, learned = rewrite_npm(json.loads(got[0]), self.base, got[1])
+            except (ValueError, AttributeError, TypeError):
+                raise HttpError(502, f"{name}: upstream's metadata is not JSON") from None
+            self.store.learn(learned)
+        seeds = []
+        for s in self.store.seeded("npm", name):
+            meta = json.loads(s.meta)
+            meta["dist"] = {**meta["dist"], "tarball": f"{self.base}/npm/-/sha512/{s.digest}/{s.filename}"}
+            seeds.append(meta)
+        if got is None and not seeds:
+            raise HttpError(502, f"{fetch.redact(self.npm_url)} did not answer for {name!r} and the cache "
+                                 "holds nothing for it (seed it: dsec cache seed DIR)")
+        if not doc["versions"] and not seeds:
+            raise HttpError(404, f"no versions with a sha512 integrity for {name!r}")
+        return dumps(merge_npm_seeds(doc, seeds))
+
+    # -- files ---------------------------------------------------------------------------------
+    async def _file(self, view: SandboxView, algo: str, digest: str, filename: str) -> Path:
+        if not valid_digest(algo, digest) or not safe_filename(filename):
+            raise HttpError(404, "a file is named by <algo>/<hex digest>/<filename>")
+        held = self.store.get(algo, digest)
+        if held is not None:
+            return held
+        key = (algo, digest)
+        waiting = self._inflight.get(key)
+        if waiting is not None:   # one download per file per node, however many sandboxes ask
+            await asyncio.shield(waiting)
+            held = self.store.get(algo, digest)
+            if held is not None:
+                return held
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._inflight[key] = fut
+        try:
+            return await self._download(view, algo, digest)
+        finally:
+            self._inflight.pop(key, None)
+            fut.set_result(None)
+
+    async def _download(self, view: SandboxView, algo: str, digest: str) -> Path:
+        src = self.store.source_of(algo, digest)
+        if src is None:
+            raise HttpError(404, f"{algo} {digest} is in no index answer the cache has seen: ask for the "
+                                 "project's index first (pip and npm do)")
+        tmp = self.store.tmp_file()
+        try:
+            await fetch.get(src[0], self._connect_to(view), sink=tmp, max_bytes=FILE_MAX_BYTES, ca_file=self.ca_file)
+            path = await asyncio.to_thread(self.store.put_file, algo, digest, tmp)
+        except DigestMismatch as e:
+            log.warning("package file refused: its bytes do not match the index",
+                        extra={"url": fetch.redact(src[0]), "error": str(e), "sandbox": view.sandbox_id})
+            raise HttpError(502, f"{src[1]}: upstream's bytes do not match the {algo} its index gave; refused") from None
+        except (fetch.FetchError, OSError, asyncio.TimeoutError) as e:
+            raise HttpError(502, f"{src[1]}: {e}") from None
+        finally:
+            tmp.unlink(missing_ok=True)
+        log.info("package file cached", extra={"file": src[1], "algo": algo, "sandbox": view.sandbox_id})
+        return path

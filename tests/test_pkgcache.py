@@ -120,6 +120,8 @@ async def test_a_poisoned_file_is_refused_and_policies_bound_who_uses_the_cache(
             for s in (tunnelled, none):
                 got = await fetch(s, [["p", "GET", f"{base}/pypi/simple/dsectiny/"]])
                 assert got["p"][0] == 0, got
+                # and pip is not pointed at a cache it cannot reach
+                assert (await s.run("echo ${PIP_INDEX_URL:-unset}")).stdout.strip() == "unset"
         finally:
             for s in (sb, other, tunnelled, none):
                 await s.stop()

@@ -12,7 +12,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from conftest import ServerProc, _cleanup_home, side_home
+from conftest import ServerProc, _cleanup_home, link_downloads, side_home
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None,
@@ -63,6 +63,7 @@ def _code_cache_kib(pid: int) -> int:
 def plain_server(images, dsec_home, tmp_path_factory):
     """A node with merging and the cache bound turned off."""
     home = side_home(dsec_home, tmp_path_factory, "vm-plain")
+    link_downloads(home)          # the guest kernel: without it the node offers no VM backends
     srv = ServerProc(home, env={"DSEC_VM_KSM": "0", "DSEC_VM_TCG_TB_SIZE_MB": "0"})
     srv.start()
     yield srv

@@ -206,14 +206,24 @@ async def _config(server: BenchServer, cfg: Config, o: Opts) -> dict:
             res["memavail_per_vm_mib"] = (base - after) / o.n
             res["ksm_saved_mib_per_vm"] = ksm_saved_mib() / o.n if cfg.ksmd else 0.0
             parts: list[dict[str, float]] = []
+            lost = []
             for sb in sbs:
-                pid = int((server.paths.vm_sandboxes / sb.id / "qemu.pid").read_text())
-                parts.append(smaps_breakdown(pid, o.memory_mb))
+                try:
+                    pid = int((server.paths.vm_sandboxes / sb.id / "qemu.pid").read_text())
+                    parts.append(smaps_breakdown(pid, o.memory_mb))
+                except (OSError, ValueError):   # failed meanwhile (a saturated node misses pings)
+                    lost.append(sb)
+            res["lost"] = len(lost)
+            sbs = [sb for sb in sbs if sb not in lost]
             res["per_vm_kib"] = {k: statistics.fmean(p.get(k, 0.0) for p in parts) for k in parts[0]}
             rtt = []
             for sb in sbs:
                 t = time.perf_counter()
-                await sb.run("true")
+                try:
+                    await sb.run("true")
+                except Exception:
+                    res["lost"] += 1
+                    continue
                 rtt.append((time.perf_counter() - t) * 1000)
             res.update(exec_p50_ms=_pct(rtt, 50), exec_p99_ms=_pct(rtt, 99))
         finally:
@@ -288,6 +298,7 @@ def _report(rs: list[dict], o: Opts, load_before: float) -> list[str]:
         ("ksmd CPU % of a core: while merging / steady", lambda r: f"{r['ksmd_cpu_pct_idle']:.0f} / "
                                                                    f"{r['ksmd_cpu_pct_steady']:.0f}"),
         (f"`run(\"true\")` p50 / p99 ms, all {o.n} alive", lambda r: f"{r['exec_p50_ms']:.1f} / {r['exec_p99_ms']:.1f}"),
+        ("clones lost while idle (failed liveness pings)", lambda r: str(r.get("lost", 0))),
     ]
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     md = [f"\n## vm-density — {when}\n",
@@ -302,3 +313,73 @@ def _report(rs: list[dict], o: Opts, load_before: float) -> list[str]:
     md += ["", "Settings per column: " + "; ".join(f"{r['config']}: `{' '.join(f'{k}={v}' for k, v in r['env'].items())}`"
                                                   for r in rs)]
     return md
+
+
+# -- clone creation rate, old and new code interleaved ---------------------------------------
+def _driver_ms(server: BenchServer) -> list[float]:
+    """The driver's part of each creation ('vm started' events: overlay, QEMU launch, restore)."""
+    out = []
+    for line in server.log_tail(10 ** 8).splitlines():
+        if '"vm started"' in line and '"clone"' in line:
+            try:
+                out.append(float(json.loads(line)["seconds"]) * 1000)
+            except (ValueError, KeyError):
+                pass
+    return out
+
+
+async def _rate_round(server: BenchServer, o: Opts, k: int) -> float:
+    async with server.client() as c:
+        sem = asyncio.Semaphore(o.inflight)
+        sbs: list[Sandbox] = []
+
+        async def go() -> None:
+            async with sem:
+                sbs.append((await _one(c, o))[0])
+        t0 = time.perf_counter()
+        try:
+            await asyncio.gather(*(go() for _ in range(k)))
+            return k / (time.perf_counter() - t0)
+        finally:
+            await asyncio.gather(*(sb.stop() for sb in sbs), return_exceptions=True)
+
+
+def run_rate_ab(o: Opts, k: int, rounds: int, out: Path | None) -> dict:
+    """Clones/s of the baseline checkout and of this one, in alternating rounds of k creations
+    (create + first `true`, o.inflight in flight) so that both see the same neighbours."""
+    if not o.baseline_src:
+        raise RuntimeError("--rate-ab needs --baseline-src (the src dir of the old checkout)")
+    servers = {"baseline": BenchServer("dsec-bench-vmr-"), "this": BenchServer("dsec-bench-vmr-")}
+    servers["baseline"].env["PYTHONPATH"] = o.baseline_src
+    rates: dict[str, list[float]] = {name: [] for name in servers}
+    load_before = os.getloadavg()[0]
+    try:
+        for s in servers.values():
+            s.prepare([o.image])
+            s.start()
+            asyncio.run(_rate_round(s, o, 1))        # the template build, not timed
+        for i in range(rounds):
+            order = list(servers) if i % 2 == 0 else list(reversed(servers))
+            for name in order:
+                rates[name].append(asyncio.run(_rate_round(servers[name], o, k)))
+                console.print(f"round {i + 1} {name}: {rates[name][-1]:.2f} clones/s")
+        drv = {name: _pct(_driver_ms(s)[1:], 50) for name, s in servers.items()}
+    finally:
+        leaked = [p for s in servers.values() for p in s.close()]
+    if leaked:
+        raise RuntimeError(f"QEMU processes outlived the bench (killed now): {leaked}")
+    res = {name: {"median_clones_per_s": statistics.median(r), "rounds": r, "driver_p50_ms": drv[name]}
+           for name, r in rates.items()}
+    md = ["", f"Clone creation rate, old and new code in alternating rounds: `dsec bench vm-density --rate-ab "
+          f"--rate-k {k} --rate-rounds {rounds} --inflight {o.inflight} --baseline-src OLD/src` ({k} clones of "
+          f"{o.memory_mb} MiB per round, create + first `true`, then stopped; load average before / after "
+          f"{load_before:.2f} / {os.getloadavg()[0]:.2f}).", "",
+          "| code | clones/s, median of rounds | each round | driver's part (overlay, QEMU, restore) p50 ms |",
+          "|---|---|---|---|"]
+    md += [f"| {name} | {v['median_clones_per_s']:.2f} | {', '.join(f'{x:.2f}' for x in v['rounds'])} | "
+           f"{v['driver_p50_ms']:.0f} |" for name, v in res.items()]
+    console.print("\n".join(md))
+    if out is not None:
+        with out.open("a") as f:
+            f.write("\n".join(md) + "\n")
+    return res

@@ -114,10 +114,17 @@ def bench_vm_density(
         pages_to_scan: Annotated[int, typer.Option(help="ksmd pages_to_scan while a KSM configuration runs")] = 2000,
         baseline_src: Annotated[Optional[str], typer.Option(help="src dir of an older checkout for `baseline`")] = None,
         min_available_gib: Annotated[float, typer.Option(help="refuse to start below this MemAvailable")] = 12.0,
+        rate_ab: Annotated[bool, typer.Option(help="instead: clones/s of --baseline-src and this code, "
+                                                   "alternating rounds")] = False,
+        rate_k: int = 40, rate_rounds: int = 4,
         out: Optional[Path] = Path("docs/benchmarks.md")) -> None:
     """What an idle microVM clone costs the host and how fast clones come, per memory setting,
     side by side (toggles the host's ksmd for the KSM columns and puts it back)."""
-    from dsec.bench.vmdensity import Opts as DensityOpts, run_vm_density
+    from dsec.bench.vmdensity import Opts as DensityOpts, run_rate_ab, run_vm_density
+    if rate_ab:
+        run_rate_ab(DensityOpts(inflight=inflight, memory_mb=memory_mb, image=image, baseline_src=baseline_src),
+                    rate_k, rate_rounds, out)
+        return
     run_vm_density(DensityOpts(n=n, inflight=inflight, idle_s=idle_s, ksm_wait_s=ksm_wait_s, memory_mb=memory_mb,
                                image=image, configs=configs.split(","), tb_size_mb=tb_size_mb,
                                pages_to_scan=pages_to_scan, baseline_src=baseline_src,

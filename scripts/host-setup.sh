@@ -69,8 +69,8 @@ setup_zram() {
 setup_zram
 # Memory merging for VMs (docs/decisions.md D6?, docs/security.md "Memory merging"): ksmd merges
 # only memory a process marked mergeable, and the only such memory dsec makes is its VMs' QEMUs
-# (DSEC_VM_KSM, default all). Clones of one template share most of their private pages (TCG TLBs,
-# guest pages written alike): ~20 MiB less per idle clone, for a few % of a core. DSEC_KSM=0
+# (DSEC_VM_KSM, default all). Clones of one template share many of their private pages (TCG TLBs,
+# guest pages written alike; docs/benchmarks.md vm-density) for a few % of a core. DSEC_KSM=0
 # leaves ksmd as the host has it (and closes the cross-VM timing side channel with
 # DSEC_VM_KSM=0). dsec works without it: nothing is merged, every clone costs its own pages.
 setup_ksm() {

@@ -190,14 +190,17 @@ async def _config(server: BenchServer, cfg: Config, o: Opts) -> dict:
                        create_p95_ms=_pct(lat, 95) * 1000)
             cpu0, t_idle = ksmd_cpu_s(), time.monotonic()
             await asyncio.sleep(o.idle_s)
-            if cfg.ksmd:           # wait for merging to settle: two stable reads 10 s apart
-                last, deadline = -1.0, time.monotonic() + o.ksm_wait_s
+            if cfg.ksmd:           # merging has settled: 2 full scans since the clones came
+                # (a page merges on its 2nd look) and the saving stopped growing; a starved ksmd
+                # on a busy box is slow, so the scans are counted, not the seconds
+                scans0, last, deadline = ksm_read("full_scans"), -1.0, time.monotonic() + o.ksm_wait_s
                 while time.monotonic() < deadline:
                     now = ksm_saved_mib()
-                    if last >= 0 and now - last < max(1.0, 0.01 * now):
+                    if ksm_read("full_scans") - scans0 >= 2 and last >= 0 and now - last < max(1.0, 0.01 * now):
                         break
                     last = now
                     await asyncio.sleep(10)
+                res["ksm_full_scans"] = ksm_read("full_scans") - scans0
             res["idle_s"] = time.monotonic() - t_idle
             res["ksmd_cpu_pct_idle"] = 100 * (ksmd_cpu_s() - cpu0) / res["idle_s"]
             cpu1, t1 = ksmd_cpu_s(), time.monotonic()

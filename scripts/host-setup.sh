@@ -67,3 +67,22 @@ setup_zram() {
   fi
 }
 setup_zram
+# Memory merging for VMs (docs/decisions.md D6?, docs/security.md "Memory merging"): ksmd merges
+# only memory a process marked mergeable, and the only such memory dsec makes is its VMs' QEMUs
+# (DSEC_VM_KSM, default all). Clones of one template share many of their private pages (TCG TLBs,
+# guest pages written alike; docs/benchmarks.md vm-density) for a few % of a core. DSEC_KSM=0
+# leaves ksmd as the host has it (and closes the cross-VM timing side channel with
+# DSEC_VM_KSM=0). dsec works without it: nothing is merged, every clone costs its own pages.
+setup_ksm() {
+  local k=/sys/kernel/mm/ksm
+  [ "${DSEC_KSM:-1}" = 0 ] && return 0
+  if [ ! -w "$k/run" ]; then
+    echo "warning: kernel has no KSM (/sys/kernel/mm/ksm): idle VMs do not share identical pages" >&2
+    return 0
+  fi
+  [ "$(cat "$k/run")" = 1 ] && return 0        # already on (ours from before, or the host's)
+  echo "${DSEC_KSM_PAGES_TO_SCAN:-1000}" > "$k/pages_to_scan"
+  [ -w "$k/use_zero_pages" ] && echo 1 > "$k/use_zero_pages"
+  echo 1 > "$k/run"
+}
+setup_ksm

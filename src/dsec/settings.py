@@ -281,6 +281,12 @@ class VMSettings(Group):
     reclaim_squeeze_s: float = env(15.0, "DSEC_VM_RECLAIM_SQUEEZE_S", "longest balloon squeeze")
     templates_max: int = env(16, "DSEC_VM_TEMPLATES_MAX", "template snapshots kept (least recently used "
                              "go)", ge=1)
+    tcg_tb_size_mb: int = env(32, "DSEC_VM_TCG_TB_SIZE_MB", "TCG translation cache in MiB of VMs started from "
+                              "saved state (clones, resumes; `-accel tcg,tb-size=`; 0: QEMU's default of 1 GiB); "
+                              "cold boots keep the default; no effect under KVM", ge=0)
+    ksm: Literal["all", "ram", "0"] = env("all", "DSEC_VM_KSM", "mark guest RAM mergeable (`-machine mem-merge=on`) so the host's KSM "
+                    "(scripts/host-setup.sh turns it on) merges identical pages across VMs; 0 closes the "
+                    "cross-VM timing side channel of merged pages (docs/security.md)")
 
 
 class FnCallEnvSettings(Group):

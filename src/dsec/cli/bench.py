@@ -100,6 +100,37 @@ def bench_vm(n: Annotated[int, typer.Option(help="clones and cold boots, one at 
                       memory_mb=memory_mb, vcpus=vcpus, image=image), out=out)
 
 
+@bench_app.command("vm-density")
+def bench_vm_density(
+        n: Annotated[int, typer.Option(help="idle clones alive at once, per configuration")] = 200,
+        inflight: Annotated[int, typer.Option(help="creations in flight")] = 4,
+        idle_s: float = 20.0,
+        ksm_wait_s: Annotated[float, typer.Option(help="longest wait for KSM merging to settle")] = 240.0,
+        memory_mb: int = 256, image: str = "busybox",
+        configs: Annotated[str, typer.Option(help="comma-separated: baseline, before, tb, ksm-ram, ksm-all")]
+        = "before,tb,ksm-ram,ksm-all",
+        tb_size_mb: Annotated[Optional[int], typer.Option(help="DSEC_VM_TCG_TB_SIZE_MB of the bounded ones "
+                                                                "(default: the setting's)")] = None,
+        pages_to_scan: Annotated[int, typer.Option(help="ksmd pages_to_scan while a KSM configuration runs")] = 2000,
+        baseline_src: Annotated[Optional[str], typer.Option(help="src dir of an older checkout for `baseline`")] = None,
+        min_available_gib: Annotated[float, typer.Option(help="refuse to start below this MemAvailable")] = 12.0,
+        rate_ab: Annotated[bool, typer.Option(help="instead: clones/s of --baseline-src and this code, "
+                                                   "alternating rounds")] = False,
+        rate_k: int = 40, rate_rounds: int = 4,
+        out: Optional[Path] = Path("docs/benchmarks.md")) -> None:
+    """What an idle microVM clone costs the host and how fast clones come, per memory setting,
+    side by side (toggles the host's ksmd for the KSM columns and puts it back)."""
+    from dsec.bench.vmdensity import Opts as DensityOpts, run_rate_ab, run_vm_density
+    if rate_ab:
+        run_rate_ab(DensityOpts(inflight=inflight, memory_mb=memory_mb, image=image, baseline_src=baseline_src),
+                    rate_k, rate_rounds, out)
+        return
+    run_vm_density(DensityOpts(n=n, inflight=inflight, idle_s=idle_s, ksm_wait_s=ksm_wait_s, memory_mb=memory_mb,
+                               image=image, configs=configs.split(","), tb_size_mb=tb_size_mb,
+                               pages_to_scan=pages_to_scan, baseline_src=baseline_src,
+                               min_mem_available_mib=min_available_gib * 1024), out=out)
+
+
 @bench_app.command("qos")
 def bench_qos(steps: Annotated[int, typer.Option(help="agent steps per mode per round")] = 25,
               rounds: Annotated[int, typer.Option(help="rounds of alone / unprotected / protected, interleaved")] = 20,

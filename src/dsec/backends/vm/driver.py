@@ -36,7 +36,7 @@ from dsec.backends.vm import balloon, chain, console as vmconsole, disks, guest,
 from dsec.backends.vm.accel import AccelChooser
 from dsec.backends.vm.network import NET_FILE, VMNetwork, saved_allows
 from dsec.backends.vm.qemu import (Disk, Kind, Machine, Pmem, Qmp, kill, launch, pid_alive, pss_bytes, qemu_binary,
-                                   qemu_log_tail, shell_safe)
+                                   qemu_log_tail)
 from dsec.backends.vm.templates import Templates
 from dsec.config import Paths
 from dsec.images.store import Registry
@@ -189,7 +189,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
                            ram_file=ram_file, ram_shared=ram_shared, agent_socket=d / "agent.sock",
                            qmp_socket=d / "qmp.sock", console_log=d / "console.log",
                            console_pipe=vmconsole.chardev_base(d), pidfile=d / "qemu.pid",
-                           incoming=incoming)
+                           incoming=incoming, **self._memory_knobs(incoming))
         disks: list[Disk] = []
         pmems: list[Pmem] = []
         for i, lay in enumerate(spec.layers):
@@ -207,7 +207,16 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
                        qmp_socket=d / "qmp.sock", console_log=d / "console.log",
                        console_pipe=vmconsole.chardev_base(d), pidfile=d / "qemu.pid",
                        incoming=incoming, net=spec.net is not None,
-                       cgroup=self._net_cgroups.get(spec.sandbox_id) if spec.net is not None else None)
+                       cgroup=self._net_cgroups.get(spec.sandbox_id) if spec.net is not None else None,
+                       **self._memory_knobs(incoming))
+
+    def _memory_knobs(self, incoming: bool) -> dict:
+        """Host-memory options of every VM's QEMU (D73: what an idle clone costs). The bounded
+        TCG cache is for VMs started from saved state (clones, resumes, restores): a cold boot
+        translates far more code than fits (a 256 MiB busybox boot took 10 s at 8 MiB vs 2.5 s unbounded)."""
+        ksm = self.settings.ksm
+        return {"tb_size_mb": self.settings.tcg_tb_size_mb if incoming else 0, "mem_merge": ksm != "0",
+                "merge_all": ksm == "all", "shim": self.ram_shim}
 
     async def _pmem_file(self, lay: LayerFile) -> Pmem:
         """virtio-pmem maps whole 2 MiB units: the layer padded to that (a copy made once per
@@ -381,7 +390,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
                            field="snapshot", fix="create it from another snapshot") from e
         if (state.parent / "console.log").is_file():   # the boot log of the guest it copies
             shutil.copyfile(state.parent / "console.log", d / "console.log")
-        await _run("qemu-img", "create", "-q", "-f", "qcow2", "-F", fmt, "-b", base, str(upper))
+        await _overlay(base, fmt, upper, proto=state.parent / f"overlay-{base}.qcow2" if ignore_shared else None)
         m = await self.machine(spec, d, Disk(upper, "dsec-upper", readonly=False, fmt="qcow2"),
                                ram_file=ram_file, ram_shared=False, incoming=True)
         await self._launch(m, d)
@@ -390,7 +399,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
                 if ignore_shared:   # RAM is not in the stream: it is the template's file, mapped privately
                     await q.run("migrate-set-capabilities",
                                 capabilities=[{"capability": "x-ignore-shared", "state": True}])
-                await q.run("migrate-incoming", uri=f"exec:cat {shell_safe(incoming_state)}")
+                await q.incoming_file(incoming_state)
                 # connect to the agent only once the devices are loaded: a host connection made
                 # during the restore is overwritten by the saved port state (host disconnected)
                 await q.wait_running()
@@ -637,7 +646,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
         await self._launch(m, d)
         try:
             async with Qmp(m.qmp_socket, sandbox_id) as q:
-                await q.run("migrate-incoming", uri=f"exec:cat {shell_safe(d / 'saved.state')}")
+                await q.incoming_file(d / "saved.state")
                 await q.wait_running()
         except BaseException as e:
             pid = self._pid(sandbox_id)
@@ -797,6 +806,27 @@ def _spec_from_json(j: dict) -> VMSpec:
     return VMSpec(**{**j, "layers": tuple(LayerFile(lay["digest"], Path(lay["path"])) for lay in j["layers"]),
                      "snapshot_dir": Path(j["snapshot_dir"]) if j.get("snapshot_dir") else None,
                      "boot_disk": BootDisk(**j["boot_disk"]) if j.get("boot_disk") else None})
+
+
+async def _overlay(base: str, fmt: str, upper: Path, proto: Path | None) -> None:
+    """A new empty qcow2 `upper` over `base` (a name relative to upper's dir). With `proto`
+    (beside a template: every clone's overlay is the same bytes, the backing file being named
+    relatively) the first one made is kept there and later ones are copies of it: a file copy
+    instead of a qemu-img process per clone."""
+    if proto is not None and proto.is_file():
+        try:
+            await asyncio.to_thread(shutil.copyfile, proto, upper)
+            return
+        except FileNotFoundError:     # the template was evicted meanwhile: make it afresh
+            pass
+    await _run("qemu-img", "create", "-q", "-f", "qcow2", "-F", fmt, "-b", base, str(upper))
+    if proto is not None:
+        tmp = proto.with_name(f".{proto.name}.{secrets.token_hex(4)}")
+        try:
+            shutil.copyfile(upper, tmp)
+            os.replace(tmp, proto)
+        except OSError:               # the template dir is gone: nothing to keep
+            tmp.unlink(missing_ok=True)
 
 
 async def _run(*argv: str) -> None:

@@ -85,6 +85,16 @@ class Machine:
     # started as a member of this cgroup (v2 dir): every socket QEMU ever makes is the
     # sandbox's, under the policy programs attached there before the guest runs
     cgroup: Path | None = None
+    # TCG translation cache in MiB (`-accel tcg,tb-size=`); 0: QEMU's default (1 GiB of address
+    # space, touched as code is translated, in 2 MiB huge pages). Ignored under KVM.
+    tb_size_mb: int = 0
+    # guest RAM madvise(MADV_MERGEABLE) (`-machine mem-merge=`): KSM may merge identical pages
+    # of different VMs (and opens a timing side channel between them: docs/security.md)
+    mem_merge: bool = False
+    # every private page of this QEMU mergeable (prctl PR_SET_MEMORY_MERGE from the preloaded
+    # shim), not only guest RAM; needs `shim`
+    merge_all: bool = False
+    shim: Path | None = None          # the preloaded shim (ramshim.c) for merge_all
 
     def _dev(self, name: str) -> str:
         # microvm has no PCI: virtio devices sit on virtio-mmio ("-device" suffix)
@@ -98,7 +108,8 @@ class Machine:
             extra_mb = sum((p.size + (1 << 20) - 1) >> 20 for p in self.pmems)
             mem += f",slots={len(self.pmems)},maxmem={self.memory_mb + extra_mb}M"
         a = [qemu, "-name", f"dsec-{self.name},debug-threads=off",
-             "-machine", f"{machine},accel={self.accel},memory-backend=ram",
+             "-machine", f"{machine},memory-backend=ram,mem-merge={'on' if self.mem_merge else 'off'}",
+             "-accel", self.accel + (f",tb-size={self.tb_size_mb}" if self.accel == "tcg" and self.tb_size_mb else ""),
              "-cpu", "max" if self.accel == "tcg" else "host",
              "-smp", str(self.vcpus), "-m", mem,
              "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
@@ -137,9 +148,12 @@ class Machine:
 
     def env(self) -> dict[str, str]:
         """Environment QEMU needs beyond the edge's own."""
+        env: dict[str, str] = {}
         if self.ram_shim is not None and self.ram_file is not None and not self.ram_shared:
-            return ramshim.env(self.ram_shim, self.ram_file)
-        return {}
+            env = ramshim.env(self.ram_shim, self.ram_file)
+        if self.merge_all and self.shim is not None:
+            env = {**env, "LD_PRELOAD": str(self.shim), ramshim.KSM_ALL: "1"}
+        return env
 
 
 async def launch(m: Machine, workdir: Path) -> int:
@@ -262,6 +276,17 @@ class Qmp:
         await self.run("migrate-set-parameters", **{"max-bandwidth": 64 << 30})
         await self.run("migrate", uri=f"exec:cat > {shell_safe(path)}")
         await self.wait_migration()
+
+    async def incoming_file(self, path: Path) -> None:
+        """Start an incoming migration from a local file: its fd is handed to QEMU over QMP
+        (`getfd`, then `fd:`), where `exec:cat` forked a shell and cat per restore."""
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            self.client.send_fd_scm(fd)
+            await self.run("getfd", fdname="incoming")
+        finally:
+            os.close(fd)           # QEMU holds its own copy now
+        await self.run("migrate-incoming", uri="fd:incoming")
 
     async def wait_migration(self, timeout_s: float = 120.0) -> None:
         """Poll an outgoing or incoming migration until it completes."""

@@ -16,6 +16,10 @@
  *     on to madvise(MADV_DONTNEED): the clone's private copies of the freed pages go back to
  *     the host and the range reads the template's pages again. The guest does not care what a
  *     freed or ballooned page holds (no page poisoning in the dsec guest kernel).
+ *  3. With DSEC_KSM_ALL=1 (any VM, not only clones) a constructor asks the kernel to let KSM
+ *     merge every private anonymous page of this QEMU (prctl PR_SET_MEMORY_MERGE, Linux 6.4+),
+ *     not only guest RAM: the TCG TLBs and code cache of idle guests are largely identical
+ *     between VMs. Best effort: an older kernel refuses it and nothing changes.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -24,7 +28,19 @@
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/types.h>
+
+#ifndef PR_SET_MEMORY_MERGE
+#define PR_SET_MEMORY_MERGE 67
+#endif
+
+__attribute__((constructor)) static void ksm_all(void)
+{
+	const char *on = getenv("DSEC_KSM_ALL");
+	if (on != NULL && strcmp(on, "1") == 0)
+		prctl(PR_SET_MEMORY_MERGE, 1, 0, 0, 0);
+}
 
 static int ram_path(const char *path)
 {

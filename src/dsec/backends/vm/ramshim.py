@@ -25,6 +25,7 @@ log = logging.getLogger("dsec.backends.vm")
 
 SOURCE = Path(__file__).with_name("ramshim.c")
 ENV_PATH = "DSEC_RAM_READONLY"
+KSM_ALL = "DSEC_KSM_ALL"        # "1": the shim makes all of QEMU's private memory mergeable
 
 
 def build(bin_dir: Path) -> Path:

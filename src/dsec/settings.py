@@ -161,6 +161,8 @@ class EdgeEnvSettings(Group):
                          "debian-python:8,busybox:4")
     warm_pool_parallel: int = env(2, "DSEC_WARM_POOL_PARALLEL", "warm containers started at a time (1..64)",
                                   ge=1, le=64)
+    create_parallel: int = env(4, "DSEC_CREATE_PARALLEL", "container/VM starts run at a time on this node; "
+                               "more creates wait their turn (1..256)", ge=1, le=256)
     warm_pool_reclaim: bool = env(False, "DSEC_WARM_POOL_RECLAIM", "reclaim a waiting warm container's "
                                   "touched memory to zram")
     reclaim_idle_s: float = env(120.0, "DSEC_RECLAIM_IDLE_S", "a sandbox idle this long has its memory "

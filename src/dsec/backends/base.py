@@ -70,6 +70,9 @@ class Backend(ABC):
     # advice when a verb this backend lacks is asked for: verb -> what to do instead
     instead: ClassVar[Mapping[str, str]] = {}
     disk_enforced: bool = True                # False: the edge polls disk_usage against disk_mb
+    # True: create() always starts a new agent process, which holds no chans yet (the edge skips
+    # the LIST_EXECS round trip at create); False: it may restore an agent (a VM clone's)
+    fresh_agent_at_create: ClassVar[bool] = False
 
     @abstractmethod
     async def prepare(self, args: SandboxArgs, images: ImageStacks) -> Prepared:

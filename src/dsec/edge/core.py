@@ -58,7 +58,7 @@ class EdgeSettings:
     node_id: str = "local"
     reap_interval_s: float = 2.0
     keep_ended_s: float = 24 * 3600      # stopped/failed records stay visible this long
-    max_parallel_creates: int = 4
+    max_parallel_creates: int | None = None   # None: DSEC_CREATE_PARALLEL
     services: tuple[str, ...] = ()       # backends served beside the edge on this node (e.g. "fncall")
 
 

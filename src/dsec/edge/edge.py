@@ -74,7 +74,7 @@ class Edge(Lifecycle, WarmHooks, ParkingVerbs, CapabilityVerbs, AgentChannel, Ex
         self.events = EventLog(paths.edge_db, self.node_id)
         self._live: dict[str, LiveSandbox] = {}
         self._dirty: set[str] = set()          # activity and output counters to flush
-        self._create_slots = asyncio.Semaphore(settings.max_parallel_creates)
+        self._create_slots = asyncio.Semaphore(settings.max_parallel_creates or self.conf.edge.create_parallel)
         self._reaper: asyncio.Task[None] | None = None
         self._exit_tasks: set[asyncio.Task[None]] = set()   # failing sandboxes whose runtime exited
         self._next_ping: dict[int, float] = {}   # per LivenessWatched backend (by id())

@@ -165,7 +165,7 @@ class Lifecycle(EdgeCore):
                 async with self._create_slots:   # a burst starts a few at a time
                     await backend.create(rec.id, prepared, self.stacks)
                 stages.lap("start")
-                await self._adopt_agent(live)    # ready means the agent answers
+                await self._adopt_agent(live, fresh=backend.fresh_agent_at_create)   # ready: the agent answers
                 stages.lap("agent")
             else:
                 # its connected agent, the sandbox's from here (its teardown closes it); no
@@ -208,11 +208,11 @@ class Lifecycle(EdgeCore):
         self._emit(EventType.ended, live.rec, reason="create_failed", message=reason)
         log.error("create failed", extra={"sandbox": live.id, "error": str(error) or repr(error)})
 
-    async def _adopt_agent(self, live: LiveSandbox) -> None:
+    async def _adopt_agent(self, live: LiveSandbox, fresh: bool = False) -> None:
         """First connection after a start or resume, then the backend's own readiness step
         (a restored VM gets its clock and entropy: it copies another guest, or stood still)."""
         agent = await live.backend.wait_agent(live.id)
-        await live.adopt(agent)
+        await live.adopt(agent, fresh)
         await live.backend.ready(live.id, agent)
 
     async def _teardown(self, live: LiveSandbox) -> None:

@@ -100,10 +100,12 @@ class LiveSandbox:
             assert self.agent is not None
             return self.agent
 
-    async def adopt(self, agent: AgentClient) -> None:
+    async def adopt(self, agent: AgentClient, fresh: bool = False) -> None:
         """Use `agent` from now on. Chans the agent still retains (from before an edge restart,
-        or in a restored guest) are not reused."""
+        or in a restored guest) are not reused; a `fresh` agent (a process just started) has none."""
         self.agent = agent          # owned from here: close() frees it even if the listing fails
+        if fresh:
+            return
         execs = await agent.list_execs()
         self.next_chan = max([c for c, _ in execs] + [self.next_chan]) + 1
 

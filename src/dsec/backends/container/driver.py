@@ -87,6 +87,7 @@ class _ExitWatch:
 class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Parking, Hibernation, MemoryUsage, UsageStats, Reclaim,
                       WarmClaim, Snapshots, ContainerVolumeDirs):
     kinds = ("container",)
+    fresh_agent_at_create = True      # crun starts a new agent every time (snapshots are files only)
     instead = {"console": "read a container's output from its commands"}
 
     def __init__(self, paths: Paths, agent_binary: Path, rulesets: Rulesets, crun: str = "crun",
@@ -195,14 +196,14 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
                                       "retry (placement tries another node)") from e
             listener = self._listen(self.agent_socket(sandbox_id))
             try:
-                await self._run_crun(sandbox_id, d, spec, listener)
+                pid = await self._run_crun(sandbox_id, d, spec, listener)
             finally:
                 listener.close()  # the agent holds its own copy (fd 3)
-            await self.net.setup(sandbox_id, self._pid(sandbox_id), list(spec.network))
+            await self.net.setup(sandbox_id, pid, list(spec.network))
             if gen != self._view_gen:        # lxcfs restarted meanwhile: its binds may be the dead one's
                 await self._rebind_views([sandbox_id])
             # what a park to disk needs to start it again, and to see that nothing changed
-            await asyncio.to_thread(self._record_start, d / "run", spec, self._pid(sandbox_id))
+            await asyncio.to_thread(self._record_start, d / "run", spec, pid)
         except BaseException:
             await asyncio.shield(self.destroy(sandbox_id))
             raise
@@ -257,7 +258,8 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
         return s
 
     async def _run_crun(self, sandbox_id: str, d: Path, spec: ContainerSpec,
-                        listener: socket.socket) -> None:
+                        listener: socket.socket) -> int:
+        """Start the container; the host pid of its init (the agent), read once from crun's pid file."""
         idmapped: list[str] = []
         lowers = [str(p) for p in spec.lower_dirs]
         if spec.id_base is not None:
@@ -297,7 +299,9 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
         # not reset what they inherit, and every process of the sandbox would be the host's
         # OOM killer's last choice too.
         # CPU QoS class (qos.py): set on the agent before any command, inherited by all of them
-        qos.apply(spec.cpu_class, self._pid(sandbox_id), cgroup_path(sandbox_id), v2=self.cgroup_v2)
+        pid = self._pid(sandbox_id)
+        qos.apply(spec.cpu_class, pid, cgroup_path(sandbox_id), v2=self.cgroup_v2)
+        return pid
 
     async def destroy(self, sandbox_id: str) -> None:
         self.unwatch_exit(sandbox_id)     # its death below is ours, not news for the edge
@@ -682,10 +686,10 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
             await asyncio.to_thread((d / "config.json").write_text, json.dumps(cfg))
             listener = self._listen(self.agent_socket(sandbox_id))
             try:
-                await self._run_crun(sandbox_id, d, spec, listener)
+                pid = await self._run_crun(sandbox_id, d, spec, listener)
             finally:
                 listener.close()
-            await self.net.setup(sandbox_id, self._pid(sandbox_id), list(spec.network))
+            await self.net.setup(sandbox_id, pid, list(spec.network))
         except BaseException:
             await asyncio.shield(self._remove_runtime(sandbox_id))   # parked to disk, as before
             raise

@@ -26,6 +26,7 @@ import asyncio
 import ipaddress
 import json
 import logging
+import os
 import shutil
 import socket
 import sqlite3
@@ -165,6 +166,7 @@ class SandboxNetworks:
         self._prog: PolicyProgram | None = None
         self._prog_error: Exception | None = None
         self._prog_lock = threading.Lock()
+        self._resolv_seen: tuple[int, int, int] | None = None   # resolv_conf(): the file last checked
         self._cgids: dict[str, int] = {}          # sandbox id -> cgroup id, for every attached sandbox
         self._by_ip: dict[str, str] = {r["ip"]: sid for sid, r in self._rows.items() if r["ip"]}
         self._domain_ips: set[str] = set()        # in the nft set: TCP 80/443 go to the egress proxy
@@ -272,6 +274,13 @@ class SandboxNetworks:
         """The file every container sees as /etc/resolv.conf (spec.py): the gateway, where its
         port 53 is answered by the forwarder when its policy allows egress."""
         path = self.paths.home / "net" / f"resolv-{self.settings.bridge}.conf"
+        # every create asks: a stat is enough while the file is the one checked last time
+        try:
+            st = os.stat(path)
+            if (st.st_ino, st.st_mtime_ns, st.st_size) == self._resolv_seen:
+                return path
+        except FileNotFoundError:
+            pass
         text = f"nameserver {self.settings.gateway}\noptions timeout:2 attempts:2\n"
         if not path.exists() or path.read_text() != text:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -279,6 +288,8 @@ class SandboxNetworks:
             tmp.write_text(text)
             tmp.chmod(0o644)
             tmp.replace(path)
+        st = os.stat(path)
+        self._resolv_seen = (st.st_ino, st.st_mtime_ns, st.st_size)
         return path
 
     def _cache_allows(self, allows: list[Allow]) -> list[Allow]:

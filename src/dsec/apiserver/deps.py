@@ -28,9 +28,20 @@ def caller(request: Request) -> Principal:
     return principal_of(request) or context(request).iam.authenticate(request_key(request))
 
 
+async def _context_dep(request: Request) -> ApiContext:
+    return context(request)
+
+
+async def _caller_dep(request: Request) -> Principal:
+    return caller(request)
+
+
 # FastAPI resolves these (string) annotations in the routers' module globals: import them by name.
-Ctx = Annotated[ApiContext, Depends(context)]
-Who = Annotated[Principal, Depends(caller)]
+# The dependencies are coroutines: FastAPI runs a plain `def` dependency in its thread pool, two
+# thread hand-offs per request for a dict lookup (issue 29; the guard already authenticated the
+# key on the loop, so caller() blocks no more than the guard did).
+Ctx = Annotated[ApiContext, Depends(_context_dep)]
+Who = Annotated[Principal, Depends(_caller_dep)]
 Path_ = Annotated[str, Query(min_length=1, max_length=4096, description="path inside the sandbox")]
 ExecId = Annotated[str, PathParam(pattern=r"^[0-9]{1,10}$", description="the exec_id from run/stream")]
 

@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import IO, Any
 from urllib.parse import urlsplit
 
@@ -36,6 +37,7 @@ from dsec.types import VolumeCreate, VolumeInfo, VolumeList
 from dsec.types import (ERRORS_BY_CODE, SDK_KEY_PREFIX, ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult, FsEvent,
                         FileEntry, FileList, ImageInfo, ImageList, NetworkPolicy, NodeStatus, SandboxInfo, SandboxList,
                         Unavailable)
+from dsec.types import AuditList
 from dsec.types import EventList, SandboxEvent, WebhookCreate, WebhookInfo, WebhookList, DeliveryList, ended_error
 
 DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
@@ -286,9 +288,25 @@ class Client:
     async def keys(self, project_id: str) -> builtins.list[KeyInfo]:
         return KeyList.model_validate_json((await self._request("GET", f"/v1/projects/{project_id}/keys")).content).keys
 
-    async def create_key(self, project_id: str) -> NewKey:
-        """A new API key of the project: `.key` is the secret, shown this once."""
-        return NewKey.model_validate_json((await self._request("POST", f"/v1/projects/{project_id}/keys")).content)
+    async def create_key(self, project_id: str, role: str = "admin") -> NewKey:
+        """A new API key of the project: `.key` is the secret, shown this once. `role`: admin
+        (manages keys, reads the audit log) or member (uses sandboxes only)."""
+        return NewKey.model_validate_json((await self._request(
+            "POST", f"/v1/projects/{project_id}/keys", params={"role": role})).content)
+
+    async def audit(self, *, project: str | None = None, key_id: str | None = None, action: str | None = None,
+                    target: str | None = None, since: datetime | None = None, until: datetime | None = None,
+                    before: str | None = None, limit: int = 100) -> AuditList:
+        """The audit log, newest first (an admin key: its project's and those below it).
+        `action`: exact (`exec.start`) or a prefix ending in a dot (`file.`); pass the answer's
+        next_before as `before` for the next page."""
+        params: dict[str, Any] = {"limit": limit}
+        for k, v in (("project", project), ("key_id", key_id), ("action", action), ("target", target),
+                     ("before", before), ("since", since.isoformat() if since else None),
+                     ("until", until.isoformat() if until else None)):
+            if v is not None:
+                params[k] = v
+        return AuditList.model_validate_json((await self._request("GET", "/v1/audit", params=params)).content)
 
     async def revoke_key(self, key_id: str) -> None:
         await self._request("DELETE", f"/v1/keys/{key_id}")

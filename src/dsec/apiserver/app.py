@@ -147,6 +147,9 @@ def create_app(ctx: ApiContext) -> FastAPI:
     app.add_middleware(RequestGuard, authenticate=ctx.iam.authenticate, public_paths=public,
                        image_body_bytes=ctx.settings.server.image_upload_max_bytes,
                        store_wait_s=ctx.settings.cluster.db_request_wait_s)
+    if ctx.settings.observability.traces_on:    # outermost: a refused request is traced too
+        from dsec.apiserver.tracing_mw import TraceMiddleware
+        app.add_middleware(TraceMiddleware)
     _add_openapi(app, public)
 
     # -- errors: always JSON {"error": {code, message, field, fix}} ------------------------

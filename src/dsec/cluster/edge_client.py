@@ -19,6 +19,7 @@ from urllib.parse import urlencode
 
 import httpx
 
+from dsec import tracing
 from dsec.apiserver.context import EdgeHandle, FnCallHandle
 from dsec.cluster.wire import (EDGE_PREFIX, FNCALL_PREFIX, TUNNEL_EOF, TUNNEL_OK, TUNNEL_PATH, EdgeUnreachable,
                                MethodSpec, error_from, specs)
@@ -80,7 +81,7 @@ class _Rpc:
         body = spec.params(**kwargs).model_dump_json()
         try:
             resp = await self._http.post(self.url + prefix + spec.name, content=body,
-                                         headers={"content-type": "application/json"})
+                                         headers=_headers())
         except httpx.TransportError as e:
             raise self._unreachable(e) from e
         if resp.status_code >= 400:
@@ -97,8 +98,7 @@ class _Rpc:
     async def _stream(self, method: str, **kwargs: Any) -> AsyncIterator[Any]:
         spec = EDGE_SPECS[method]
         body = spec.params(**kwargs).model_dump_json()
-        req = self._http.build_request("POST", self.url + EDGE_PREFIX + method, content=body,
-                                       headers={"content-type": "application/json"})
+        req = self._http.build_request("POST", self.url + EDGE_PREFIX + method, content=body, headers=_headers())
         try:
             resp = await self._http.send(req, stream=True)
         except httpx.TransportError as e:
@@ -117,6 +117,12 @@ class _Rpc:
                 raise self._unreachable(e) from e
         finally:
             await resp.aclose()
+
+
+def _headers() -> dict[str, str]:
+    """JSON, and the current span's traceparent when traces are on (the replica -> edge hop)."""
+    h = {"content-type": "application/json"}
+    return tracing.inject(h) if tracing.on() else h   # type: ignore[return-value]
 
 
 def _decode_error(content: bytes, status: int | None) -> DsecError:

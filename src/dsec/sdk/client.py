@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 import httpx
 from pydantic import BaseModel
 
+from dsec import tracing
 from dsec.config import DEFAULT_PORT, SERVER_INSTALL, Paths, server_installed
 from dsec.sdk.iam_types import (KeyInfo, KeyList, NewKey, ProjectCreate, ProjectInfo, ProjectList, QuotaInfo,
                                 QuotaUpdate)
@@ -174,6 +175,8 @@ class Client:
         wait = RETRY_BASE_S
         while True:
             try:
+                if tracing.on():      # the current span's traceparent (dsec.tracing; off: no cost)
+                    kw["headers"] = tracing.inject(dict(kw.get("headers") or {}))
                 resp = await self._http.request(method, path, **kw)
                 break
             except RETRYABLE as e:
@@ -323,8 +326,14 @@ class Client:
         one is made here, so a retry after a lost connection cannot create a second sandbox."""
         if args.idempotency_key is None:
             args = args.model_copy(update={"idempotency_key": _sdk_key()})
-        resp = await self._request("POST", "/v1/sandboxes", content=wire(args), headers=JSON, idempotent=True)
-        return Sandbox(self, SandboxInfo.model_validate_json(resp.content))
+        if not tracing.on():
+            resp = await self._request("POST", "/v1/sandboxes", content=wire(args), headers=JSON, idempotent=True)
+            return Sandbox(self, SandboxInfo.model_validate_json(resp.content))
+        with tracing.span("dsec.sandbox.create", "client", {"dsec.backend": args.backend}) as span:
+            resp = await self._request("POST", "/v1/sandboxes", content=wire(args), headers=JSON, idempotent=True)
+            info = SandboxInfo.model_validate_json(resp.content)
+            tracing.set_attrs(span, {"dsec.sandbox_id": info.id})
+            return Sandbox(self, info)
 
     async def create_many(self, n: int, args: SandboxArgs, *, concurrency: int = 32
                           ) -> AsyncIterator["Created"]:
@@ -699,7 +708,14 @@ class Sandbox:
         req = ExecRequest(cmd=cmd, session=session, timeout_s=timeout_s, cwd=cwd, env=env or {},
                           stdin=stdin, user=user, output_cap_bytes=output_cap_bytes,
                           idempotency_key=idempotency_key or _sdk_key())
-        resp = await self._c._request("POST", f"{self._base}/exec", content=wire(req), headers=JSON, idempotent=True)
+        if tracing.on():
+            with tracing.span("dsec.sandbox.exec", "client", {"dsec.sandbox_id": self.id}) as span:
+                resp = await self._c._request("POST", f"{self._base}/exec", content=wire(req), headers=JSON,
+                                              idempotent=True)
+                tracing.set_attrs(span, {"dsec.exit_code": ExecResult.model_validate_json(resp.content).exit_code})
+        else:
+            resp = await self._c._request("POST", f"{self._base}/exec", content=wire(req), headers=JSON,
+                                          idempotent=True)
         result = ExecResult.model_validate_json(resp.content)
         if check and result.exit_code != 0:
             raise ExecFailed(result)
@@ -717,7 +733,8 @@ class Sandbox:
 
     async def _ndjson(self, method: str, path: str, content: str | None = None) -> AsyncIterator[ExecEvent]:
         await self._c._ensure_ready()
-        async with self._c._http.stream(method, path, content=content, headers=JSON) as resp:
+        headers = tracing.inject(dict(JSON)) if tracing.on() else JSON
+        async with self._c._http.stream(method, path, content=content, headers=headers) as resp:
             if resp.status_code >= 400:
                 _raise_for(resp, await resp.aread())
             async for line in resp.aiter_lines():

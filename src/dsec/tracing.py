@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from collections.abc import Iterator, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -28,19 +29,29 @@ TRACES_INSTALL = "pip install 'dsec-sandbox[traces]' (opentelemetry-api and open
 TRACER_NAME = "dsec"
 
 _on = False          # setup() ran in this process
+_follow_program = True   # a client: follow the program's own OpenTelemetry setup (a server: start() clears it)
 _tracer: Any = None
+_program_on = False
+_checked_at = float("-inf")
+RECHECK_S = 1.0      # get_tracer_provider() reads the environment (~7 µs): asked at most once a second
 
 
 def on() -> bool:
     """Whether spans are made in this process: setup() ran, or (in a client program) the
     program configured an OpenTelemetry TracerProvider of its own."""
+    global _program_on, _checked_at
     if _on:
         return True
+    if not _follow_program:
+        return False
     mod = sys.modules.get("opentelemetry.trace")      # never imported: nobody configured tracing
     if mod is None:
         return False
-    provider = mod.get_tracer_provider()
-    return type(provider).__name__ not in ("ProxyTracerProvider", "NoOpTracerProvider")
+    now = time.monotonic()
+    if now - _checked_at > RECHECK_S:
+        _checked_at = now
+        _program_on = type(mod.get_tracer_provider()).__name__ not in ("ProxyTracerProvider", "NoOpTracerProvider")
+    return _program_on
 
 
 def tracer() -> Any:
@@ -82,7 +93,10 @@ def setup(service: str, *, otlp_endpoint: str | None = None, traces_file: Path |
 
 
 def start(obs: Any, service: str) -> None:
-    """setup() from a process's ObservabilitySettings (dsec.settings) when they turn traces on."""
+    """A server's composition root: setup() from its ObservabilitySettings (dsec.settings)
+    when they turn traces on; else off for good (no per-call check of OpenTelemetry's state)."""
+    global _follow_program
+    _follow_program = False
     if obs.traces_on:
         setup(service, otlp_endpoint=obs.otlp_endpoint, traces_file=obs.traces_file, sample=obs.trace_sample)
 

@@ -48,14 +48,23 @@ class Rule:
     path: re.Pattern[str]
     action: str
     query: tuple[str, ...] = ()     # query parameters recorded in details (a file's path)
+    envd: bool = False              # E2B sandbox traffic: authenticated by the sandbox's access token
 
 
 SB = r"/v1/sandboxes/(?P<target>[^/]+)"
 E2B_SB = r"/e2b/(?:v2/)?sandboxes/(?P<target>[^/]+)"
 
 
-def _r(method: str, path: str, action: str, *query: str) -> Rule:
-    return Rule(method, re.compile(f"^{path}$"), action, query)
+def _r(method: str, path: str, action: str, *query: str, envd: bool = False) -> Rule:
+    return Rule(method, re.compile(f"^{path}$"), action, query, envd)
+
+
+# the E2B dispatcher's resolved sandbox (apiserver/e2b/envd_files.TARGET_KEY; not imported: the
+# e2b modules need the [e2b] extra). Its traffic carries the sandbox's access token, which the
+# key that created or connected to the sandbox was given: logged as that, under its project.
+E2B_TARGET_KEY = "e2b_target"
+E2B_TOKEN_ACTOR = "e2b-access-token"
+E2B_ID = re.compile(r"^(?P<node>[A-Za-z0-9][A-Za-z0-9-]*)-(?P<rand>[0-9a-f]{12})$")   # <node>-<12 hex>
 
 
 RULES: tuple[Rule, ...] = (
@@ -78,6 +87,11 @@ RULES: tuple[Rule, ...] = (
     _r("POST", E2B_SB + "/(?P<verb>pause|resume|connect|fork|snapshots)", "sandbox.{verb}"),
     _r("POST", E2B_SB + "/timeout", "sandbox.update"),
     _r("PUT", E2B_SB + "/network", "network.set"),
+    _r("POST", r"/e2b/process\.Process/Start", "exec.start", envd=True),
+    _r("POST", r"/e2b/process\.Process/SendSignal", "exec.signal", envd=True),
+    _r("GET", r"/e2b/files", "file.read", "path", envd=True),
+    _r("POST", r"/e2b/files", "file.write", "path", envd=True),
+    _r("POST", r"/e2b/filesystem\.Filesystem/(?P<verb>Remove|Move|MakeDir)", "file.{verb}", envd=True),
     # code runs
     _r("POST", r"/(?:v1/fncall(?:/batch)?|run_code|run_jupyter)", "fncall.run"),
     # projects, keys, policies, secrets, webhooks, network rule sets
@@ -197,6 +211,15 @@ class AuditLog:
                                                                        "entries": len(self.pending)})
 
 
+def _token_actor(scope: Scope) -> Principal | None:
+    """Who E2B sandbox traffic acts as: the holder of the sandbox's access token, in its project."""
+    t = scope.get("state", {}).get(E2B_TARGET_KEY)
+    project = getattr(getattr(t, "info", None), "project", None)
+    if not project:
+        return None
+    return Principal(project_id=project, key_id=E2B_TOKEN_ACTOR, project_name="")
+
+
 def audit_log(ctx: "ApiContext") -> AuditLog:
     a = ctx.runtime.audit
     if a is None:
@@ -215,7 +238,7 @@ class AuditRecorder:
                        send: Callable[[Message], Awaitable[None]]) -> None:
         found = match(scope["method"], scope["path"]) if scope["type"] == "http" else None
         principal = scope.get("state", {}).get("dsec_principal") if found else None
-        if found is None or not isinstance(principal, Principal):
+        if found is None or not (isinstance(principal, Principal) or found[0].envd):
             await self.app(scope, receive, send)
             return
         holder: dict[str, Any] = {}
@@ -227,7 +250,9 @@ class AuditRecorder:
             if done:
                 return
             done = True
-            self._record(scope, found, principal, status, holder)
+            actor = principal if isinstance(principal, Principal) else _token_actor(scope)
+            if actor is not None:      # envd traffic refused before its sandbox was known: nobody to name
+                self._record(scope, found, actor, status, holder)
 
         async def noting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -246,7 +271,8 @@ class AuditRecorder:
                 holder: dict[str, Any]) -> None:
         rule, m = found
         groups = m.groupdict()
-        action = rule.action.format(**groups) if "{" in rule.action else rule.action
+        action = rule.action.format(**{k: (v or "").lower() for k, v in groups.items()}) if "{" in rule.action \
+            else rule.action
         details: dict[str, Any] = {}
         if rule.query and scope.get("query_string"):
             q = parse_qs(scope["query_string"].decode("latin-1"))
@@ -257,6 +283,10 @@ class AuditRecorder:
             details["project"] = groups["project"]
         if scope["path"].startswith("/e2b/"):
             details["via"] = "e2b"
+        if rule.envd:
+            holder.setdefault("target", getattr(scope.get("state", {}).get(E2B_TARGET_KEY), "sandbox_id", ""))
         target = holder.get("target") or groups.get("target") or groups.get("project") or ""
+        if details.get("via") == "e2b" and (m2 := E2B_ID.match(target)):
+            target = f"sb-{m2['node']}.{m2['rand']}"     # E2B's id of a sandbox (e2b/ids.py) as dsec's
         audit_log(self.ctx).note(Record(at=time.time(), project_id=who.project_id, key_id=who.key_id,
                                         action=action, target=target, status=status, details=details))

@@ -7,7 +7,7 @@ project's admin keys read all. Member keys are refused, naming the role (iam.req
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Annotated
 
 from fastapi import APIRouter, Query
@@ -16,10 +16,20 @@ from dsec.apiserver.audit import audit_log
 from dsec.apiserver.deps import Ctx, Who, is_admin
 from dsec.iam import require_admin
 from dsec.store.audit import Query as AuditQuery
-from dsec.types import MAX_AUDIT_PAGE, AuditList, NotFound
+from dsec.types import MAX_AUDIT_PAGE, AuditList, InvalidArgument, NotFound
 
 router = APIRouter()
 PROJECT_FIX = "use a project id from `dsec project ls`: your project or one below it"
+
+
+def _epoch(t: datetime | None, field: str) -> float | None:
+    if t is None:
+        return None
+    try:
+        return (t if t.tzinfo else t.replace(tzinfo=timezone.utc)).timestamp()   # no zone: UTC
+    except (ValueError, OverflowError):
+        raise InvalidArgument(f"{field}: {t.isoformat()} is out of range", field=field,
+                              fix="an ISO 8601 time between the years 1970 and 9999") from None
 
 
 @router.get("/v1/audit", response_model=AuditList, tags=["audit"])
@@ -48,6 +58,5 @@ async def list_audit(
     else:
         projects = [p.id for p in await asyncio.to_thread(ctx.iam.subtree, who.project_id)]
     q = AuditQuery(projects=projects, key_id=key_id, action=action, target=target,
-                   since=since.timestamp() if since else None, until=until.timestamp() if until else None,
-                   before=before, limit=limit)
+                   since=_epoch(since, "since"), until=_epoch(until, "until"), before=before, limit=limit)
     return await asyncio.to_thread(audit_log(ctx).store.query, q)

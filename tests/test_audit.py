@@ -14,7 +14,7 @@ from dsec.apiserver.audit import AuditLog
 from dsec.iam import IAM
 from dsec.sdk.client import Client
 from dsec.store.audit import AuditStore, Query, Record
-from dsec.testing.waiting import wait_until
+from dsec.testing.waiting import wait_until, wait_until_sync
 from dsec.types import Forbidden, NotFound
 
 MARK_CMD = "audit-cmd-text-4711"
@@ -120,3 +120,30 @@ async def test_pruned_after_retention(tmp_path: Path):
             await wait_until(pruned, timeout_s=30, what="the old entry to be pruned")
         finally:
             await log.stop()
+
+
+def test_cli_key_roles_and_audit(server):
+    """`dsec key create --role member`, `dsec key ls` shows roles, `dsec audit --json --action key.`;
+    the member key's `dsec audit` fails naming the role."""
+    import json
+    import subprocess
+    import sys
+    env = {**server.env, "DSEC_API_KEY": server.key}
+
+    def dsec(*args: str, ok: bool = True, key: str | None = None) -> str:
+        p = subprocess.run([sys.executable, "-m", "dsec", *args], capture_output=True, text=True, timeout=120,
+                           env={**env, **({"DSEC_API_KEY": key} if key else {})})
+        assert (p.returncode == 0) == ok, p.stdout + p.stderr
+        return p.stdout + p.stderr
+
+    project = dsec("project", "create", f"audit-cli-{time.monotonic_ns() % 10**8}").split()[0]
+    member = dsec("key", "create", project, "--role", "member").strip().splitlines()[-1]
+    assert member.startswith("dsk_") and "member" in dsec("key", "ls", project)
+    assert "role" in dsec("audit", ok=False, key=member)
+
+    def logged() -> list:      # under the acting (root) key's project; the key's project in details
+        out = dsec("audit", "--json", "--action", "key.", "--limit", "500")
+        return [e for e in map(json.loads, filter(lambda line: line.startswith("{"), out.splitlines()))
+                if e["details"].get("project") == project]
+    got = wait_until_sync(logged, timeout_s=60, every_s=1.0, what="the key.create entry")
+    assert {e["action"] for e in got} == {"key.create"} and {e["status"] for e in got} == {201}, got

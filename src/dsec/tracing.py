@@ -146,6 +146,9 @@ def extract(headers: Mapping[str, str]) -> Any:
 
 
 def past_span(name: str, start_ns: int, end_ns: int, attrs: Mapping[str, Any] | None = None) -> None:
-    """A child of the current span that already happened (a stage timed by laps)."""
-    s = tracer().start_span(name, attributes=dict(attrs or {}), start_time=start_ns)
+    """A child of the current span that already happened (a stage timed by laps); it starts
+    no earlier than its parent."""
+    from opentelemetry import trace
+    parent_start = getattr(trace.get_current_span(), "start_time", None) or 0
+    s = tracer().start_span(name, attributes=dict(attrs or {}), start_time=max(start_ns, parent_start))
     s.end(end_time=end_ns)

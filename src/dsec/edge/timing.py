@@ -18,6 +18,7 @@ class CreateTimer:
     def __init__(self, backend: str, project: str):
         self.backend, self.project = backend, project
         self.t0 = self.t = time.monotonic()
+        self.t_ns = time.time_ns()      # wall clock of the last lap (spans are in wall-clock time)
         self.refused = False
         self.warm = False
 
@@ -26,8 +27,9 @@ class CreateTimer:
         metrics.CREATE_SECONDS.labels(self.backend, stage).observe(now - self.t)
         if tracing.on():     # the stage as a child span of dsec.edge.create (docs/traces.md)
             end_ns = time.time_ns()
-            tracing.past_span(STAGE_SPANS.get(stage, f"dsec.create.{stage}"), end_ns - int((now - self.t) * 1e9),
-                              end_ns, {"dsec.stage": stage, "dsec.backend": self.backend})
+            tracing.past_span(STAGE_SPANS.get(stage, f"dsec.create.{stage}"), self.t_ns, end_ns,
+                              {"dsec.stage": stage, "dsec.backend": self.backend})
+            self.t_ns = end_ns
         self.t = now
 
     def refuse(self, e: DsecError) -> None:

@@ -107,7 +107,7 @@ def e2b_env(server):
     prefix, E2B_API_KEY a dsec key (docs/e2b.md). Yields that URL."""
     mp = pytest.MonkeyPatch()
     url = f"{server.url}/e2b"
-    for k, v in {"E2B_API_URL": url, "E2B_SANDBOX_URL": url, "E2B_API_KEY": server.key,
+    for k, v in {"E2B_API_URL": url, "E2B_SANDBOX_URL": url, "E2B_VOLUME_API_URL": url, "E2B_API_KEY": server.key,
                  "E2B_DOMAIN": "dsec.invalid"}.items():
         mp.setenv(k, v)
     mp.delenv("E2B_DEBUG", raising=False)

@@ -45,6 +45,11 @@ while True:
 """
 
 
+def _hostport(url: str) -> str:
+    """host:port of an edge URL (https: the edges serve TLS, cluster_ca.py)."""
+    return url.split("://", 1)[1]
+
+
 def _sh(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, capture_output=True, text=True)
 
@@ -161,7 +166,7 @@ async def _spread(cluster: Cluster, make, want: int = 1, tries: int = 12) -> dic
 async def test_creates_through_the_replicas_reach_every_edge_in_its_netns(cluster):
     for node, a in cluster.edges.items():
         assert a["netns"] == f"dsec-{node}" and Path(f"/run/netns/dsec-{node}").exists()
-        host = a["url"].removeprefix("http://").rsplit(":", 1)[0]
+        host = _hostport(a["url"]).rsplit(":", 1)[0]
         assert ipaddress.ip_address(host) in ipaddress.ip_network(cluster.local.settings.netns_pool)
         # the edge serves from inside its netns: its address is one of that netns', not the host's
         assert f"inet {host}/30" in _in_ns(node, "ip", "-4", "addr", "show", "dev", "eth0").stdout
@@ -178,7 +183,7 @@ async def test_each_edge_network_lives_only_in_its_netns(cluster, peer, host_lis
     from dsec.cluster import netns
     nodes = sorted(cluster.edges)
     links = {n: netns.EdgeNetns(n, str(ipaddress.ip_network(
-        cluster.edges[n]["url"].removeprefix("http://").rsplit(":", 1)[0] + "/30", strict=False))) for n in nodes}
+        _hostport(cluster.edges[n]["url"]).rsplit(":", 1)[0] + "/30", strict=False))) for n in nodes}
     pool = cluster.local.settings.netns_pool
     host_ips = [a.split("/")[0] for a in _sh("ip", "-4", "-o", "addr").stdout.split() if "/" in a
                 and not a.startswith("127.")]
@@ -207,8 +212,8 @@ async def test_each_edge_network_lives_only_in_its_netns(cluster, peer, host_lis
         assert "hello-peer" in r.stdout, r                      # ... and both NATs, to the peer
         # containment: allowed by its policy, yet unreachable (the edges' and the host's firewalls)
         own_url, other_url = cluster.edges[node]["url"], cluster.edges[other]["url"]
-        targets = {"own edge": own_url.removeprefix("http://").replace(":", " "),
-                   "other edge": other_url.removeprefix("http://").replace(":", " "),
+        targets = {"own edge": _hostport(own_url).replace(":", " "),
+                   "other edge": _hostport(other_url).replace(":", " "),
                    "own veth host end": f"{links[node].host_ip} {host_listener}",
                    "other veth host end": f"{links[other].host_ip} {host_listener}",
                    **{f"host {ip}": f"{ip} {host_listener}" for ip in host_ips}}

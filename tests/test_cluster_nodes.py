@@ -238,9 +238,12 @@ async def test_rotate_secret_drops_no_request_and_retires_the_old_one(env):
     assert new != old and SecretFile(node_file).accepted() == [new]
     assert (settings.home / rc.SECRET_FILE).read_text().strip() == new
     url = (await actor_address(EDGE_PREFIX + env.head))["url"]
-    async with httpx.AsyncClient(timeout=30) as http:
+    from dsec.cluster import cluster_ca     # the edge serves TLS: verified as a replica does (its node name)
+    tls = cluster_ca.client_context(settings.node_homes / cluster_ca.CA_CERT)
+    async with httpx.AsyncClient(timeout=30, verify=tls) as http:
         for secret, want in ((old, 401), (new, 200)):
-            r = await http.post(f"{url}/v1/edge/status", content=b"{}", headers={"Authorization": f"Bearer {secret}"})
+            r = await http.post(f"{url}/v1/edge/status", content=b"{}", headers={"Authorization": f"Bearer {secret}"},
+                                extensions={"sni_hostname": env.head})
             assert r.status_code == want, (want, r.text)
     for sb in sbs:
         assert (await (await env.users[0].get(sb.id)).run("echo after")).stdout == "after\n"

@@ -153,12 +153,15 @@ async def test_fork_of_a_stopped_sandbox_is_refused(fc):
     await asyncio.sleep(0)
 
 
-async def test_microvm_fork_carries_memory_and_processes(vm_client):
+async def test_microvm_fork_carries_memory_and_processes(vm_client, server):
     """A VM fork resumes the guest itself: files, a running process and the parent's own
-    lifetime unchanged; the forks are restores of one snapshot (host PSS per fork printed)."""
+    lifetime unchanged; the forks are restores of one snapshot whose RAM they map
+    copy-on-write (backends/vm/snapram.py: one file, each fork's writes its own; host PSS per
+    fork printed)."""
     src = await vm_client.create_microvm(image="busybox", memory_mb=256, labels={"vm": "fork"})
     try:
         await src.files.write("/work/state.txt", "before")
+        await src.run("echo parent > /dev/shm/mem.txt")          # guest RAM (tmpfs), not its disk
         await src.run("sleep 1000 >/dev/null 2>&1 &")
         forked = await src.fork(2)
         assert [c.ok for c in forked.forks] == [True, True], [c.error for c in forked.forks]
@@ -170,6 +173,22 @@ async def test_microvm_fork_carries_memory_and_processes(vm_client):
                 assert "sleep 1000" in (await kid.run("ps")).stdout
             await forked.sandboxes[0].files.write("/work/state.txt", "kid")
             assert await src.files.read_text("/work/state.txt") == "before"
+            # memory diverges: a write in one fork's RAM is not seen by its sibling or the parent
+            kid0, kid1 = forked.sandboxes
+            await kid0.run("echo kid0 > /dev/shm/mem.txt")
+            await src.run("echo parent-later >> /dev/shm/mem.txt")
+            assert (await kid0.run("cat /dev/shm/mem.txt")).stdout == "kid0\n"
+            assert (await kid1.run("cat /dev/shm/mem.txt")).stdout == "parent\n"
+            assert (await src.run("cat /dev/shm/mem.txt")).stdout == "parent\nparent-later\n"
+            # ... while both QEMUs map the snapshot's one RAM file, read-only to them
+            inodes = set()
+            for kid in forked.sandboxes:
+                d = server.paths.vm_sandboxes / kid.id
+                pid = int((d / "qemu.pid").read_text())
+                ram = os.stat(d / "snap.ram")
+                assert f"{d / 'snap.ram'}" in open(f"/proc/{pid}/maps").read()
+                inodes.add((ram.st_dev, ram.st_ino))
+            assert len(inodes) == 1, inodes
             pss = [(await k.refresh()).host_pss_mb for k in forked.sandboxes]
             print(f"host PSS per microvm fork, MiB: {pss}")
         finally:

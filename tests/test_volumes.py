@@ -103,7 +103,7 @@ async def test_bad_mounts_and_vms_are_refused_by_name(client, server):
         assert (await h.delete(f"/v1/volumes/{name}")).status_code == 404
 
 
-def test_cli_volume_create_ls_rm_and_sandbox_create_volume(server):
+def test_cli_volume_create_ls_rm_and_sandbox_create_volume(server, tmp_path):
     import subprocess
     import sys
 
@@ -124,6 +124,16 @@ def test_cli_volume_create_ls_rm_and_sandbox_create_volume(server):
         assert "mounted by" in p.stdout + p.stderr
     finally:
         dsec("sandbox", "rm", sid)
+    # files without a sandbox: cp in and out (stdin/stdout too), list, remove
+    src = tmp_path / "in.txt"
+    src.write_text("from the cli\n")
+    assert "wrote 13 bytes" in dsec("volume", "cp", str(src), f"{name}:/d/in.txt").stdout
+    assert dsec("volume", "cp", f"{name}:/d/in.txt", "-").stdout == "from the cli\n"
+    listed = dsec("volume", "files", name, "--depth", "2").stdout
+    assert "/d/in.txt" in listed and "1000:1000" in listed, listed
+    dsec("volume", "rm-file", f"{name}:/d")
+    assert "/d" not in dsec("volume", "files", name).stdout
+    assert "VOLUME:/path" in dsec("volume", "cp", str(src), str(src), ok=False).stderr
     dsec("volume", "rm", name)
     assert name not in dsec("volume", "ls").stdout
 
@@ -157,6 +167,12 @@ async def test_volumes_outside_the_scratch_are_measured_at_mount(dsec_home, imag
                 assert (await ro.run("ls /s")).stdout == "big\n"
             finally:
                 await ro.stop()
+            # the volume file API checks the measured size before a write (no kernel quota here)
+            with pytest.raises(Exception, match="size_mb") as e:
+                await c.volume_write("small", "/more", b"x" * 1024)
+            assert getattr(e.value, "field", None) == "size_mb"
+            await c.volume_remove("small", "/big")
+            assert (await c.volume_write("small", "/more", b"x" * 1024)).size == 1024
             await c.delete_volume("small")
             assert not (store / vol.id).exists()
     finally:

@@ -70,6 +70,8 @@ class ClientSettings(Group):
                           "started on first use")
     api_key: str | None = env(None, "DSEC_API_KEY", "the SDK's API key; unset: DSEC_HOME/admin.key of a "
                               "local server", secret=True)
+    busy_retry_s: float = env(30.0, "DSEC_BUSY_RETRY_S", "how long in all one idempotent SDK call waits out "
+                              "503/429 answers carrying Retry-After (at most 8 tries); 0: the first is raised")
 
 
 class ServerSettings(Group):

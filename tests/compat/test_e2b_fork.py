@@ -4,6 +4,8 @@ Sandbox.create(snapshot_id) / delete_snapshot work on dsec's container snapshots
 
 from __future__ import annotations
 
+import secrets
+
 import pytest
 
 pytest.importorskip("e2b", reason="the e2b SDK is not installed: pip install -e '.[e2b]'")
@@ -71,3 +73,44 @@ def test_full_memory_snapshot_of_a_container_is_refused_by_name(parent):
     with pytest.raises(SandboxException) as e:
         parent.create_snapshot(mode="full")
     assert "memory" in str(e.value)
+
+
+def test_snapshot_names_move_to_the_newest_and_create_by_name(parent):
+    name = f"named-{secrets.token_hex(3)}"
+    first = parent.create_snapshot(mode="filesystem", name=name)
+    assert first.snapshot_id.startswith("snap-") and len(first.names) == 1
+    assert first.names[0].endswith(f"/{name}:default"), first.names
+    parent.files.write("/home/user/state.txt", "second")
+    try:
+        second = parent.create_snapshot(mode="filesystem", name=name)     # the name moves to it
+    finally:
+        parent.files.write("/home/user/state.txt", "prepared")
+    try:
+        by_name = Sandbox.list_snapshots(name=name).next_items()
+        assert [s.snapshot_id for s in by_name] == [second.snapshot_id]
+        assert by_name[0].names == second.names
+        listed = {s.snapshot_id: s.names for s in Sandbox.list_snapshots().next_items()}
+        assert listed[first.snapshot_id] == [] and listed[second.snapshot_id] == second.names
+        made = Sandbox.create(name, timeout=120)                       # a create naming it: the newest
+        try:
+            assert made.files.read("/home/user/state.txt") == "second"
+        finally:
+            made.kill()
+        made = Sandbox.create(first.snapshot_id, timeout=120)          # the older one by its id
+        try:
+            assert made.files.read("/home/user/state.txt") == "prepared"
+        finally:
+            made.kill()
+    finally:
+        assert Sandbox.delete_snapshot(second.snapshot_id) is True
+        assert Sandbox.delete_snapshot(first.snapshot_id) is True
+    assert Sandbox.list_snapshots(name=name).next_items() == []
+
+
+def test_bad_or_taken_snapshot_names_are_refused_by_name(parent):
+    with pytest.raises(SandboxException) as e:
+        parent.create_snapshot(mode="filesystem", name="Not A Name!")
+    assert "name" in str(e.value)
+    with pytest.raises(SandboxException) as e:
+        parent.create_snapshot(mode="filesystem", name=TEMPLATE)       # an image's name
+    assert "name" in str(e.value) and "template" in str(e.value)

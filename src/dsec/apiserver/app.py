@@ -28,7 +28,7 @@ from dsec.apiserver.index import keeper
 from dsec.apiserver.webhooks import worker
 from dsec.apiserver.ui_routes import UI_PATHS, add_ui_routes
 from dsec.apiserver.routes import audit as audit_routes
-from dsec.apiserver.routes import events, execs, files, nodes, policy, sandboxes, snapshots, volumes
+from dsec.apiserver.routes import events, execs, files, nodes, policy, sandboxes, snapshots, volume_files, volumes
 from dsec.types import (CapacityExceeded, ContainerArgs, DsecError, ErrorBody, FnCallRequest, InternalError,
                         InvalidArgument, MicroVMArgs, NotFound, Unavailable, VMArgs)
 
@@ -197,7 +197,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
     async def healthz() -> dict:
         return {"ok": True, "nodes": len(ctx.edges)}
 
-    for resource in (sandboxes, policy, snapshots, execs, files, volumes, events, audit_routes):
+    for resource in (sandboxes, policy, snapshots, execs, files, volumes, volume_files, events, audit_routes):
         app.include_router(resource.router)
     from dsec.apiserver.fncall_routes import add_fncall_routes
     add_fncall_routes(app, ctx)   # /v1/fncall, /v1/fncall/batch, SandboxFusion-compatible /run_code

@@ -75,6 +75,9 @@ BODY_LIMITS = (
     # E2B envd: file uploads, and stdin (one message, or a client stream over a command's life)
     BodyLimit("POST", re.compile(r"^/e2b/files$"), MAX_FILE_BYTES,
               "split the file into parts of at most 64 MiB, or fetch or build it from inside the sandbox"),
+    # volume files (routes/volume_files.py, e2b/volume_content.py): one file per call
+    BodyLimit("PUT", re.compile(r"^/(v1/volumes|e2b/volumecontent)/[^/]+/file$"), MAX_FILE_BYTES,
+              "split the file into parts of at most 64 MiB, or write it through a sandbox that mounts the volume"),
     BodyLimit("POST", re.compile(r"^/e2b/process\.Process/(SendInput|StreamInput)$"), EXEC_BODY_BYTES,
               "write large input to a file first (files.write) and redirect it into the command"),
 )
@@ -96,6 +99,11 @@ E2B_KEY_HEADER = "x-api-key"
 
 def is_e2b_path(path: str) -> bool:
     return path == E2B_PREFIX or path.startswith(E2B_PREFIX + "/")
+
+
+def is_e2b_volume_content(path: str) -> bool:
+    """E2B's volume content API: authenticated by the volume's token (e2b/volume_content.py)."""
+    return path.startswith(E2B_PREFIX + "/volumecontent/")
 
 
 def is_e2b_sandbox_traffic(request: Request) -> bool:
@@ -172,7 +180,7 @@ class RequestGuard:
         method, path = scope["method"], scope["path"]
         request = Request(scope)
         e2b = is_e2b_path(path)
-        if path not in self.public_paths and not is_e2b_sandbox_traffic(request):
+        if path not in self.public_paths and not is_e2b_sandbox_traffic(request) and not is_e2b_volume_content(path):
             try:
                 principal = self.authenticate(request_key(request))
             except DsecError as e:

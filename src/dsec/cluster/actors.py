@@ -40,8 +40,11 @@ class EdgeNode:
 
     def __init__(self, node_id: str, home: str, secret_file: str, system_project: str, host: str,
                  builtin_images: list[str] | None = None, seed_bin: str | None = None,
-                 netns: dict[str, str] | None = None, port: int = 0):
+                 netns: dict[str, str] | None = None, port: int = 0, tls_file: str | None = None):
+        """`tls_file`: the node's edge certificate (cluster_ca.py; a path on this node, never the
+        key itself); None: plain HTTP (`cluster up --edge-plain-http`)."""
         self.node_id = node_id
+        self._tls_file = tls_file
         self._seed_bin = Path(seed_bin) if seed_bin else None
         self.home = Path(home)
         self._secret_file = secret_file    # on this node (secret_file.py): never the secret itself
@@ -66,7 +69,7 @@ class EdgeNode:
         host = self._host or ray.util.get_node_ip_address()
         self._stack, self._url = await start_edge(self._settings, self.node_id, self._secret_file,
                                                   self._system_project, host, self._builtin, self._seed_bin,
-                                                  self._port)
+                                                  self._port, self._tls_file)
 
     async def _start_in_netns(self) -> None:
         """The edge as a child process inside the node's netns (edge_proc.py, D40)."""
@@ -87,7 +90,8 @@ class EdgeNode:
             assert proc.stdin is not None and proc.stdout is not None
             cfg = {"node_id": self.node_id, "home": str(self.home), "secret_file": self._secret_file,
                    "system_project": self._system_project, "host": ns.ns_ip, "builtin_images": self._builtin,
-                   "seed_bin": str(self._seed_bin) if self._seed_bin else None, "port": self._port}
+                   "seed_bin": str(self._seed_bin) if self._seed_bin else None, "port": self._port,
+                   "tls_file": self._tls_file}
             proc.stdin.write(json.dumps(cfg).encode() + b"\n")
             await proc.stdin.drain()
             line = await proc.stdout.readline()      # stdin stays open: its end is the actor's death
@@ -170,7 +174,7 @@ async def _end_child(proc: asyncio.subprocess.Process, grace_s: float = 10.0) ->
 
 async def start_edge(settings: Settings, node_id: str, secret_file: str, system_project: str, host: str,
                      builtin_images: list[str], seed_bin: Path | str | None,
-                     port: int = 0) -> tuple[AsyncExitStack, str]:
+                     port: int = 0, tls_file: str | None = None) -> tuple[AsyncExitStack, str]:
     """One node's edge + FnCall served over HTTP on `host` (`port`, else edge_socket's): (what
     stops it, its URL).
     Runs in the EdgeNode actor, or in its child inside the node's netns (edge_proc.py), with the
@@ -186,6 +190,11 @@ async def start_edge(settings: Settings, node_id: str, secret_file: str, system_
     tracing.start(settings.observability, "dsec-edge")     # DSEC_OTLP_ENDPOINT / DSEC_TRACES_FILE
     secrets = SecretFile(secret_file)
     secrets.accepted()           # there and valid, or the start fails saying so
+    if tls_file is not None and not os.path.exists(tls_file):
+        from dsec.types import Unavailable
+        raise Unavailable(f"the edge certificate {tls_file} is missing on node {node_id}", field="edge_tls",
+                          fix="run `dsec cluster up` (it issues every live node's certificate), or "
+                              "`--edge-plain-http` for plain HTTP on a private network")
     paths = settings.paths
     make_private(paths)
     (paths.home / "cache").mkdir(exist_ok=True)
@@ -197,13 +206,13 @@ async def start_edge(settings: Settings, node_id: str, secret_file: str, system_
     try:
         edge, fncall = await stack.enter_async_context(node_services(settings, node_id, system_project))
         sock = edge_socket(paths.home, host, port)
-        server = await serve(edge_app(edge, secrets.accepted, fncall), sock)
+        server = await serve(edge_app(edge, secrets.accepted, fncall), sock, tls_file)
         stack.push_async_callback(stop, server)
     except BaseException:
         await stack.aclose()
         raise
     bound, port = sock.getsockname()[:2]
-    url = f"http://{bound}:{port}"
+    url = f"{'https' if tls_file else 'http'}://{bound}:{port}"
     log.info("edge serving", extra={"node": node_id, "url": url, "home": str(paths.home)})
     return stack, url
 
@@ -239,8 +248,11 @@ class ApiReplica:
     """The normal dsec HTTP API over every edge discovery finds (discovery.py)."""
 
     def __init__(self, name: str, secret_file: str, db_url: str, admin_key_file: str, host: str, port: int,
-                 images_home: str | None = None):
+                 images_home: str | None = None, ca_file: str | None = None):
+        """`ca_file`: the cluster CA on this replica's node (cluster_ca.py): edges must serve TLS
+        its certificates verify; None: plain HTTP edges (`--edge-plain-http`)."""
         self.name = name
+        self._ca_file = ca_file
         self._secret_file = secret_file    # on this replica's node (secret_file.py)
         self._db_url = db_url
         self._admin_key_file = admin_key_file
@@ -275,7 +287,7 @@ class ApiReplica:
             from dsec.cluster.secret_file import SecretFile
             secret = SecretFile(self._secret_file)
             secret.current()         # there and valid, or the start fails saying so
-            discovery = RayDiscovery(watcher, secret.current)
+            discovery = RayDiscovery(watcher, secret.current, ca_file=self._ca_file)
             await discovery.refresh()
             await watcher.start()
             stack.push_async_callback(watcher.stop)
@@ -302,7 +314,8 @@ class ApiReplica:
             if self._stack is None:
                 await self._start()
         import ray
-        return {"name": self.name, "url": self._url, "ray_node": ray.get_runtime_context().get_node_id()}
+        return {"name": self.name, "url": self._url, "ray_node": ray.get_runtime_context().get_node_id(),
+                "pid": os.getpid()}
 
     async def stop(self) -> None:
         async with self._lock:

@@ -5,12 +5,16 @@ Both arms create the same sandboxes (busybox, 0.1 core, 64 MiB) at the same clie
 concurrency, each timed from the first create to the last answer, then stopped (not timed).
 On one host the cluster's three edges share its cores: the ratio shows what the HTTP hop,
 the replicas and placement over three nodes cost or gain, not what three hosts would do.
+The replicas' own CPU time per create (their processes' user + system time over a burst) is
+what sizes them: a replica is one event loop, so it serves at most 1 / (CPU s per create)
+creates per second; `replicas_for_5000_per_s` counts them at 70 % of a core each.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import platform
 import signal
@@ -25,7 +29,22 @@ from dsec.sdk.client import Client
 NO_PSI = {f"DSEC_ADMIT_PSI_{k}": "100" for k in ("CPU_SOME", "MEMORY_SOME", "MEMORY_FULL", "IO_FULL")}
 
 
-async def _burst(clients: list[Client], n: int, concurrency: int) -> dict[str, Any]:
+REPLICA_CORE_USE = 0.7      # of a core, what a replica is planned to use (headroom for bursts)
+TARGET_PER_S = 5000
+
+
+def cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds the processes have used (their threads included)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])       # utime, stime (fields 14, 15)
+    return total / tick
+
+
+async def _burst(clients: list[Client], n: int, concurrency: int, replica_pids: list[int] | None = None
+                 ) -> dict[str, Any]:
     sem = asyncio.Semaphore(concurrency)
     made: list[Any] = []
     errors: list[str] = []
@@ -38,13 +57,20 @@ async def _burst(clients: list[Client], n: int, concurrency: int) -> dict[str, A
             except Exception as e:      # counted, not fatal: the rate is of successes
                 errors.append(f"{type(e).__name__}: {e}")
 
+    cpu0 = cpu_s(replica_pids) if replica_pids else 0.0
     t0 = time.monotonic()
     await asyncio.gather(*(one(i) for i in range(n)))
     wall = time.monotonic() - t0
+    cpu = cpu_s(replica_pids) - cpu0 if replica_pids else None
     nodes = sorted({sb.id.removeprefix("sb-").split(".")[0] for sb in made})
     await asyncio.gather(*(sb.stop() for sb in made), return_exceptions=True)
-    return {"created": len(made), "errors": len(errors), "first_error": errors[0] if errors else None,
-            "wall_s": round(wall, 2), "per_s": round(len(made) / wall, 2) if wall else 0.0, "nodes": nodes}
+    out = {"created": len(made), "errors": len(errors), "first_error": errors[0] if errors else None,
+           "wall_s": round(wall, 2), "per_s": round(len(made) / wall, 2) if wall else 0.0, "nodes": nodes}
+    if cpu is not None and made:
+        per = cpu / len(made)
+        out |= {"replica_cpu_ms_per_create": round(per * 1000, 2),
+                "replicas_for_5000_per_s": math.ceil(TARGET_PER_S * per / REPLICA_CORE_USE)}
+    return out
 
 
 async def _embedded(n: int, concurrency: int, rounds: int) -> list[dict[str, Any]]:
@@ -78,11 +104,15 @@ async def _embedded(n: int, concurrency: int, rounds: int) -> list[dict[str, Any
 
 async def _cluster(n: int, concurrency: int, rounds: int) -> tuple[list[dict[str, Any]], dict[str, float]]:
     from dsec.cluster.local import local_cluster
+    from dsec.cluster.discovery import API_PREFIX, actor_address, named_actors
     async with local_cluster(nodes=3, replicas=2, edge_env=NO_PSI) as local:
         clients = [Client(url, local.admin_key) for url in local.replica_urls]
+        # the replicas run on this host (local_cluster): their CPU time is read from /proc
+        pids = [a["pid"] for a in [await actor_address(n) for n in await asyncio.to_thread(named_actors, API_PREFIX)]
+                if a is not None and "pid" in a]
         try:
             await _burst(clients, min(n, 8), concurrency)
-            out = [await _burst(clients, n, concurrency) for _ in range(rounds)]
+            out = [await _burst(clients, n, concurrency, pids) for _ in range(rounds)]
         finally:
             for c in clients:
                 await c.close()

@@ -66,6 +66,11 @@ def up(address: Address = "auto",
                                               "address); 0: each keeps the free port it first bound")] = 0,
        edge_env: Annotated[Optional[list[str]], typer.Option(help="K=V in every edge's and replica's environment "
                                                              "(e.g. DSEC_LAYER_STORE=...); repeatable")] = None,
+       edge_plain_http: Annotated[bool, typer.Option(help="replicas call edges over plain HTTP (bearer secret only; "
+                                                     "a private network); default: TLS with the cluster CA")] = False,
+       api_nodes: Annotated[Optional[str], typer.Option(help="replicas on these node names (a,b: one each, a stable "
+                                                        "API address), or 'all' (one on every named node); "
+                                                        "default: --replicas, spread")] = None,
        ) -> None:
     """Start an edge on every eligible Ray node and the apiserver replicas (what is missing)."""
     from dsec.cluster import ray_cluster as rc
@@ -79,7 +84,8 @@ def up(address: Address = "auto",
                                   share_hosts=share_hosts, node_cpu_cores=node_cpu_cores,
                                   node_memory_mb=node_memory_mb, netns_pool=netns_pool,
                                   edge_netns=conf.edge_netns if edge_netns is None else edge_netns, edge_env=env,
-                                  edge_port=edge_port)
+                                  edge_port=edge_port, edge_tls=not edge_plain_http,
+                                  api_nodes=[x.strip() for x in (api_nodes or "").split(",") if x.strip()])
     _print(asyncio.run(rc.up(settings)))
     typer.echo(f"admin key: {settings.home / 'admin.key'}")
 

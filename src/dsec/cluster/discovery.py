@@ -16,8 +16,10 @@ import logging
 from collections.abc import Callable, ItemsView, Iterator, KeysView, Mapping, ValuesView
 from typing import Any, Generic, TypeVar
 
+from dsec.cluster.cluster_ca import client_context
 from dsec.cluster.edge_client import HttpEdge, HttpFnCall
 from dsec.cluster.names import name_of
+from dsec.types import DsecError
 from dsec.watcher import Watcher
 
 log = logging.getLogger("dsec.cluster.discovery")
@@ -100,8 +102,14 @@ class LiveMap(Mapping[str, T], Generic[T]):
 
 
 class RayDiscovery:
-    def __init__(self, watcher: Watcher, secret: str | Callable[[], str], interval_s: float = 1.0):
+    def __init__(self, watcher: Watcher, secret: str | Callable[[], str], interval_s: float = 1.0,
+                 ca_file: str | None = None):
+        """`ca_file`: the cluster CA; with it, only edges serving TLS that it verifies are used
+        (an edge on plain HTTP is refused: TLS is off only where `cluster up` said so)."""
         self.watcher = watcher
+        self._ca_file = ca_file
+        self._tls = client_context(ca_file) if ca_file else None
+        self._refused: set[tuple[str, str]] = set()     # (node, url) logged once
         self.interval_s = interval_s
         self._secret = secret
         self.edges: LiveMap[HttpEdge] = LiveMap()
@@ -166,9 +174,25 @@ class RayDiscovery:
             await self._drop(node, "its edge actor is gone")
 
     def _add(self, node: str, ray_node: str, url: str) -> None:
-        edge = HttpEdge(url, self._secret, node)
+        if self._tls is not None and not url.startswith("https://"):
+            if (node, url) in self._refused:
+                return
+            self._refused.add((node, url))
+            log.error("edge refused: it serves plain HTTP while this apiserver verifies edges with the cluster CA "
+                      "(run `dsec cluster down` and `up` again to restart it with TLS)",
+                      extra={"node": node, "url": url, "field": "edge_tls"})
+            return
+        try:
+            edge = HttpEdge(url, self._secret, node, tls=self._tls, ca_file=self._ca_file)
+            fn = HttpFnCall(url, self._secret, node, tls=self._tls, ca_file=self._ca_file)
+        except DsecError as e:     # an https edge and no CA here: say so, keep discovering the others
+            if (node, url) in self._refused:
+                return
+            self._refused.add((node, url))
+            log.error("edge refused", extra={"node": node, "url": url, "error": e.message, "fix": e.fix})
+            return
         self.edges.set(node, edge)
-        self.fncall.set(node, HttpFnCall(url, self._secret, node))
+        self.fncall.set(node, fn)
         self._where[node] = (ray_node, url)
         self.watcher.add_edge(node, edge)
         log.info("edge joined", extra={"node": node, "url": url})

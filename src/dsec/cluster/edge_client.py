@@ -3,7 +3,7 @@ HttpFnCall: its FnCall service. What the apiserver gets back is what an in-proce
 the same pydantic types, the same DsecError subclasses (by code), ExecEvent streams, and a
 (reader, writer) pair for a port connection (a WebSocket tunnel relayed through a local socket
 pair, so callers keep using asyncio streams). A node that does not answer is EdgeUnreachable
-(503)."""
+(503). An https edge is verified against the cluster CA and its node name (cluster_ca.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import builtins
 import inspect
 import json
 import socket
+import ssl
 from collections.abc import AsyncIterator, Callable, Generator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -21,9 +22,10 @@ import httpx
 
 from dsec import tracing
 from dsec.apiserver.context import EdgeHandle, FnCallHandle
+from dsec.cluster.cluster_ca import verify_failure
 from dsec.cluster.wire import (EDGE_PREFIX, FNCALL_PREFIX, TUNNEL_EOF, TUNNEL_OK, TUNNEL_PATH, EdgeUnreachable,
                                MethodSpec, error_from, specs)
-from dsec.types import DsecError, FnCallRequest, FnCallResult
+from dsec.types import DsecError, FnCallRequest, FnCallResult, InvalidArgument
 
 CONNECT_TIMEOUT_S = 5.0
 TUNNEL_CHUNK = 64 * 1024
@@ -47,17 +49,29 @@ class _Rpc:
     """POST <prefix><method> with the cluster secret; errors back as DsecErrors."""
 
     def __init__(self, url: str, secret: str | Callable[[], str], node_id: str,
-                 http: httpx.AsyncClient | None = None):
+                 http: httpx.AsyncClient | None = None, tls: ssl.SSLContext | None = None,
+                 ca_file: str | None = None):
         """`secret`: the cluster secret, or what gives it at each call (a node's secret file,
-        secret_file.py: a rotation takes effect on the next request)."""
+        secret_file.py: a rotation takes effect on the next request). `tls`: what an https
+        edge is verified with (cluster_ca.client_context of `ca_file`), its name checked."""
         self.url = url.rstrip("/")
         self.node_id = node_id
         self._secret = secret
+        self._tls = tls if self.url.startswith("https://") else None
+        self._ca_file = ca_file
+        if self.url.startswith("https://") and tls is None:
+            raise InvalidArgument(f"node {node_id!r} serves its edge over TLS ({self.url}) and this apiserver "
+                                  "has no cluster CA to verify it", field="cluster_ca",
+                                  fix="run `dsec cluster up` again: it installs <node-homes>/cluster-ca.pem on "
+                                      "every node")
+        # the node's name, not its address, is what its certificate proves
+        self._ext = {"sni_hostname": node_id} if self._tls is not None else None
         # no read timeout: a create or a command takes as long as it takes (the edge bounds
         # them); a dead node is found by connect failing or the connection dropping
         self._http = http or httpx.AsyncClient(
             auth=_Bearer(self._current), timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            verify=self._tls if self._tls is not None else True)
 
     def _current(self) -> str:
         return self._secret if isinstance(self._secret, str) else self._secret()
@@ -70,6 +84,16 @@ class _Rpc:
         await self._http.aclose()
 
     def _unreachable(self, e: Exception) -> EdgeUnreachable:
+        bad = verify_failure(e)
+        if bad is not None:     # it answered, but cannot prove it is this cluster's node
+            err = EdgeUnreachable(
+                f"node {self.node_id!r}: its edge certificate failed verification against the cluster CA "
+                f"{self._ca_file or ''} ({bad.verify_message or bad})", field="cluster_ca",
+                fix="the replica's cluster CA file (<node-homes>/cluster-ca.pem, from the `--home` of "
+                    "`dsec cluster up`) must be the CA that issued the edges' certificates: run `dsec cluster "
+                    "up` again with the same --home and --node-homes")
+            err.delivered = False
+            return err
         detail = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         err = EdgeUnreachable(f"node {self.node_id!r} did not answer ({detail})", field="node",
                               fix="the node may have left the cluster: `dsec cluster status`; retry")
@@ -81,7 +105,7 @@ class _Rpc:
         body = spec.params(**kwargs).model_dump_json()
         try:
             resp = await self._http.post(self.url + prefix + spec.name, content=body,
-                                         headers=_headers())
+                                         headers=_headers(), extensions=self._ext)
         except httpx.TransportError as e:
             raise self._unreachable(e) from e
         if resp.status_code >= 400:
@@ -98,7 +122,8 @@ class _Rpc:
     async def _stream(self, method: str, **kwargs: Any) -> AsyncIterator[Any]:
         spec = EDGE_SPECS[method]
         body = spec.params(**kwargs).model_dump_json()
-        req = self._http.build_request("POST", self.url + EDGE_PREFIX + method, content=body, headers=_headers())
+        req = self._http.build_request("POST", self.url + EDGE_PREFIX + method, content=body, headers=_headers(),
+                                       extensions=self._ext)
         try:
             resp = await self._http.send(req, stream=True)
         except httpx.TransportError as e:
@@ -171,9 +196,10 @@ class HttpEdge(_Rpc):
 
         ws_url = ("ws" + self.url.removeprefix("http") + TUNNEL_PATH + "?"
                   + urlencode({"sandbox_id": sandbox_id, "port": port}))
+        tls: dict[str, Any] = {"ssl": self._tls, "server_hostname": self.node_id} if self._tls else {}
         try:
             ws = await connect(ws_url, additional_headers=self._auth, open_timeout=CONNECT_TIMEOUT_S,
-                               max_size=1 << 20, compression=None, ping_interval=None)
+                               max_size=1 << 20, compression=None, ping_interval=None, **tls)
         except (OSError, WebSocketException, TimeoutError) as e:
             raise self._unreachable(e) from e
         pumps: list[asyncio.Task[None]] = []

@@ -49,7 +49,7 @@ async def _run(cfg: dict[str, Any]) -> None:
     settings = Settings.from_env().with_home(cfg["home"])     # this process's (the actor's environment)
     stack, url = await start_edge(settings, cfg["node_id"], cfg["secret_file"], cfg["system_project"],
                                   cfg["host"], cfg.get("builtin_images") or [], cfg.get("seed_bin"),
-                                  int(cfg.get("port") or 0))
+                                  int(cfg.get("port") or 0), cfg.get("tls_file"))
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stopping.set)

@@ -222,11 +222,12 @@ class _Server(uvicorn.Server):
         yield        # the hosting process (a Ray worker, `dsec up`, a test) owns its signals
 
 
-async def serve(app: Starlette, sock: socket.socket) -> uvicorn.Server:
+async def serve(app: Starlette, sock: socket.socket, tls_file: str | None = None) -> uvicorn.Server:
     """Start serving `app` on `sock` in this event loop; returns the running server (its
-    `should_exit = True` stops it)."""
+    `should_exit = True` stops it). `tls_file`: key + certificate chain in one PEM: TLS only
+    (a plain HTTP request fails its handshake and is never read)."""
     config = uvicorn.Config(app, log_config=None, access_log=False, timeout_graceful_shutdown=2,
-                            ws_max_size=1 << 20, timeout_keep_alive=30)
+                            ws_max_size=1 << 20, timeout_keep_alive=30, ssl_certfile=tls_file)
     server = _Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]), name="edge-service")
     while not server.started:

@@ -85,9 +85,11 @@ def _seed_bin(base: Path) -> str:
 @asynccontextmanager
 async def local_cluster(nodes: int = 3, replicas: int = 2, edge_env: dict[str, str] | None = None,
                         builtin_images: tuple[str, ...] = ("busybox",),
-                        db_url: str | None = None, edge_netns: bool | None = None) -> AsyncIterator[LocalCluster]:
+                        db_url: str | None = None, edge_netns: bool | None = None,
+                        edge_tls: bool = True) -> AsyncIterator[LocalCluster]:
     """`db_url`: the replicas' control database (PostgreSQL DSN); None: one SQLite file.
-    `edge_netns`: each edge in a network namespace of its own (D40); None: DSEC_EDGE_NETNS=1."""
+    `edge_netns`: each edge in a network namespace of its own (D40); None: DSEC_EDGE_NETNS=1.
+    `edge_tls`: replicas call edges over TLS (the cluster CA, cluster_ca.py)."""
     import ray
     from ray.cluster_utils import Cluster as RayCluster
 
@@ -135,7 +137,7 @@ async def local_cluster(nodes: int = 3, replicas: int = 2, edge_env: dict[str, s
             api_resource="dsec_api", builtin_images=list(builtin_images), seed_bin=_seed_bin(base),
             db_url=db_url or conf.cluster.db_url,
             edge_netns=conf.cluster.edge_netns if edge_netns is None else edge_netns,
-            netns_pool=f"10.{80 + os.getpid() % 8}.0.0/16",
+            netns_pool=f"10.{80 + os.getpid() % 8}.0.0/16", edge_tls=edge_tls,
             edge_env={"DSEC_VM": "0", "DSEC_LOG_LEVEL": "WARNING", **(edge_env or {})})
         if settings.edge_netns:
             node_ids = list(names)

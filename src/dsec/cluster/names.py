@@ -26,6 +26,10 @@ from typing import Any
 from dsec.types import NODE_ID_RE, InvalidArgument
 
 RESOURCE_PREFIX = "dsec_node:"
+# what of a raylet's one unit of its name's resource each actor needs: its edge, and a replica
+# pinned there (`cluster up --api-nodes`) beside it
+EDGE_SHARE = 0.5
+REPLICA_SHARE = 0.25
 NAME_FILE = "node.name"
 
 

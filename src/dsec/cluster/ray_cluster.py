@@ -3,13 +3,16 @@
 up: one EdgeNode per eligible live node that advertises a node name (names.py; detached, named
 `dsec-edge-<name>`, placed by the name's Ray resource, so Ray starts it again wherever the name
 comes back), each with its own DSEC_HOME, bridge and subnet (several Ray nodes may share a
-host: CI, tests); then `replicas` ApiReplica actors spread over the nodes. Idempotent: nodes
+host: CI, tests); then `replicas` ApiReplica actors spread over the nodes (or one pinned to each
+of `api_nodes`: a stable API address). Idempotent: nodes
 that already have an edge keep it (a node that is down too), new nodes get one; each name's
 subnet is given once and kept in the control store (store/nodes.py). The cluster secret
 (apiserver <-> edge authentication) is generated on the first `up` into <home>/cluster.secret
 (0600) and reused after; every `up` installs it on every live Ray node as
 <node-homes>/cluster.secret (secret_file.py), which that node's edges and replicas read: it is
 never an actor argument. rotate_secret() replaces it on every live node without downtime.
+Replicas reach edges over TLS: a cluster CA in <home>, each edge a certificate for its node name
+(cluster_ca.py), installed by every `up`.
 
 Node-global on one host, per edge: DSEC_HOME (edge.db, crun root, layer mounts, scratch),
 bridge + nft table (named after the bridge) + subnet, the edge service's port (`edge_port`, else
@@ -34,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from dsec.cluster.discovery import API_PREFIX, EDGE_PREFIX, NAMESPACE, actor_address, live_names, named_actors
-from dsec.cluster.names import RESOURCE_PREFIX, bridge_name, name_of
+from dsec.cluster.cluster_ca import EDGE_TLS
+from dsec.cluster.names import EDGE_SHARE, REPLICA_SHARE, RESOURCE_PREFIX, bridge_name, name_of
 from dsec.config import DEFAULT_HOME, DEFAULT_PORT
 from dsec.types import Conflict, InvalidArgument, Unavailable
 
@@ -75,6 +79,12 @@ class ClusterSettings:
     # /30 of netns_pool (netns.py, D40); for Ray nodes sharing a host whose replicas run there too
     edge_netns: bool = False        # the CLI gives DSEC_EDGE_NETNS
     netns_pool: str = "10.89.0.0/16"
+    # TLS between replicas and edges (cluster_ca.py): a CA in `home`, each edge a certificate for
+    # its node name; False only by an explicit `--edge-plain-http` (a private network)
+    edge_tls: bool = True
+    # replicas only on these node names (each needs its `dsec_node:<name>` resource), one per name
+    # and `replicas` ignored; ["all"]: one on every named live node; []: `replicas`, spread
+    api_nodes: list[str] = field(default_factory=list)
 
     @property
     def iam_url(self) -> str:
@@ -222,6 +232,7 @@ async def up(settings: ClusterSettings) -> dict[str, Any]:
                           field="node_name" if unnamed else "node_resource",
                           fix="start each raylet with `ray start ... --resources \"$(dsec cluster node-resources)\"`"
                           + ("" if unnamed else ", or drop --node-resource"))
+    placements = replica_placements(settings, set(nodes))     # a bad --api-nodes before anything starts
     existing = {n.removeprefix(EDGE_PREFIX) for n in await asyncio.to_thread(named_actors, EDGE_PREFIX)}
     # an edge whose node is down keeps its actor (Ray starts it again where its name comes back),
     # unless the node was forgotten (`dsec nodes forget`): then its name and subnet are free
@@ -230,6 +241,8 @@ async def up(settings: ClusterSettings) -> dict[str, Any]:
         existing.discard(node)
     pool = _subnets(settings.subnet_pool, settings.subnet_prefix)
     subnets = await asyncio.to_thread(_assign_subnets, settings, sorted(nodes), pool)
+    ca_file = await _install_tls(settings, nodes, {n: _netns(settings, n, pool.index(subnets[n])) for n in nodes}) \
+        if settings.edge_tls else None
     edge_cls = ray.remote(EdgeNode)
     shares = share_env(settings, list(nodes.values()))
     started = []
@@ -243,10 +256,11 @@ async def up(settings: ClusterSettings) -> dict[str, Any]:
         # placed by its name's resource, not pinned to a Ray node id: Ray starts it again on
         # the raylet that offers the name next (the same host after a restart: it adopts)
         edge_cls.options(name=EDGE_PREFIX + node, namespace=NAMESPACE, lifetime="detached", num_cpus=0,
-                         max_restarts=-1, max_concurrency=10_000, resources={RESOURCE_PREFIX + node: 1},
+                         max_restarts=-1, max_concurrency=10_000, resources={RESOURCE_PREFIX + node: EDGE_SHARE},
                          runtime_env={"env_vars": env}).remote(
             node, str(home), secret_file, system, "", settings.builtin_images, settings.seed_bin,
-            _netns(settings, node, pool.index(subnet)), settings.edge_port)
+            _netns(settings, node, pool.index(subnet)), settings.edge_port,
+            str(home / EDGE_TLS) if settings.edge_tls else None)
         started.append(node)
     # every edge answers (starts) before the replicas look for them
     answers = await asyncio.gather(*(actor_address(EDGE_PREFIX + n, START_TIMEOUT_S) for n in started))
@@ -257,17 +271,14 @@ async def up(settings: ClusterSettings) -> dict[str, Any]:
     replica_cls = ray.remote(ApiReplica)
     have = set(await asyncio.to_thread(named_actors, API_PREFIX))
     new_replicas = []
-    for i in range(settings.replicas):
-        name = f"{API_PREFIX}{i}"
+    for name, placement in placements.items():
         if name in have:
             continue
         replica_cls.options(name=name, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_restarts=-1,
-                            max_concurrency=10_000,
-                            **({"resources": {settings.api_resource: 1}} if settings.api_resource
-                               else {"scheduling_strategy": "SPREAD"}),
+                            max_concurrency=10_000, **placement,
                             runtime_env={"env_vars": dict(settings.edge_env)}).remote(
             name, secret_file, settings.iam_url, str(settings.home / "admin.key"), settings.api_host,
-            settings.api_port, settings.images_home)
+            settings.api_port, settings.images_home, ca_file)
         new_replicas.append(name)
     answers = await asyncio.gather(*(actor_address(n, START_TIMEOUT_S) for n in new_replicas))
     if any(a is None for a in answers):
@@ -278,6 +289,73 @@ async def up(settings: ClusterSettings) -> dict[str, Any]:
         st["unnamed_ray_nodes"] = {"ray_node_ids": unnamed, "fix": "ray start ... --resources "
                                    "\"$(dsec cluster node-resources --node-name <name>)\""}
     return st
+
+
+async def _install_tls(settings: ClusterSettings, nodes: dict[str, dict[str, Any]],
+                       netns: dict[str, dict[str, str] | None]) -> str:
+    """The cluster CA on every live node (<node-homes>/cluster-ca.pem, what replicas verify
+    with) and a fresh certificate for each named node's edge, for its name and the addresses it
+    is known by (<node-homes>/<name>/edge-tls.pem, 0600). Returns the CA file's path."""
+    import ray
+    from dsec.cluster import cluster_ca
+    from dsec.cluster.netns import EdgeNetns
+    ca_file = str(settings.node_homes / cluster_ca.CA_CERT)
+    ca = await asyncio.to_thread(cluster_ca.ca_pem, settings.home)
+    files: dict[str, list[tuple[str, bytes, int]]] = {
+        n["NodeID"]: [(ca_file, ca, 0o644)] for n in await asyncio.to_thread(ray.nodes) if n.get("Alive")}
+    for name, n in nodes.items():
+        addresses = [str(n.get("NodeManagerAddress") or "")]
+        if netns.get(name):
+            addresses.append(EdgeNetns.from_json(netns[name]).ns_ip)   # type: ignore[arg-type]
+        pem = await asyncio.to_thread(cluster_ca.issue, settings.home, name, addresses)
+        files.setdefault(n["NodeID"], []).append((str(settings.node_homes / name / cluster_ca.EDGE_TLS), pem, 0o600))
+    await _on_nodes(_write_files, {node: (f,) for node, f in files.items()}, "the cluster TLS files")
+    return ca_file
+
+
+def _write_files(files: list[tuple[str, bytes, int]]) -> None:
+    """On a node (a Ray task pinned there): each (path, content, mode), atomically."""
+    from dsec.cluster.cluster_ca import install
+    for path, data, mode in files:
+        install(path, data, mode)
+
+
+async def _on_nodes(fn: Any, args: dict[str, tuple[Any, ...]], what: str) -> None:
+    """fn(*args[node]) on each Ray node id given, by a task pinned there."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    task = ray.remote(fn)
+    refs = [task.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(*a)
+            for n, a in args.items()]
+    try:
+        await asyncio.wait_for(asyncio.gather(*refs), START_TIMEOUT_S)
+    except (TimeoutError, ray.exceptions.RayError) as e:
+        raise Unavailable(f"{what} could not be written on every live node ({type(e).__name__}: {e})",
+                          field="nodes", fix="see `ray status`; run the command again") from None
+
+
+PINNED = "on-"      # dsec-api-on-<node>: a replica pinned to a node (never a number: dsec-api-<i>)
+
+
+def replica_placements(settings: ClusterSettings, live: set[str]) -> dict[str, dict[str, Any]]:
+    """{replica actor name: its Ray placement options}. With api_nodes, one replica per named
+    node, needing that name's resource: Ray starts it there again after a crash or a restart
+    of the node's raylet, so the node's address stays an API address (a load balancer's
+    backend). Else `replicas` of them, spread (or on `api_resource`)."""
+    if settings.api_nodes:
+        if settings.api_nodes == ["all"]:
+            wanted = sorted(live)
+        else:
+            from dsec.cluster.names import check_name
+            wanted = [check_name(n, field="api_nodes") for n in settings.api_nodes]
+            missing = [n for n in wanted if n not in live]
+            if missing:
+                raise InvalidArgument(f"--api-nodes names {', '.join(missing)}: no live Ray node offers "
+                                      f"{'that name' if len(missing) == 1 else 'those names'}", field="api_nodes",
+                                      fix=f"live node names: {', '.join(sorted(live)) or 'none'}; or --api-nodes all")
+        return {f"{API_PREFIX}{PINNED}{n}": {"resources": {RESOURCE_PREFIX + n: REPLICA_SHARE}} for n in wanted}
+    return {f"{API_PREFIX}{i}": ({"resources": {settings.api_resource: 1}} if settings.api_resource
+                                 else {"scheduling_strategy": "SPREAD"}) for i in range(settings.replicas)}
 
 
 def _write_secret(path: str, lines: list[str], keep_current: bool) -> None:

@@ -18,10 +18,11 @@ from dsec.edge.core import BULK_PARALLEL, EdgeCore, log
 
 
 class ParkingVerbs(EdgeCore):
-    async def snapshot(self, sandbox_id: str, measure: bool = True) -> SnapshotInfo:
+    async def snapshot(self, sandbox_id: str, measure: bool = True, name: str | None = None) -> SnapshotInfo:
         """Save a running sandbox so it can be restored as new sandboxes (`snapshot=` in its args).
         measure=False (a fork's own snapshot): size_bytes is what the backend counted while
-        taking it, without a walk of the files (0 for a container: shared with its source)."""
+        taking it, without a walk of the files (0 for a container: shared with its source).
+        `name` ('name:tag', checked by the caller) is kept with it (E2B's snapshot names)."""
         live = self._running(sandbox_id)
         snaps = self._capability(live.rec, Snapshots, "snapshot")
         rec = live.rec
@@ -33,14 +34,14 @@ class ParkingVerbs(EdgeCore):
             # args: what a sandbox made from it runs with by default (containers: env, workdir, limits ...)
             size = await snaps.snapshot(rec.id, snap_id, {"image": rec.image, "image_digest": rec.image_digest,
                                                           "project": rec.project, "created_at": created,
-                                                          "args": rec.args.model_dump(mode="json")})
+                                                          "name": name, "args": rec.args.model_dump(mode="json")})
         finally:
             rec.in_flight -= 1
         log.info("snapshot", extra={"sandbox": rec.id, "snapshot": snap_id, "bytes": size})
         if not measure:
             return self._snapshot_info({"id": snap_id, "backend": rec.backend, "image": rec.image,
                                         "project": rec.project, "sandbox_id": rec.id, "created_at": created,
-                                        "size_bytes": size})
+                                        "size_bytes": size, "name": name})
         return await self.get_snapshot(snap_id)
 
     def _snapshot_backends(self) -> builtins.list[Snapshots]:

@@ -8,7 +8,9 @@ import builtins
 from typing import Any
 
 from dsec.backends.base import VolumeDirs
-from dsec.types import Conflict, InvalidArgument, SandboxArgs, SandboxState, Unavailable, VolumeCreate, VolumeInfo
+from dsec.types import (PayloadTooLarge, Conflict, InvalidArgument, SandboxArgs, SandboxState, Unavailable,
+                        VolumeCreate, VolumeEntry, VolumeInfo)
+from dsec.volumes.files import VolumeFiles
 from dsec.volumes.store import VolumeStore
 from dsec.edge.core import EdgeCore, log
 
@@ -53,6 +55,46 @@ class VolumeVerbs(EdgeCore):
                            field="name", fix="stop those sandboxes first, then delete the volume")
         await asyncio.to_thread(store.delete, r)
         log.info("volume deleted", extra={"volume": r["id"], "project": project})
+
+    # -- files (the volume file API): a volume of the caller's project, by name -------------
+    def _files(self, project: str, name: str) -> VolumeFiles:
+        """(file reads: call in a thread)"""
+        store = self._volumes()
+        r = store.find(project, name)
+        if store.dirs.volumes_enforced:
+            return VolumeFiles(store.data_dir(r))      # the kernel refuses writes past the qgroup
+
+        def room(n: int) -> None:
+            used, size = store.usage(r), r["size_mb"] << 20
+            if used + n > size:
+                raise PayloadTooLarge(f"volume {name!r} holds {used} bytes; {n} more would pass its "
+                                       f"size_mb={r['size_mb']}", field="size_mb",
+                                       fix="remove files from the volume, or create a larger one")
+        return VolumeFiles(store.data_dir(r), room)
+
+    async def volume_stat(self, project: str, name: str, path: str) -> VolumeEntry:
+        return await asyncio.to_thread(lambda: self._files(project, name).stat(path))
+
+    async def volume_read(self, project: str, name: str, path: str, maxlen: int = 64 << 20) -> bytes:
+        return await asyncio.to_thread(lambda: self._files(project, name).read(path, maxlen))
+
+    async def volume_write(self, project: str, name: str, path: str, data: bytes, uid: int | None = None,
+                           gid: int | None = None, mode: int | None = None, mkdirs: bool = True) -> VolumeEntry:
+        return await asyncio.to_thread(lambda: self._files(project, name).write(path, data, uid, gid, mode, mkdirs))
+
+    async def volume_mkdir(self, project: str, name: str, path: str, uid: int | None = None,
+                           gid: int | None = None, mode: int | None = None, parents: bool = False) -> VolumeEntry:
+        return await asyncio.to_thread(lambda: self._files(project, name).mkdir(path, uid, gid, mode, parents))
+
+    async def volume_update(self, project: str, name: str, path: str, uid: int | None = None,
+                            gid: int | None = None, mode: int | None = None) -> VolumeEntry:
+        return await asyncio.to_thread(lambda: self._files(project, name).update(path, uid, gid, mode))
+
+    async def volume_entries(self, project: str, name: str, path: str, depth: int = 1) -> builtins.list[VolumeEntry]:
+        return await asyncio.to_thread(lambda: self._files(project, name).entries(path, depth))
+
+    async def volume_remove(self, project: str, name: str, path: str) -> None:
+        await asyncio.to_thread(lambda: self._files(project, name).remove(path))
 
     async def _resolve_volumes(self, project: str, args: SandboxArgs) -> builtins.list[tuple[str, str, bool]]:
         """(host dir, path, read-only) of each mount of a create: volumes of the sandbox's own

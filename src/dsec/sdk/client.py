@@ -34,10 +34,10 @@ from dsec.types import BulkItem, BulkResult, ExecInfo, ExecList, PackDiffRequest
 from dsec.types import MicroVMArgs, SandboxArgs, SnapshotInfo, SnapshotList, UsageList, UsageSample, VMArgs
 from dsec.types import ImageBuildResult, ImageConfig, ImageProgress, ImagePullRequest
 from dsec.types import ForkRequest, ForkResult
-from dsec.types import VolumeCreate, VolumeInfo, VolumeList
+from dsec.types import VolumeCreate, VolumeEntry, VolumeEntryList, VolumeInfo, VolumeList
 from dsec.types import (ERRORS_BY_CODE, SDK_KEY_PREFIX, ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult, FsEvent,
                         FileEntry, FileList, ImageInfo, ImageList, NetworkPolicy, NodeStatus, SandboxInfo, SandboxList,
-                        Unavailable)
+                        InvalidArgument, Unavailable)
 from dsec.types import AuditList
 from dsec.types import EventList, SandboxEvent, WebhookCreate, WebhookInfo, WebhookList, DeliveryList, ended_error
 
@@ -50,6 +50,12 @@ JSON = {"Content-Type": "application/json"}
 RETRYABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError)
 RETRY_WINDOW_S = 10.0      # long enough to ride through a server restart
 RETRY_BASE_S = 0.05        # first wait, doubling to at most 1 s
+# A 503/429 with Retry-After is a refusal that passes (control store away, a replica swapping its
+# pool, a project's create rate): repeatable calls wait what the server says and go again, at
+# most BUSY_RETRIES times and busy_retry_s in all (DSEC_BUSY_RETRY_S; 0 turns it off).
+BUSY_STATUSES = (429, 503)
+BUSY_RETRIES = 8
+BUSY_RETRY_S = 30.0
 OCTETS = {"Content-Type": "application/octet-stream"}
 
 
@@ -70,6 +76,30 @@ def _raise_for(resp: httpx.Response, body: bytes) -> None:
     if retry.isdigit():       # a refusal that passes (429 rate/queue, 503 control store): when to retry
         e.retry_after_s = int(retry)   # type: ignore[attr-defined]
     raise e
+
+
+def _busy_retry_s(given: float | None) -> float:
+    if given is not None:
+        value, where = given, "busy_retry_s"
+    else:
+        raw = os.environ.get("DSEC_BUSY_RETRY_S", "")
+        try:
+            value, where = (float(raw) if raw else BUSY_RETRY_S), "DSEC_BUSY_RETRY_S"
+        except ValueError:
+            raise InvalidArgument(f"DSEC_BUSY_RETRY_S={raw!r} is not a number of seconds", field="DSEC_BUSY_RETRY_S",
+                            fix="set it to seconds (0 turns retries of 503/429 off)") from None
+    if value < 0:
+        raise InvalidArgument(f"{where}={value} is negative", field=where, fix="give seconds >= 0 (0: no retries)")
+    return value
+
+
+def _busy_delay(resp: httpx.Response) -> float | None:
+    """The server's delay when `resp` is a refusal that passes (503/429 with Retry-After in
+    seconds), else None."""
+    if resp.status_code not in BUSY_STATUSES:
+        return None
+    retry = resp.headers.get("retry-after", "").strip()
+    return float(retry) if retry.isdigit() else None
 
 
 def _sdk_key() -> str:
@@ -103,13 +133,18 @@ class Client:
     # `builtins.list` in the annotations after it.
     url: str
     autostart: bool
+    busy_retry_s: float
 
     def __init__(self, url: str | None = None, api_key: str | None = None, *, timeout_s: float = 3600.0,
-                 autostart: bool | None = None, max_connections: int = 256):
+                 autostart: bool | None = None, max_connections: int = 256, busy_retry_s: float | None = None):
+        """`busy_retry_s`: how long in all one idempotent call may wait out 503/429 answers that
+        carry Retry-After before their error is raised (default DSEC_BUSY_RETRY_S, else 30;
+        0: never, the caller sees the first refusal and its `retry_after_s`)."""
         self.url = (url or os.environ.get("DSEC_URL") or DEFAULT_URL).rstrip("/")
         # Only the embedded default (no URL given anywhere) starts a local server by itself.
         self.autostart = autostart if autostart is not None else (url is None and "DSEC_URL" not in os.environ)
         self._api_key = api_key or os.environ.get("DSEC_API_KEY")
+        self.busy_retry_s = _busy_retry_s(busy_retry_s)
         self._http = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=10.0),
                                        limits=httpx.Limits(max_connections=max_connections,
                                                            max_keepalive_connections=max_connections))
@@ -171,21 +206,32 @@ class Client:
         others only when the connection could not be made at all."""
         await self._ensure_ready()
         repeatable = idempotent or method in ("GET", "HEAD", "DELETE")
+        busy_deadline = time.monotonic() + self.busy_retry_s
+        for attempt in range(BUSY_RETRIES + 1):
+            resp = await self._send(method, path, repeatable, **kw)
+            delay = _busy_delay(resp)
+            if (not repeatable or delay is None or attempt == BUSY_RETRIES
+                    or time.monotonic() + delay > busy_deadline):
+                break
+            await resp.aclose()
+            await asyncio.sleep(delay)
+        _raise_for(resp, resp.content)
+        return resp
+
+    async def _send(self, method: str, path: str, repeatable: bool, **kw: Any) -> httpx.Response:
+        """One request, sent again on a lost connection (see _request)."""
         deadline = time.monotonic() + RETRY_WINDOW_S
         wait = RETRY_BASE_S
         while True:
             try:
                 if tracing.on():      # the current span's traceparent (dsec.tracing; off: no cost)
                     kw["headers"] = tracing.inject(dict(kw.get("headers") or {}))
-                resp = await self._http.request(method, path, **kw)
-                break
+                return await self._http.request(method, path, **kw)
             except RETRYABLE as e:
                 if time.monotonic() >= deadline or not (repeatable or isinstance(e, httpx.ConnectError)):
                     raise
                 await asyncio.sleep(wait)
                 wait = min(1.0, wait * 2)
-        _raise_for(resp, resp.content)
-        return resp
 
     # -- sandboxes -----------------------------------------------------------------------
     async def create_container(self, args: ContainerArgs | None = None, **kwargs: Any) -> "Sandbox":
@@ -532,6 +578,31 @@ class Client:
     async def delete_volume(self, name: str) -> None:
         """Delete it and its files (refused while a sandbox mounts it)."""
         await self._request("DELETE", f"/v1/volumes/{name}")
+
+    # the volume's files, without a sandbox (no link is followed; the byte quota holds)
+    async def volume_read(self, name: str, path: str) -> bytes:
+        return (await self._request("GET", f"/v1/volumes/{name}/file", params={"path": path})).content
+
+    async def volume_write(self, name: str, path: str, data: bytes | str, *, mode: int | None = None,
+                           uid: int | None = None, gid: int | None = None) -> VolumeEntry:
+        """Write a whole file (parents made); owned by uid/gid 1000 (the default user) unless named."""
+        params: dict[str, Any] = {"path": path, **{k: v for k, v in (("mode", mode), ("uid", uid), ("gid", gid))
+                                                   if v is not None}}
+        resp = await self._request("PUT", f"/v1/volumes/{name}/file", params=params,
+                                   content=data.encode() if isinstance(data, str) else data, headers=OCTETS)
+        return VolumeEntry.model_validate_json(resp.content)
+
+    async def volume_ls(self, name: str, path: str = "/", depth: int = 1) -> builtins.list[VolumeEntry]:
+        resp = await self._request("GET", f"/v1/volumes/{name}/dir", params={"path": path, "depth": depth})
+        return VolumeEntryList.model_validate_json(resp.content).entries
+
+    async def volume_mkdir(self, name: str, path: str, *, parents: bool = False) -> VolumeEntry:
+        resp = await self._request("POST", f"/v1/volumes/{name}/dir", params={"path": path, "parents": parents})
+        return VolumeEntry.model_validate_json(resp.content)
+
+    async def volume_remove(self, name: str, path: str) -> None:
+        """A file, a link, or a directory with what it holds."""
+        await self._request("DELETE", f"/v1/volumes/{name}/file", params={"path": path})
 
     # -- lifecycle events and webhooks (docs/events.md) ------------------------------------
     async def events(self, after: int = 0, *, sandbox_id: str | None = None, limit: int = 500) -> EventList:

@@ -28,7 +28,7 @@ from dsec.types import (AuditList, BulkItem, ContainerArgs, DeliveryList, DsecEr
                         ExecInfo, ExecResult, FileEntry, FnCallRequest, FnCallResult, FsEvent,
                         ImageBuildResult, ImageConfig, ImageInfo, ImageProgress, MicroVMArgs, NetworkPolicy,
                         NodeStatus, SandboxArgs, SandboxEvent, SandboxInfo, SandboxList, SnapshotInfo,
-                        UsageSample, VMArgs, VolumeInfo, WebhookInfo)
+                        UsageSample, VMArgs, VolumeEntry, VolumeInfo, WebhookInfo)
 
 __all__ = ["SyncClient", "SyncCreated", "SyncForked", "SyncSandbox", "SyncFiles", "SyncPty"]
 
@@ -39,11 +39,13 @@ class SyncClient(_sync.Synchronized):
 
     url: str
     autostart: bool
+    busy_retry_s: float
 
     def __init__(self, url: str | None = None, api_key: str | None = None, *, timeout_s: float = 3600.0,
-                 autostart: bool | None = None, max_connections: int = 256) -> None:
+                 autostart: bool | None = None, max_connections: int = 256,
+                 busy_retry_s: float | None = None) -> None:
         _sync.construct(self, url, api_key, timeout_s=timeout_s, autostart=autostart,
-                        max_connections=max_connections)
+                        max_connections=max_connections, busy_retry_s=busy_retry_s)
 
     def __enter__(self) -> SyncClient:
         return cast("SyncClient", _sync.call(self, "__aenter__"))
@@ -282,6 +284,25 @@ class SyncClient(_sync.Synchronized):
     def delete_volume(self, name: str) -> None:
         """Delete it and its files (refused while a sandbox mounts it)."""
         _sync.call(self, "delete_volume", name)
+
+    def volume_read(self, name: str, path: str) -> bytes:
+        return cast("bytes", _sync.call(self, "volume_read", name, path))
+
+    def volume_write(self, name: str, path: str, data: bytes | str, *, mode: int | None = None,
+                     uid: int | None = None, gid: int | None = None) -> VolumeEntry:
+        """Write a whole file (parents made); owned by uid/gid 1000 (the default user) unless named."""
+        return cast("VolumeEntry", _sync.call(self, "volume_write", name, path, data, mode=mode, uid=uid,
+                                              gid=gid))
+
+    def volume_ls(self, name: str, path: str = "/", depth: int = 1) -> builtins.list[VolumeEntry]:
+        return cast("builtins.list[VolumeEntry]", _sync.call(self, "volume_ls", name, path, depth))
+
+    def volume_mkdir(self, name: str, path: str, *, parents: bool = False) -> VolumeEntry:
+        return cast("VolumeEntry", _sync.call(self, "volume_mkdir", name, path, parents=parents))
+
+    def volume_remove(self, name: str, path: str) -> None:
+        """A file, a link, or a directory with what it holds."""
+        _sync.call(self, "volume_remove", name, path)
 
     def events(self, after: int = 0, *, sandbox_id: str | None = None, limit: int = 500) -> EventList:
         """Lifecycle events with an id above `after`, oldest first (this key's projects; an

@@ -337,9 +337,13 @@ class _VMArgs(_Strict):
     @classmethod
     def _no_volumes(cls, v: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if v:
-            raise ValueError("volumes: VM sandboxes cannot mount volumes yet (virtiofs is not wired into dsec's "
-                             "VMs: it needs a virtiofsd per VM and shared guest memory, which the template "
-                             "clones do not use); use a container sandbox (backend 'container') to mount volumes")
+            # the guest kernel has no 9p; virtiofs (virtiofsd) needs shared guest memory and QEMU 7.2
+            # cannot migrate it: no template clone, snapshot, fork or park of such a VM (D6x)
+            raise ValueError("volumes: VM sandboxes cannot mount volumes (the guest kernel has no 9p, and a "
+                             "virtiofs device would stop this VM from being cloned, snapshotted, forked or "
+                             "parked); mount the volume in a container sandbox (backend 'container'), or copy "
+                             "files between the volume and the VM with the volume file API (`dsec volume cp`, "
+                             "Volume.read_file/write_file) and the sandbox's files API")
         return v
 
     @property
@@ -461,6 +465,8 @@ class SnapshotInfo(BaseModel):
                                         "the files of its writable layer, shared copy-on-write; 0 in a "
                                         "fork's answer, which does not measure)")
     created_at: datetime
+    name: str | None = Field(None, description="the name it was taken under ('name:tag'), if any: a name of "
+                                               "the project, held by its newest snapshot (E2B's snapshot names)")
 
 
 class SnapshotList(BaseModel):

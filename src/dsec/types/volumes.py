@@ -69,3 +69,23 @@ class VolumeInfo(BaseModel):
 
 class VolumeList(BaseModel):
     volumes: list[VolumeInfo]
+
+
+class VolumeEntry(BaseModel):
+    """A file, directory or link of a volume (the volume file API; E2B's VolumeEntryStat)."""
+
+    name: str
+    type: str = Field(description="'file', 'directory', 'symlink' or 'unknown' (never followed)")
+    path: str = Field(description="from the volume's root, e.g. '/dir/file'")
+    size: int
+    mode: int = Field(description="permission bits")
+    uid: int = Field(description="owner as sandboxes see it (1000: the default user)")
+    gid: int
+    atime: datetime
+    mtime: datetime
+    ctime: datetime
+    target: str | None = Field(None, description="a symlink's target, as written (not resolved)")
+
+
+class VolumeEntryList(BaseModel):
+    entries: list[VolumeEntry]

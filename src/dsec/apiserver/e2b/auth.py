@@ -1,4 +1,4 @@
-"""Per-sandbox envd access tokens.
+"""Per-sandbox envd access tokens (and per-volume content tokens, volume_content.py).
 
 The e2b SDK sends a sandbox's `envdAccessToken` (from create/connect) as `X-Access-Token` on
 every envd request. dsec mints it as an HMAC of the sandbox id under a server secret, so no
@@ -46,6 +46,14 @@ class AccessTokens:
         """The token for the sandbox's other ports (E2B's trafficAccessToken): opens those, not envd."""
         mac = hmac.new(self._secret, b"e2b-traffic:" + sandbox_id.encode(), hashlib.sha256)
         return "et_" + mac.hexdigest()[:48]
+
+    def volume_token(self, volume_id: str) -> str:
+        """The token of a volume's content API (E2B's Volume.token): opens that volume's files."""
+        mac = hmac.new(self._secret, b"e2b-volume:" + volume_id.encode(), hashlib.sha256)
+        return "ev_" + mac.hexdigest()[:48]
+
+    def check_volume(self, volume_id: str, token: str | None) -> bool:
+        return token is not None and hmac.compare_digest(self.volume_token(volume_id), token.strip())
 
     def check(self, sandbox_id: str, token: str | None) -> bool:
         return token is not None and hmac.compare_digest(self.token(sandbox_id), token.strip())

@@ -21,7 +21,7 @@ from dsec.apiserver.control import set_network as set_sandbox_network
 from dsec.iam.policy import default_internet
 from dsec.apiserver.control import stop_sandbox
 from dsec.apiserver.context import ApiContext
-from dsec.apiserver.e2b import control, layout, mapping
+from dsec.apiserver.e2b import control, layout, mapping, snapshot_names
 from dsec.apiserver.e2b.auth import AccessTokens
 from dsec.apiserver.e2b.errors import NotImplementedE2B, Unsupported, e2b_response
 from dsec.apiserver.e2b.ids import to_dsec, to_e2b
@@ -76,6 +76,8 @@ def build_rest_app(ctx: ApiContext, tokens: AccessTokens, domain: str | None = N
     async def create(request: Request, body: Annotated[NewSandbox, Body()],
                      idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None) -> dict:
         who = _who(request)
+        if (named := await snapshot_names.resolve(ctx, who, body.template_id)) is not None:
+            body = body.model_copy(update={"template_id": named})     # a snapshot's name (E2B)
         internet = default_internet(ctx.iam.effective_policy(who.project_id))
         args = await control.with_image_config(ctx, who, mapping.sandbox_args(body, idempotency_key, internet))
         info = await control.create(ctx, who, args, mapping.transform_rules(body.network))
@@ -197,7 +199,7 @@ def build_rest_app(ctx: ApiContext, tokens: AccessTokens, domain: str | None = N
     from dsec.apiserver.e2b.templates import add_template_routes
     add_template_routes(app, ctx)      # before the catch-all below
     from dsec.apiserver.e2b.volumes import add_volume_routes
-    add_volume_routes(app, ctx)
+    add_volume_routes(app, ctx, tokens)
     from dsec.apiserver.e2b.events import add_event_routes
     add_event_routes(app, ctx)         # /events/sandboxes, /events/webhooks (docs/events.md)
 

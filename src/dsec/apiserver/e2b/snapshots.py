@@ -17,7 +17,7 @@ from fastapi import Body, FastAPI, Query, Request, Response
 from dsec.apiserver import forks
 from dsec.apiserver.context import ApiContext
 from dsec.apiserver.control import owned_snapshot
-from dsec.apiserver.e2b import control, mapping
+from dsec.apiserver.e2b import control, mapping, snapshot_names
 from dsec.apiserver.e2b.auth import AccessTokens
 from dsec.apiserver.e2b.errors import NotImplementedE2B, Unsupported, e2b_error_body
 from dsec.apiserver.e2b.ids import to_dsec
@@ -37,8 +37,18 @@ def _who(request: Request) -> Principal:
     return p
 
 
-def _listed(s: SnapshotInfo) -> dict[str, Any]:
-    return {"snapshotID": s.id, "names": []}
+def _listed(s: SnapshotInfo, names: list[str]) -> dict[str, Any]:
+    return {"snapshotID": s.id, "names": names}
+
+
+def _project_name(ctx: ApiContext, project_id: str, who: Principal) -> str:
+    """The namespace of a listed snapshot's names: its project's name (a sub-project's own)."""
+    if project_id == who.project_id:
+        return who.project_name
+    try:
+        return ctx.iam.project(project_id).name
+    except DsecError:
+        return project_id
 
 
 def add_snapshot_routes(app: FastAPI, ctx: ApiContext, tokens: AccessTokens, domain: str | None) -> None:
@@ -86,16 +96,20 @@ def add_snapshot_routes(app: FastAPI, ctx: ApiContext, tokens: AccessTokens, dom
                               body: Annotated[SnapshotBody | None, Body()] = None) -> dict:
         who = _who(request)
         body = body or SnapshotBody()
+        name = None
         if body.name:
-            raise Unsupported("name: dsec snapshots are known by their id only", field="name",
-                              fix="omit the name; create sandboxes with the returned snapshotID as the template")
+            name = snapshot_names.checked(body.name, who)
+            if snapshot_names.is_image(ctx, who, name.split(":")[0]) or snapshot_names.is_image(ctx, who, name):
+                raise Conflict(f"name {body.name!r} is a template's (an image): a create naming it would start "
+                               "the image", field="name", fix="pick another name for the snapshot")
         sid = await sandbox_of(sandbox_id, who)
         edge = ctx.edge_for(sid)
         info = await edge.get(sid)
         if body.memory and info.backend not in VM_BACKENDS:
             raise Unsupported("memory: a container snapshot keeps the filesystem, not the processes' memory",
                               field="memory", fix="create_snapshot(mode='filesystem'), or use a microvm sandbox")
-        return _listed(await edge.snapshot(sid, measure=False))
+        snap = await edge.snapshot(sid, measure=False, name=name)
+        return _listed(snap, [f"{who.project_name}/{name}"] if name else [])
 
     @app.get("/snapshots")
     async def list_snapshots(request: Request, response: Response,
@@ -104,14 +118,13 @@ def add_snapshot_routes(app: FastAPI, ctx: ApiContext, tokens: AccessTokens, dom
                              next_token: Annotated[str | None, Query(alias="nextToken")] = None,
                              limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[dict]:
         who = _who(request)
-        snaps: list[SnapshotInfo] = []
-        for edge in ctx.edges.values():
-            snaps += [s for s in await edge.list_snapshots() if ctx.iam.can_access(who, s.project)]
+        snaps = await snapshot_names.all_of(ctx, who)
+        held = snapshot_names.holders(snaps)
         if sandbox is not None:
             want = to_dsec(sandbox)
             snaps = [s for s in snaps if s.sandbox_id == want]
         if name is not None:
-            snaps = [s for s in snaps if s.id == name.split(":")[0]]
+            snaps = [s for s in snaps if snapshot_names.matches(s, name, held, who)]
         snaps.sort(key=lambda s: (s.created_at, s.id))
         start = 0
         if next_token:
@@ -123,7 +136,7 @@ def add_snapshot_routes(app: FastAPI, ctx: ApiContext, tokens: AccessTokens, dom
         page = snaps[start:start + limit]
         if start + limit < len(snaps) and page:
             response.headers["x-next-token"] = page[-1].id
-        return [_listed(s) for s in page]
+        return [_listed(s, snapshot_names.names_of(s, held, _project_name(ctx, s.project, who))) for s in page]
 
     @app.delete("/templates/{template_id}", status_code=204)
     async def delete_template(request: Request, template_id: str) -> Response:

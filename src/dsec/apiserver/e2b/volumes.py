@@ -6,8 +6,8 @@
     DELETE /volumes/{volumeID}   204; 404 unknown; 409 while a sandbox mounts it
 
 Sandbox.create(volume_mounts={path: volume}) mounts them (mapping.py). The volume content API
-(/volumecontent/..., the Volume's file methods) is not served: files go in and out through a
-sandbox that mounts the volume. `token` is that API's, so it is empty.
+(/volumecontent/..., the Volume's file methods) is volume_content.py; `token` is that API's:
+it opens the one volume.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from dsec.apiserver.context import ApiContext
+from dsec.apiserver.e2b.auth import AccessTokens
+from dsec.apiserver.e2b.volume_content import add_volume_content_routes
 from dsec.apiserver.guard import principal_of
 from dsec.apiserver.routes.volumes import volume_edge
 from dsec.iam import Principal
@@ -32,11 +34,12 @@ def who_of(request: Request) -> Principal:
     return p
 
 
-def _out(v: VolumeInfo, token: bool = True) -> dict[str, Any]:
-    return {"volumeID": v.id, "name": v.name, **({"token": ""} if token else {})}
+def add_volume_routes(app: FastAPI, ctx: ApiContext, tokens: AccessTokens) -> None:
+    def _out(v: VolumeInfo, token: bool = True) -> dict[str, Any]:
+        return {"volumeID": v.id, "name": v.name, **({"token": tokens.volume_token(v.id)} if token else {})}
 
+    add_volume_content_routes(app, ctx, tokens)
 
-def add_volume_routes(app: FastAPI, ctx: ApiContext) -> None:
     async def find(request: Request, volume_id: str) -> VolumeInfo:
         who = who_of(request)
         for v in await volume_edge(ctx).list_volumes(who.project_id):

@@ -132,7 +132,7 @@ class ContainerSnapshots:
                 pass
         return {"id": snapshot_id, "backend": "container", "image": m.get("image", ""),
                 "project": m.get("project", ""), "sandbox_id": m.get("source", ""),
-                "created_at": m.get("created_at", 0.0), "size_bytes": size}
+                "created_at": m.get("created_at", 0.0), "size_bytes": size, "name": m.get("name")}
 
     def ids(self) -> list[str]:
         try:

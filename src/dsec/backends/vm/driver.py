@@ -32,7 +32,7 @@ from typing import Literal
 from dsec.agent.client import AgentClient
 from dsec.backends.base import (PARKED, RUNNING, Backend, Console, ImageStacks, LivenessWatched, MemoryUsage,
                                 Parking, Prepared, RawUsage, Reclaim, Snapshots, UsageStats)
-from dsec.backends.vm import balloon, chain, console as vmconsole, disks, guest, ramshim
+from dsec.backends.vm import balloon, chain, console as vmconsole, disks, guest, ramshim, snapram
 from dsec.backends.vm.accel import AccelChooser
 from dsec.backends.vm.qemu import (Disk, Kind, Machine, Pmem, Qmp, kill, launch, pid_alive, pss_bytes, qemu_binary,
                                    qemu_log_tail, shell_safe)
@@ -125,6 +125,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
             p.mkdir(parents=True, exist_ok=True)
         for p in self.snapshots.glob(".*"):      # a save or a deletion the last edge did not finish
             shutil.rmtree(p, ignore_errors=True)
+        shutil.rmtree(paths.vm / "split", ignore_errors=True)    # ... and its RAM split (snapram.py)
         # VMs and snapshots attach layer files by path and must find them again on resume or
         # restore: they hold their layers against image GC while they exist
         self.holds = Registry(paths.images_db)
@@ -268,8 +269,10 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
                 how = "snapshot"
                 s = spec.snapshot_dir
                 upper = s / _upper_name(s)
+                ram = snapram.ram_of(s)      # split: mapped copy-on-write, shared with its other restores
                 await self._restore(spec, d, s / "state", upper, f"{s.name}{upper.suffix}", chain.chain_files(s),
-                                    ram_file=None, ignore_shared=False)
+                                    ram_file=None if ram is None else snapram.link_into(ram, d),
+                                    ignore_shared=ram is not None)
             elif spec.clone and spec.boot_disk is None:   # disk VMs always cold-boot (no templates)
                 how = "clone"
                 async with self.templates.use(spec) as tpl:
@@ -486,6 +489,14 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
                         shutil.copyfile(d / "console.log", tmp / "console.log")
                 finally:
                     await q.run("cont")
+            # its RAM as a file every restore maps copy-on-write (snapram.py); a failure
+            # only costs the sharing: the whole stream stays and restores as before
+            try:
+                await snapram.split(self, _spec_from_json(spec), tmp, tmp / upper.name,
+                                    self.paths.vm / "split" / secrets.token_hex(4), _run)
+            except Exception as e:
+                log.warning("vm snapshot ram not split: restores copy it", extra={
+                    "snapshot": snapshot_id, "error": f"{e.__class__.__name__}: {e}"[:300]})
             for f in tmp.iterdir():
                 f.chmod(0o400)            # restored VMs read these, nothing writes them again
             await asyncio.to_thread(self.holds.hold, HOLD_PREFIX + snapshot_id,
@@ -563,7 +574,8 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
         j = json.loads((d / "spec.json").read_text())
         return {"id": snapshot_id, "backend": j["kind"], "image": j.get("image", ""),
                 "project": j.get("project", ""), "sandbox_id": j.get("source", ""),
-                "created_at": j.get("created_at") or (d / "state").stat().st_mtime, "size_bytes": chain.own_bytes(d)}
+                "created_at": j.get("created_at") or (d / "state").stat().st_mtime, "size_bytes": chain.own_bytes(d),
+                "name": j.get("name")}
 
     def snapshot_records(self) -> list[dict]:
         out = []

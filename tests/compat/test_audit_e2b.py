@@ -32,7 +32,7 @@ def test_e2b_sdk_calls_are_in_the_audit_log(e2b_env, server):
                    if e["details"].get("via") == "e2b" and e["target"] == dsec_id]
             acts = {e["action"] for e in got}
             return got if {"sandbox.create", "exec.start", "file.write", "file.read", "sandbox.stop"} <= acts else None
-        got = wait_until_sync(logged, timeout_s=30, what="the e2b SDK's audit entries")
+        got = wait_until_sync(logged, timeout_s=60, every_s=0.5, what="the e2b SDK's audit entries")
     by = {e["action"]: e for e in got}
     assert by["sandbox.create"]["key_id"].startswith("key-") and by["exec.start"]["key_id"] == "e2b-access-token"
     assert by["file.write"]["details"]["path"] == "/tmp/e2b-audit.txt" and by["file.write"]["status"] == 200

@@ -23,7 +23,9 @@ import grimp
 CONCRETE_BACKENDS = ("dsec.backends.container", "dsec.backends.vm")
 MAY_COMPOSE = ("dsec.embedded", "dsec.cli", "dsec.bench", "dsec.testing")
 EDGE_MUST_NOT = ("dsec.fncall", "dsec.apiserver", "dsec.embedded", "dsec.sdk", "dsec.cli", *CONCRETE_BACKENDS)
-SDK_MAY = ("dsec.sdk", "dsec.types", "dsec.config")
+# dsec.tracing: the spans and traceparent shared by the SDK and the server (it imports only
+# dsec.types; OpenTelemetry lazily, when the program turned traces on)
+SDK_MAY = ("dsec.sdk", "dsec.types", "dsec.config", "dsec.tracing")
 
 
 def _within(module: str, packages: tuple[str, ...]) -> bool:

@@ -8,6 +8,7 @@
 #   e2b       the images of E2B's default templates (e2b-base, code-interpreter) and the server's e2b extra
 #   cluster   cluster mode: Ray, PostgreSQL
 #   ui        the dashboard's browser tests: Debian's chromium and chromium-driver, python selenium
+#   traces    OpenTelemetry traces (DSEC_OTLP_ENDPOINT, DSEC_TRACES_FILE): opentelemetry-api and -sdk
 #   tests     everything the test suite needs: all of the above, a local registry, the test tools,
 #             the Harbor and verl venvs (DSEC_SKIP_VERL=1 leaves verl's ~6 GB out)
 set -euo pipefail
@@ -36,12 +37,13 @@ part_e2b() { .venv/bin/pip install -q -e '.[server,e2b]'; image e2b-base; image 
 part_cluster() { apt_get postgresql; .venv/bin/pip install -q -e '.[server,cluster,postgres]'; }
 # Debian's browser and its matching driver (Selenium must not download either: D5x, "selenium")
 part_ui() { apt_get chromium chromium-driver; .venv/bin/pip install -q 'selenium>=4.20,<5'; }
+part_traces() { .venv/bin/pip install -q -e '.[server,traces]'; }   # docs/traces.md
 part_tests() {
   apt_get git python3-botocore docker-registry openssl   # openssl: self-signed certificates of the egress tests
   command -v npm >/dev/null || apt_get nodejs npm      # Debian's node (a node of another origin may bring its own npm)
   # the stock E2B JavaScript SDKs, pinned by tests/compat/js/package-lock.json
   [ -d tests/compat/js/node_modules/e2b ] || (cd tests/compat/js && npm ci --no-audit --no-fund --silent)
-  part_vm; part_fncall; part_polyglot; part_builds; part_e2b; part_cluster; part_ui
+  part_vm; part_fncall; part_polyglot; part_builds; part_e2b; part_cluster; part_ui; part_traces
   .venv/bin/pip install -q -e '.[server,test]'
   # Harbor (dsec.adapters.harbor) needs Python >= 3.12: its own venv (a pyenv shim on PATH may
   # exist without a usable 3.12 behind it: try each candidate for real)
@@ -62,12 +64,12 @@ part_tests() {
   fi
 }
 
-[ $# -gt 0 ] || { sed -n '2,14p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,15p' "$0"; exit 2; }
 t0=$SECONDS
 for part in "$@"; do
   case "$part" in
-    vm|fncall|polyglot|builds|e2b|cluster|ui|tests) echo "== $part (+$(( SECONDS - t0 ))s)"; "part_$part" ;;
-    *) echo "unknown part '$part': use vm, fncall, polyglot, builds, e2b, cluster, ui or tests" >&2; exit 2 ;;
+    vm|fncall|polyglot|builds|e2b|cluster|ui|traces|tests) echo "== $part (+$(( SECONDS - t0 ))s)"; "part_$part" ;;
+    *) echo "unknown part '$part': use vm, fncall, polyglot, builds, e2b, cluster, ui, traces or tests" >&2; exit 2 ;;
   esac
 done
 echo "== done (+$(( SECONDS - t0 ))s)"

@@ -10,6 +10,7 @@ import asyncio
 import hashlib
 import hmac
 import json
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -144,15 +145,18 @@ async def test_a_project_sees_only_its_own_events(client, server):
 
 
 # -- webhooks ----------------------------------------------------------------------------------
-async def test_webhook_retried_while_the_receiver_is_down(client):
+async def test_webhook_retried_while_the_receiver_is_down(client, server):
     """Events of a sandbox made while the receiver is down are queued durably and retried
     (the delivery status says so); once it is up they arrive, signed (HMAC-SHA256 over
-    timestamp.body), each event at least once."""
+    timestamp.body), each event at least once. The signing secret is stored encrypted (D57's key)."""
     rx = Receiver()
     hook = await client.add_webhook(rx.url, secret="s" * 32,
                                     events=["created", "ended"])
     try:
         assert hook.secret == "s" * 32 and hook.id in {h.id for h in await client.webhooks()}
+        with sqlite3.connect(server.paths.iam_db) as db:
+            stored = db.execute("SELECT secret FROM webhooks WHERE id=?", (hook.id,)).fetchone()[0]
+        assert stored.startswith("fernet:") and "s" * 32 not in stored, stored
         sb = await client.create_container(image="busybox")
         await sb.stop()
 

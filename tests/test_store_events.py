@@ -106,3 +106,26 @@ def test_a_reset_edge_log_and_node_lost_once(stores):
     lost = ev(0, EventType.ended, reason="node_lost", sid="sb-n1.000000000002")
     assert one.add_once(lost, audience) and not two.add_once(lost, audience)
     assert [e.reason for e in one.list_events(0)] == [None, None, "killed", "node_lost"]
+
+
+def test_webhook_secrets_sealed_at_rest_and_old_rows_migrated(stores):
+    """Secrets go in encrypted with the given key; rows from before (plain text) are encrypted by
+    seal_plain (the apiserver runs it at start) and still sign with the same secret."""
+    from cryptography.fernet import Fernet
+    plain, _ = stores
+    key = Fernet(Fernet.generate_key())
+    sealed = EventStore(plain.db, sealer=lambda: key)
+    old = plain.add_webhook("prj-a", "http://x.test/old", "", None, "old-secret-value", "dsec")   # an earlier version's
+    new = sealed.add_webhook("prj-a", "http://x.test/new", "", None, "new-secret-value", "dsec")
+
+    def stored(wid: str) -> str:
+        return plain.db.run(lambda tx: tx.one("SELECT secret FROM webhooks WHERE id=?", (wid,)))["secret"]
+    assert stored(old.id) == "old-secret-value"
+    assert stored(new.id).startswith("fernet:") and "new-secret-value" not in stored(new.id)
+    assert sealed.seal_plain() == 1 and sealed.seal_plain() == 0
+    assert stored(old.id).startswith("fernet:") and "old-secret-value" not in stored(old.id)
+    sealed.update_webhook(new.id, secret="changed-secret-value")
+    assert "changed-secret-value" not in stored(new.id)
+    sealed.ingest("n1", [ev(1)], 1, audience)
+    got = {d.webhook.id: d.secret for d in sealed.claim_due(lease_s=30)}
+    assert got == {old.id: "old-secret-value", new.id: "changed-secret-value"}, got

@@ -128,6 +128,23 @@ class EventSettings(Group):
                                    "loopback, private and link-local addresses (else only admin keys' may)")
 
 
+class ObservabilitySettings(Group):
+    title = "Audit log and traces (apiserver/audit.py, dsec/tracing.py)"
+    audit_retention_s: float = env(90 * 86400.0, "DSEC_AUDIT_RETENTION_S", "how long audit log entries are "
+                                   "kept (pruned hourly)", gt=0)
+    otlp_endpoint: str | None = env(None, "DSEC_OTLP_ENDPOINT", "send OpenTelemetry traces of creates and execs "
+                                    "to this OTLP/HTTP collector (http://HOST:4318; /v1/traces is added); unset "
+                                    "with DSEC_TRACES_FILE unset: no traces, no cost")
+    traces_file: Path | None = env(None, "DSEC_TRACES_FILE", "append OpenTelemetry spans to this file as OTLP-JSON "
+                                   "lines (one ExportTraceServiceRequest a line; tests, debugging)")
+    trace_sample: float = env(1.0, "DSEC_TRACE_SAMPLE", "with traces on, the share of new traces recorded "
+                              "(parent-based: a traced caller's spans are always kept)", ge=0, le=1)
+
+    @property
+    def traces_on(self) -> bool:
+        return bool(self.otlp_endpoint or self.traces_file)
+
+
 class AdmissionSettings(Group):
     title = "Edge admission (edge/admission.py, edge/node_share.py)"
     max_sandboxes: int = env(4000, "DSEC_MAX_SANDBOXES", "live sandboxes a node holds at most")
@@ -331,6 +348,7 @@ class Settings(BaseModel):
     client: ClientSettings = Field(default_factory=ClientSettings)
     server: ServerSettings = Field(default_factory=ServerSettings)
     events: EventSettings = Field(default_factory=EventSettings)
+    observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     edge: EdgeEnvSettings = Field(default_factory=EdgeEnvSettings)
     storage: StorageSettings = Field(default_factory=StorageSettings)

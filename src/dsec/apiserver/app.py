@@ -20,12 +20,14 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dsec.apiserver.audit import AuditRecorder, audit_log
 from dsec.apiserver.context import ApiContext
 from dsec.apiserver.guard import QUERY_KEY_PATHS, BodyTooLarge, RequestGuard
 from dsec.apiserver.events import pump
 from dsec.apiserver.index import keeper
 from dsec.apiserver.webhooks import worker
 from dsec.apiserver.ui_routes import UI_PATHS, add_ui_routes
+from dsec.apiserver.routes import audit as audit_routes
 from dsec.apiserver.routes import events, execs, files, nodes, policy, sandboxes, snapshots, volume_files, volumes
 from dsec.types import (CapacityExceeded, ContainerArgs, DsecError, ErrorBody, FnCallRequest, InternalError,
                         InvalidArgument, MicroVMArgs, NotFound, Unavailable, VMArgs)
@@ -127,7 +129,9 @@ def create_app(ctx: ApiContext) -> FastAPI:
         await push_at_start(ctx)     # operators' network rule sets, to every edge
         pump(ctx).start()            # lifecycle events from the edges into the control store
         worker(ctx).start()          # ... and their webhook deliveries (apiserver/webhooks.py)
+        audit_log(ctx).start()       # the audit log's batched writes (apiserver/audit.py)
         yield
+        await audit_log(ctx).stop()
         await worker(ctx).stop()
         await pump(ctx).stop()
         await keeper(ctx).stop()     # the sandbox index's queued writes (apiserver/index.py)
@@ -137,10 +141,15 @@ def create_app(ctx: ApiContext) -> FastAPI:
     app.state.ctx = ctx
     public = frozenset(p for p in ("/healthz", app.openapi_url, app.docs_url, app.redoc_url,
                                    app.swagger_ui_oauth2_redirect_url) if p) | UI_PATHS
+    # who did what (audit.py): inside the guard, which authenticated the key
+    app.add_middleware(AuditRecorder, ctx=ctx)
     # authenticate from the headers, then bound the body per route (guard.py)
     app.add_middleware(RequestGuard, authenticate=ctx.iam.authenticate, public_paths=public,
                        image_body_bytes=ctx.settings.server.image_upload_max_bytes,
                        store_wait_s=ctx.settings.cluster.db_request_wait_s)
+    if ctx.settings.observability.traces_on:    # outermost: a refused request is traced too
+        from dsec.apiserver.tracing_mw import TraceMiddleware
+        app.add_middleware(TraceMiddleware)
     _add_openapi(app, public)
 
     # -- errors: always JSON {"error": {code, message, field, fix}} ------------------------
@@ -188,7 +197,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
     async def healthz() -> dict:
         return {"ok": True, "nodes": len(ctx.edges)}
 
-    for resource in (sandboxes, policy, snapshots, execs, files, volumes, volume_files, events):
+    for resource in (sandboxes, policy, snapshots, execs, files, volumes, volume_files, events, audit_routes):
         app.include_router(resource.router)
     from dsec.apiserver.fncall_routes import add_fncall_routes
     add_fncall_routes(app, ctx)   # /v1/fncall, /v1/fncall/batch, SandboxFusion-compatible /run_code

@@ -112,6 +112,7 @@ class ApiRuntime:
     secrets: Any = None   # the egress secrets' store, an iam.secrets.SecretStore (made on first use)
     # fair creates between projects, a fair_creates.FairCreates (typed loosely, as above)
     create_gate: Any = None
+    audit: Any = None     # the audit log's queue and writer, an audit.AuditLog (same reason)
 
 
 @dataclass

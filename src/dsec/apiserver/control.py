@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 
 from dsec import metrics
 from dsec.apiserver import egress_secrets, idempotent, quotas
+from dsec.apiserver.audit import note_target
 from dsec.apiserver.fair_creates import FairCreates, create_gate
 from dsec.apiserver.context import ApiContext, EdgeHandle
 from dsec.apiserver.index import keeper
@@ -70,6 +71,7 @@ async def create_sandbox(ctx: ApiContext, who: Principal, args: SandboxArgs,
     gate.admit(who.project_id, policy)
     args, rules = egress_secrets.prepare(ctx, who.project_id, args, inline_secrets)
     info = await _create_sandbox(ctx, who, args, gate)
+    note_target(info.id)          # the audit log's entry names the new sandbox (audit.py)
     await egress_secrets.push(ctx, info, rules)
     return info
 

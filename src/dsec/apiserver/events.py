@@ -15,6 +15,7 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
+from dsec.apiserver import egress_secrets
 from dsec.store.events import KEEP_S, EventStore
 from dsec.store.sandboxes import IndexedSandbox
 from dsec.types import EventType, SandboxEvent
@@ -31,7 +32,8 @@ PRUNE_EVERY_S = 3600.0
 class EventPump:
     def __init__(self, ctx: "ApiContext"):
         self.ctx = ctx
-        self.store = EventStore(ctx.iam.db)
+        # webhook signing secrets sealed with the egress secrets' key (D57; iam/secrets.py)
+        self.store = EventStore(ctx.iam.db, sealer=lambda: egress_secrets.store(ctx).fernet)
         self.changed = asyncio.Event()       # set (and replaced) after each ingest that stored something
         self._ancestors: dict[str, list[str]] = {}
         self._task: asyncio.Task[None] | None = None
@@ -56,6 +58,11 @@ class EventPump:
         return got
 
     async def _loop(self) -> None:
+        try:       # webhook secrets stored in plain text by an earlier version: encrypted now
+            if sealed := await asyncio.to_thread(self.store.seal_plain):
+                log.info("encrypted stored webhook secrets", extra={"webhooks": sealed})
+        except Exception as e:        # the next start tries again; deliveries read both forms
+            log.warning("could not encrypt stored webhook secrets", extra={"error": f"{type(e).__name__}: {e}"})
         while True:
             try:
                 await self.pull_once()

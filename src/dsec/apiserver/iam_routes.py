@@ -9,10 +9,11 @@ Projects and keys the caller may not reach answer 404, like missing ones.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import FastAPI, Query, Response
 
+from dsec.apiserver.audit import note_target
 from dsec.apiserver.deps import Who
 from dsec.apiserver import quotas
 from dsec.apiserver.context import ApiContext
@@ -49,9 +50,11 @@ def add_iam_routes(app: FastAPI, ctx: ApiContext) -> None:
     async def create_project(req: ProjectCreate, who: Who) -> ProjectInfo:
         """A sub-project of parent_id (default: the caller's project), with part of its quota."""
         parent = req.parent_id or who.project_id
-        return _project(iam.create_project(req.name, parent, max_sandboxes=req.max_sandboxes,
+        made = _project(iam.create_project(req.name, parent, max_sandboxes=req.max_sandboxes,
                                            max_cpu_cores=req.max_cpu_cores, max_memory_mb=req.max_memory_mb,
                                            by=who))
+        note_target(made.id)
+        return made
 
     @app.get("/v1/projects/{project_id}", response_model=ProjectInfo, tags=["iam"])
     async def get_project(project_id: str, who: Who) -> ProjectInfo:
@@ -90,11 +93,15 @@ def add_iam_routes(app: FastAPI, ctx: ApiContext) -> None:
         return KeyList(keys=[_key(k) for k in iam.list_keys(project_id)])
 
     @app.post("/v1/projects/{project_id}/keys", status_code=201, response_model=NewKey, tags=["iam"])
-    async def create_key(project_id: str, who: Who) -> NewKey:
-        """A new API key of the project; the secret is in this answer only."""
+    async def create_key(project_id: str, who: Who,
+                         role: Annotated[Literal["admin", "member"], Query(
+                             description="admin: manages keys, reads the audit log; member: uses sandboxes")] = "admin"
+                         ) -> NewKey:
+        """A new API key of the project (from an admin key); the secret is in this answer only."""
         reachable(who, project_id)
-        key = iam.create_key(project_id, by=who)
+        key = iam.create_key(project_id, role=role, by=who)
         info = iam.authenticate(key)
+        note_target(info.key_id)
         return NewKey(**_key(iam.key_info(info.key_id)).model_dump(), key=key)
 
     @app.post("/v1/keys/{key_id}/rotate", status_code=201, response_model=NewKey, tags=["iam"])

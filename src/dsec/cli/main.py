@@ -20,6 +20,7 @@ from rich.markup import escape
 from rich.table import Table
 import typer
 
+from dsec.cli.audit import audit as audit_cmd
 from dsec.cli.bench import bench_app
 from dsec.cli.cache import cache_app
 from dsec.cli.common import _fail, _run, _settings, console, err_console
@@ -45,6 +46,7 @@ for group, name in ((image_app, "image"), (sandbox_app, "sandbox"), (bench_app, 
     app.add_typer(group, name=name)
 app.add_typer(webhook_app, name="webhook")
 app.command("events")(events_cmd)
+app.command("audit")(audit_cmd)
 
 
 # -- server ----------------------------------------------------------------------------------

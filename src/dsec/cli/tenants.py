@@ -131,11 +131,13 @@ def project_quota(project_id: str, max_sandboxes: Annotated[Optional[int], Quota
 
 
 @key_app.command("create")
-def key_create(project_id: str) -> None:
+def key_create(project_id: str,
+               role: Annotated[str, typer.Option(help="admin (manages keys, reads the audit log) or member "
+                                                      "(uses sandboxes only)")] = "admin") -> None:
     """Mint an API key of the project; prints the secret (shown this once)."""
     async def go() -> None:
         async with _client() as c:
-            console.print((await c.create_key(project_id)).key)
+            console.print((await c.create_key(project_id, role=role)).key)
     _run(go())
 
 
@@ -143,9 +145,10 @@ def key_create(project_id: str) -> None:
 def key_ls(project_id: str) -> None:
     async def go() -> None:
         async with _client() as c:
-            t = Table("id", "prefix", "created", "revoked")
+            t = Table("id", "prefix", "role", "created", "revoked")
             for k in await c.keys(project_id):
-                t.add_row(k.id, k.prefix + "...", k.created_at.isoformat(timespec="seconds"), "yes" if k.revoked else "")
+                t.add_row(k.id, k.prefix + "...", k.role, k.created_at.isoformat(timespec="seconds"),
+                          "yes" if k.revoked else "")
             console.print(t)
     _run(go())
 

@@ -179,7 +179,7 @@ async def start_edge(settings: Settings, node_id: str, secret_file: str, system_
     stops it, its URL).
     Runs in the EdgeNode actor, or in its child inside the node's netns (edge_proc.py), with the
     settings that process read (its home: the edge's)."""
-    from dsec import log as dlog
+    from dsec import log as dlog, tracing
     from dsec.cluster.edge_service import edge_app, serve, stop
     from dsec.cluster.secret_file import SecretFile
     from dsec.embedded.server import make_private, node_services
@@ -187,6 +187,7 @@ async def start_edge(settings: Settings, node_id: str, secret_file: str, system_
     from dsec.images.service import ImageService
 
     dlog.configure(settings.server.log_level)
+    tracing.start(settings.observability, "dsec-edge")     # DSEC_OTLP_ENDPOINT / DSEC_TRACES_FILE
     secrets = SecretFile(secret_file)
     secrets.accepted()           # there and valid, or the start fails saying so
     if tls_file is not None and not os.path.exists(tls_file):
@@ -262,7 +263,7 @@ class ApiReplica:
         self._lock = asyncio.Lock()
 
     async def _start(self) -> None:
-        from dsec import log as dlog
+        from dsec import log as dlog, tracing
         from dsec.apiserver.app import create_app
         from dsec.apiserver.context import ApiContext
         from dsec.cluster.discovery import RayDiscovery
@@ -276,6 +277,7 @@ class ApiReplica:
 
         settings = Settings.from_env()      # this replica's (a composition root)
         dlog.configure(settings.server.log_level)
+        tracing.start(settings.observability, "dsec-apiserver")   # DSEC_OTLP_ENDPOINT / DSEC_TRACES_FILE
         stack = AsyncExitStack()
         try:
             iam = IAM(self._db_url, home=Path(self._admin_key_file).parent,   # the cluster's home (secrets)

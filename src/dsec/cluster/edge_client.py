@@ -20,6 +20,7 @@ from urllib.parse import urlencode
 
 import httpx
 
+from dsec import tracing
 from dsec.apiserver.context import EdgeHandle, FnCallHandle
 from dsec.cluster.cluster_ca import verify_failure
 from dsec.cluster.wire import (EDGE_PREFIX, FNCALL_PREFIX, TUNNEL_EOF, TUNNEL_OK, TUNNEL_PATH, EdgeUnreachable,
@@ -104,7 +105,7 @@ class _Rpc:
         body = spec.params(**kwargs).model_dump_json()
         try:
             resp = await self._http.post(self.url + prefix + spec.name, content=body,
-                                         headers={"content-type": "application/json"}, extensions=self._ext)
+                                         headers=_headers(), extensions=self._ext)
         except httpx.TransportError as e:
             raise self._unreachable(e) from e
         if resp.status_code >= 400:
@@ -121,8 +122,8 @@ class _Rpc:
     async def _stream(self, method: str, **kwargs: Any) -> AsyncIterator[Any]:
         spec = EDGE_SPECS[method]
         body = spec.params(**kwargs).model_dump_json()
-        req = self._http.build_request("POST", self.url + EDGE_PREFIX + method, content=body,
-                                       headers={"content-type": "application/json"}, extensions=self._ext)
+        req = self._http.build_request("POST", self.url + EDGE_PREFIX + method, content=body, headers=_headers(),
+                                       extensions=self._ext)
         try:
             resp = await self._http.send(req, stream=True)
         except httpx.TransportError as e:
@@ -141,6 +142,12 @@ class _Rpc:
                 raise self._unreachable(e) from e
         finally:
             await resp.aclose()
+
+
+def _headers() -> dict[str, str]:
+    """JSON, and the current span's traceparent when traces are on (the replica -> edge hop)."""
+    h = {"content-type": "application/json"}
+    return tracing.inject(h) if tracing.on() else h   # type: ignore[return-value]
 
 
 def _decode_error(content: bytes, status: int | None) -> DsecError:

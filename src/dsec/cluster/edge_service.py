@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from dsec import tracing
 from dsec.apiserver.context import EdgeHandle, FnCallHandle
 from dsec.cluster.wire import (AUTH_HEADER, EDGE_PREFIX, FNCALL_PREFIX, TUNNEL_EOF, TUNNEL_OK, TUNNEL_PATH,
                                MethodSpec, error_body, specs)
@@ -97,7 +98,11 @@ def _rpc(target: object, table: dict[str, MethodSpec], secret: Secrets):
         try:
             if spec.kind == "stream":
                 return StreamingResponse(_ndjson(fn(**kwargs), spec), media_type="application/x-ndjson")
-            result = await fn(**kwargs)
+            if tracing.on():     # continue the apiserver's trace (its traceparent)
+                with tracing.span(f"dsec.edge/{name}", "server", parent=tracing.extract(request.headers)):
+                    result = await fn(**kwargs)
+            else:
+                result = await fn(**kwargs)
         except DsecError as e:
             return _error(e)
         except Exception as e:   # a bug: logged here, an InternalError there

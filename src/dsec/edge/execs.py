@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 from dsec.agent import protocol as P
 from dsec.agent.client import INTERNAL_CHAN_BASE, AgentClient, AgentDisconnected, AgentError, ExecLost
-from dsec import metrics
+from dsec import metrics, tracing
 from dsec.edge import output_budget
 from dsec.edge.agent_errors import map_agent_error
 from dsec.edge.exec_events import exec_events
@@ -114,7 +114,12 @@ class Execs(EdgeCore):
     async def run(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
         backend = self._count_exec(sandbox_id, "run")
         t0 = time.monotonic()
-        result = await self._run(sandbox_id, req)
+        if tracing.on():      # no command text on the span (docs/traces.md)
+            with tracing.span("dsec.edge.exec", attrs={"dsec.sandbox_id": sandbox_id, "dsec.node": self.node_id}) as s:
+                result = await self._run(sandbox_id, req)
+                tracing.set_attrs(s, {"dsec.exit_code": result.exit_code})
+        else:
+            result = await self._run(sandbox_id, req)
         if backend is not None:
             metrics.EXEC_SECONDS.labels(backend).observe(time.monotonic() - t0)
         return result

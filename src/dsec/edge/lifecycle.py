@@ -9,6 +9,7 @@ import builtins
 import errno
 import time
 
+from dsec import tracing
 from dsec.backends.base import PARKED, RUNNING, MemoryUsage
 from dsec.backends.warm import WarmClaim
 from dsec.edge.live import LiveSandbox
@@ -108,7 +109,13 @@ class Lifecycle(EdgeCore):
         t0 = time.monotonic()
         stages = CreateTimer(args.backend, project)
         try:
-            info = await self._create_timed(project, args, stages)
+            if tracing.on():      # the stages become child spans (CreateTimer.lap)
+                with tracing.span("dsec.edge.create", attrs={"dsec.backend": args.backend, "dsec.project": project,
+                                                             "dsec.node": self.node_id}) as s:
+                    info = await self._create_timed(project, args, stages)
+                    tracing.set_attrs(s, {"dsec.sandbox_id": info.id, "dsec.warm": stages.warm})
+            else:
+                info = await self._create_timed(project, args, stages)
         except DsecError:
             stages.done("refused" if stages.refused else "failed")
             raise

@@ -4,20 +4,32 @@ from __future__ import annotations
 
 import time
 
-from dsec import metrics
+from dsec import metrics, tracing
 from dsec.types import DsecError
+
+
+# the stages' span names: prepare resolves the image (and volumes), start is the backend's
+# create (runtime, mounts, network), agent waits for the in-sandbox agent to answer
+STAGE_SPANS = {"prepare": "dsec.create.image", "admission": "dsec.create.admission",
+               "start": "dsec.create.start", "agent": "dsec.create.agent_ready"}
 
 
 class CreateTimer:
     def __init__(self, backend: str, project: str):
         self.backend, self.project = backend, project
         self.t0 = self.t = time.monotonic()
+        self.t_ns = time.time_ns()      # wall clock of the last lap (spans are in wall-clock time)
         self.refused = False
         self.warm = False
 
     def lap(self, stage: str) -> None:
         now = time.monotonic()
         metrics.CREATE_SECONDS.labels(self.backend, stage).observe(now - self.t)
+        if tracing.on():     # the stage as a child span of dsec.edge.create (docs/traces.md)
+            end_ns = time.time_ns()
+            tracing.past_span(STAGE_SPANS.get(stage, f"dsec.create.{stage}"), self.t_ns, end_ns,
+                              {"dsec.stage": stage, "dsec.backend": self.backend})
+            self.t_ns = end_ns
         self.t = now
 
     def refuse(self, e: DsecError) -> None:

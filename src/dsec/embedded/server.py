@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 
 from dsec import log as dlog
+from dsec import tracing
 from dsec.agent.build import agent_binary
 from dsec.apiserver.app import create_app
 from dsec.apiserver.connections import GuardedH11Protocol
@@ -188,6 +189,7 @@ def serve(settings: Settings, opts: ServerOptions) -> None:
     dlog.configure(opts.log_level)
     paths = settings.paths
     make_private(paths)
+    tracing.start(settings.observability, "dsec")   # OpenTelemetry when DSEC_OTLP_ENDPOINT/DSEC_TRACES_FILE
 
     async def main() -> None:
         async with embedded(settings, opts.node_id) as ctx:
@@ -221,3 +223,5 @@ def serve(settings: Settings, opts: ServerOptions) -> None:
             asyncio.run(main())
         except KeyboardInterrupt:
             pass
+        finally:
+            tracing.shutdown()      # the spans still batched for the collector

@@ -48,6 +48,7 @@ ROOT_MAX_MEMORY_MB = 1 << 40
 QUOTA_FIELDS = ("max_sandboxes", "max_cpu_cores", "max_memory_mb")
 DEFAULT_ROTATION_GRACE_S = 3600.0      # the old key keeps working this long after a rotation
 MAX_ROTATION_GRACE_S = 30 * 86400.0
+KEY_ROLES = ("admin", "member")   # admin: manages keys, reads the audit log; member: uses sandboxes
 
 _AUTH_FIX = ("pass 'Authorization: Bearer <key>' (the SDK and CLI read DSEC_API_KEY); "
              "the admin key is in the server's admin.key file")
@@ -74,6 +75,7 @@ class Principal(BaseModel):
     project_id: str
     key_id: str
     project_name: str
+    role: str = "admin"     # KEY_ROLES: admin (manages keys, reads the audit log) or member
 
 
 class ApiKeyInfo(BaseModel):
@@ -85,6 +87,7 @@ class ApiKeyInfo(BaseModel):
     created_at: datetime
     revoked: bool
     expires_at: datetime | None = None     # a rotated key: valid until then (grace), then not
+    role: str = "admin"
 
 
 def _hash(key: str) -> str:
@@ -104,7 +107,8 @@ def _row_project(r: Row) -> Project:
 def _row_key(r: Row) -> ApiKeyInfo:
     return ApiKeyInfo(id=r["id"], project_id=r["project_id"], prefix=r["prefix"],
                       created_at=_ts(float(r["created_at"])), revoked=bool(r["revoked"]),
-                      expires_at=_ts(float(r["expires_at"])) if r["expires_at"] is not None else None)
+                      expires_at=_ts(float(r["expires_at"])) if r["expires_at"] is not None else None,
+                      role=r.get("role") or "admin")
 
 
 _ANCESTORS = """WITH RECURSIVE up(id, parent_id, depth) AS (
@@ -407,21 +411,25 @@ class IAM:
 
     # ------------------------------------------------------------------ keys
 
-    def create_key(self, project_id: str, *, by: Principal | None = None) -> str:
+    def create_key(self, project_id: str, *, role: str = "admin", by: Principal | None = None) -> str:
         """Mint a key for the project; the plaintext is returned once and never stored.
-        `by` must act for the project or an ancestor."""
+        `by` must act for the project or an ancestor, with an admin key."""
+        if role not in KEY_ROLES:
+            raise InvalidArgument(f"unknown key role {role!r}", field="role", fix="one of: " + ", ".join(KEY_ROLES))
         if by is not None and not self.can_access(by, project_id):
             raise NotFound(f"no project {project_id!r}", field="project_id", fix=_PROJECT_FIX)
-        key, key_id = self._new_key(project_id)
+        if by is not None:
+            require_admin(by, "create API keys")
+        key, key_id = self._new_key(project_id, role)
         log.info("created api key %s for project %s", key_id, project_id)
         return key
 
-    def _new_key(self, project_id: str) -> tuple[str, str]:
+    def _new_key(self, project_id: str, role: str = "admin") -> tuple[str, str]:
         key = KEY_PREFIX + secrets.token_urlsafe(32)
 
         def go(tx: Tx) -> str:
             self._get_project(tx, project_id, field="project_id")
-            return self._insert_key(tx, key, project_id)
+            return self._insert_key(tx, key, project_id, role)
         return key, self.db.run(go)
 
     def key_info(self, key_id: str) -> ApiKeyInfo:
@@ -434,6 +442,8 @@ class IAM:
         """Revoke a key by id (idempotent). `by` must act for the key's project or an ancestor."""
         if by is not None and not self.can_access(by, self.key_info(key_id).project_id):
             raise NotFound(f"no api key {key_id!r}", field="key_id", fix="use a key id from `dsec key ls`")
+        if by is not None and key_id != by.key_id:
+            require_admin(by, "revoke other API keys")
         if self.db.run(lambda tx: tx.execute("UPDATE api_keys SET revoked=1 WHERE id=?", (key_id,))) == 0:
             raise NotFound(f"no api key {key_id!r}", field="key_id", fix="use a key id from list_keys()")
         self._changed()
@@ -450,13 +460,15 @@ class IAM:
         old = self.key_info(key_id)
         if by is not None and not self.can_access(by, old.project_id):
             raise NotFound(f"no api key {key_id!r}", field="key_id", fix="use a key id from `dsec key ls`")
+        if by is not None and key_id != by.key_id:
+            require_admin(by, "rotate other API keys")     # the new key takes the old one's role
         if old.revoked:
             raise Conflict(f"api key {key_id} is revoked", field="key_id", fix="create a new key instead")
         key = KEY_PREFIX + secrets.token_urlsafe(32)
         ends = time.time() + grace_s
 
         def go(tx: Tx) -> str:
-            new_id = self._insert_key(tx, key, old.project_id)
+            new_id = self._insert_key(tx, key, old.project_id, old.role)
             # an earlier, shorter grace is kept: rotating again never extends the old key's life
             tx.execute("UPDATE api_keys SET expires_at=? WHERE id=? AND (expires_at IS NULL OR expires_at > ?)",
                        (ends, key_id, ends))
@@ -481,7 +493,7 @@ class IAM:
         # Looking up by hash means no comparison ever runs over the secret itself.
         h = _hash(key)
         r = self._keys.get(h, lambda: self.db.run(lambda tx: tx.one(
-            "SELECT k.id, k.hash, k.revoked, k.expires_at, p.id AS pid, p.name FROM api_keys k "
+            "SELECT k.id, k.hash, k.revoked, k.expires_at, k.role, p.id AS pid, p.name FROM api_keys k "
             "JOIN projects p ON p.id = k.project_id WHERE k.hash=?", (h,)), write=False))
         if r is None or not hmac.compare_digest(r["hash"], h):
             raise Unauthorized("unknown API key", field="authorization", fix=_AUTH_FIX)
@@ -491,7 +503,7 @@ class IAM:
         if r["expires_at"] is not None and float(r["expires_at"]) <= time.time():
             raise Unauthorized(f"API key {r['id']} was rotated and its grace period is over", field="authorization",
                                fix="use the key that replaced it (`dsec key rotate` printed it)")
-        return Principal(project_id=r["pid"], key_id=r["id"], project_name=r["name"])
+        return Principal(project_id=r["pid"], key_id=r["id"], project_name=r["name"], role=r["role"] or "admin")
 
     # ------------------------------------------------------------------ internals
 
@@ -515,11 +527,19 @@ class IAM:
         return Project(id=pid, name=name, parent_id=parent_id, max_sandboxes=max_sandboxes,
                        max_cpu_cores=max_cpu_cores, max_memory_mb=max_memory_mb, created_at=_ts(now))
 
-    def _insert_key(self, tx: Tx, key: str, project_id: str) -> str:
+    def _insert_key(self, tx: Tx, key: str, project_id: str, role: str = "admin") -> str:
         key_id = "key-" + secrets.token_hex(6)
-        tx.execute("INSERT INTO api_keys (id, project_id, prefix, hash, created_at) VALUES (?,?,?,?,?)",
-                   (key_id, project_id, key[:len(KEY_PREFIX) + 6], _hash(key), time.time()))
+        tx.execute("INSERT INTO api_keys (id, project_id, prefix, hash, created_at, role) VALUES (?,?,?,?,?,?)",
+                   (key_id, project_id, key[:len(KEY_PREFIX) + 6], _hash(key), time.time(), role))
         return key_id
+
+
+def require_admin(who: Principal, what: str) -> None:
+    """Refuse a member key what only its project's admin keys may do, naming the role."""
+    if who.role != "admin":
+        raise Forbidden(f"API key {who.key_id} has the role {who.role!r}; only a key with the role 'admin' may {what}",
+                        field="role", fix="use an admin key of the project (or of a parent project); "
+                                          "`dsec key create PROJECT --role admin` makes one")
 
 
 def _check_quota(want: tuple[int | float, ...], limits: tuple[int | float, ...], parent_id: str | None) -> None:

@@ -18,12 +18,14 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import IO, Any
 from urllib.parse import urlsplit
 
 import httpx
 from pydantic import BaseModel
 
+from dsec import tracing
 from dsec.config import DEFAULT_PORT, SERVER_INSTALL, Paths, server_installed
 from dsec.sdk.iam_types import (KeyInfo, KeyList, NewKey, ProjectCreate, ProjectInfo, ProjectList, QuotaInfo,
                                 QuotaUpdate)
@@ -36,6 +38,7 @@ from dsec.types import VolumeCreate, VolumeEntry, VolumeEntryList, VolumeInfo, V
 from dsec.types import (ERRORS_BY_CODE, SDK_KEY_PREFIX, ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult, FsEvent,
                         FileEntry, FileList, ImageInfo, ImageList, NetworkPolicy, NodeStatus, SandboxInfo, SandboxList,
                         InvalidArgument, Unavailable)
+from dsec.types import AuditList
 from dsec.types import EventList, SandboxEvent, WebhookCreate, WebhookInfo, WebhookList, DeliveryList, ended_error
 
 DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
@@ -234,6 +237,8 @@ class Client:
         wait = RETRY_BASE_S
         while True:
             try:
+                if tracing.on():      # the current span's traceparent (dsec.tracing; off: no cost)
+                    kw["headers"] = tracing.inject(dict(kw.get("headers") or {}))
                 return await self._http.request(method, self._url(path), **kw)
             except RETRYABLE as e:
                 if time.monotonic() >= deadline or not (repeatable or isinstance(e, httpx.ConnectError)):
@@ -345,9 +350,25 @@ class Client:
     async def keys(self, project_id: str) -> builtins.list[KeyInfo]:
         return KeyList.model_validate_json((await self._request("GET", f"/v1/projects/{project_id}/keys")).content).keys
 
-    async def create_key(self, project_id: str) -> NewKey:
-        """A new API key of the project: `.key` is the secret, shown this once."""
-        return NewKey.model_validate_json((await self._request("POST", f"/v1/projects/{project_id}/keys")).content)
+    async def create_key(self, project_id: str, role: str = "admin") -> NewKey:
+        """A new API key of the project: `.key` is the secret, shown this once. `role`: admin
+        (manages keys, reads the audit log) or member (uses sandboxes only)."""
+        return NewKey.model_validate_json((await self._request(
+            "POST", f"/v1/projects/{project_id}/keys", params={"role": role})).content)
+
+    async def audit(self, *, project: str | None = None, key_id: str | None = None, action: str | None = None,
+                    target: str | None = None, since: datetime | None = None, until: datetime | None = None,
+                    before: str | None = None, limit: int = 100) -> AuditList:
+        """The audit log, newest first (an admin key: its project's and those below it).
+        `action`: exact (`exec.start`) or a prefix ending in a dot (`file.`); pass the answer's
+        next_before as `before` for the next page."""
+        params: dict[str, Any] = {"limit": limit}
+        for k, v in (("project", project), ("key_id", key_id), ("action", action), ("target", target),
+                     ("before", before), ("since", since.isoformat() if since else None),
+                     ("until", until.isoformat() if until else None)):
+            if v is not None:
+                params[k] = v
+        return AuditList.model_validate_json((await self._request("GET", "/v1/audit", params=params)).content)
 
     async def revoke_key(self, key_id: str) -> None:
         await self._request("DELETE", f"/v1/keys/{key_id}")
@@ -364,8 +385,14 @@ class Client:
         one is made here, so a retry after a lost connection cannot create a second sandbox."""
         if args.idempotency_key is None:
             args = args.model_copy(update={"idempotency_key": _sdk_key()})
-        resp = await self._request("POST", "/v1/sandboxes", content=wire(args), headers=JSON, idempotent=True)
-        return Sandbox(self, SandboxInfo.model_validate_json(resp.content))
+        if not tracing.on():
+            resp = await self._request("POST", "/v1/sandboxes", content=wire(args), headers=JSON, idempotent=True)
+            return Sandbox(self, SandboxInfo.model_validate_json(resp.content))
+        with tracing.span("dsec.sandbox.create", "client", {"dsec.backend": args.backend}) as span:
+            resp = await self._request("POST", "/v1/sandboxes", content=wire(args), headers=JSON, idempotent=True)
+            info = SandboxInfo.model_validate_json(resp.content)
+            tracing.set_attrs(span, {"dsec.sandbox_id": info.id})
+            return Sandbox(self, info)
 
     async def create_many(self, n: int, args: SandboxArgs, *, concurrency: int = 32
                           ) -> AsyncIterator["Created"]:
@@ -765,7 +792,14 @@ class Sandbox:
         req = ExecRequest(cmd=cmd, session=session, timeout_s=timeout_s, cwd=cwd, env=env or {},
                           stdin=stdin, user=user, output_cap_bytes=output_cap_bytes,
                           idempotency_key=idempotency_key or _sdk_key())
-        resp = await self._c._request("POST", f"{self._base}/exec", content=wire(req), headers=JSON, idempotent=True)
+        if tracing.on():
+            with tracing.span("dsec.sandbox.exec", "client", {"dsec.sandbox_id": self.id}) as span:
+                resp = await self._c._request("POST", f"{self._base}/exec", content=wire(req), headers=JSON,
+                                              idempotent=True)
+                tracing.set_attrs(span, {"dsec.exit_code": ExecResult.model_validate_json(resp.content).exit_code})
+        else:
+            resp = await self._c._request("POST", f"{self._base}/exec", content=wire(req), headers=JSON,
+                                          idempotent=True)
         result = ExecResult.model_validate_json(resp.content)
         if check and result.exit_code != 0:
             raise ExecFailed(result)
@@ -783,7 +817,8 @@ class Sandbox:
 
     async def _ndjson(self, method: str, path: str, content: str | None = None) -> AsyncIterator[ExecEvent]:
         await self._c._ensure_ready()
-        async with self._c._http.stream(method, path, content=content, headers=JSON) as resp:
+        headers = tracing.inject(dict(JSON)) if tracing.on() else JSON
+        async with self._c._http.stream(method, path, content=content, headers=headers) as resp:
             if resp.status_code >= 400:
                 _raise_for(resp, await resp.aread())
             async for line in resp.aiter_lines():

@@ -65,6 +65,8 @@ class KeyInfo(BaseModel):
     created_at: datetime
     revoked: bool
     expires_at: datetime | None = Field(None, description="a rotated key ends then (its grace period)")
+    role: str = Field("admin", description="admin: manages the project's keys and reads its audit log; "
+                                           "member: uses sandboxes only")
 
 
 class KeyList(BaseModel):

@@ -17,17 +17,18 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import Callable, Iterable, Iterator
+from datetime import datetime
 import os
 from typing import Any, cast
 
 from dsec.sdk import _sync
 from dsec.sdk.client import Client, Created, Files, Forked, Pty, Sandbox
 from dsec.sdk.iam_types import KeyInfo, NewKey, ProjectInfo, QuotaInfo
-from dsec.types import (BulkItem, ContainerArgs, DeliveryList, DsecError, EventList, ExecEvent, ExecInfo,
-                        ExecResult, FileEntry, FnCallRequest, FnCallResult, FsEvent, ImageBuildResult,
-                        ImageConfig, ImageInfo, ImageProgress, MicroVMArgs, NetworkPolicy, NodeStatus,
-                        SandboxArgs, SandboxEvent, SandboxInfo, SandboxList, SnapshotInfo, UsageSample,
-                        VMArgs, VolumeEntry, VolumeInfo, WebhookInfo)
+from dsec.types import (AuditList, BulkItem, ContainerArgs, DeliveryList, DsecError, EventList, ExecEvent,
+                        ExecInfo, ExecResult, FileEntry, FnCallRequest, FnCallResult, FsEvent,
+                        ImageBuildResult, ImageConfig, ImageInfo, ImageProgress, MicroVMArgs, NetworkPolicy,
+                        NodeStatus, SandboxArgs, SandboxEvent, SandboxInfo, SandboxList, SnapshotInfo,
+                        UsageSample, VMArgs, VolumeEntry, VolumeInfo, WebhookInfo)
 
 __all__ = ["SyncClient", "SyncCreated", "SyncForked", "SyncSandbox", "SyncFiles", "SyncPty"]
 
@@ -144,9 +145,22 @@ class SyncClient(_sync.Synchronized):
     def keys(self, project_id: str) -> builtins.list[KeyInfo]:
         return cast("builtins.list[KeyInfo]", _sync.call(self, "keys", project_id))
 
-    def create_key(self, project_id: str) -> NewKey:
-        """A new API key of the project: `.key` is the secret, shown this once."""
-        return cast("NewKey", _sync.call(self, "create_key", project_id))
+    def create_key(self, project_id: str, role: str = "admin") -> NewKey:
+        """A new API key of the project: `.key` is the secret, shown this once. `role`: admin
+        (manages keys, reads the audit log) or member (uses sandboxes only).
+        """
+        return cast("NewKey", _sync.call(self, "create_key", project_id, role))
+
+    def audit(self, *, project: str | None = None, key_id: str | None = None, action: str | None = None,
+              target: str | None = None, since: datetime | None = None, until: datetime | None = None,
+              before: str | None = None, limit: int = 100) -> AuditList:
+        """The audit log, newest first (an admin key: its project's and those below it).
+        `action`: exact (`exec.start`) or a prefix ending in a dot (`file.`); pass the answer's
+        next_before as `before` for the next page.
+        """
+        return cast("AuditList", _sync.call(self, "audit", project=project, key_id=key_id, action=action,
+                                            target=target, since=since, until=until, before=before,
+                                            limit=limit))
 
     def revoke_key(self, key_id: str) -> None:
         _sync.call(self, "revoke_key", key_id)

@@ -13,6 +13,7 @@ import json
 import secrets
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -48,9 +49,45 @@ def _webhook(r: Row) -> WebhookInfo:
                        enabled=bool(r["enabled"]), created_at=float(r["created_at"]))
 
 
+class Sealer(Protocol):
+    """What encrypts webhook signing secrets at rest: a Fernet (iam/secrets.py, D57's key)."""
+
+    def encrypt(self, data: bytes) -> bytes: ...
+    def decrypt(self, token: bytes) -> bytes: ...
+
+
+SEALED = "fernet:"     # a stored secret that starts so is a Fernet token; others are from before
+
+
 class EventStore:
-    def __init__(self, db: Database):
+    def __init__(self, db: Database, sealer: Callable[[], Sealer] | None = None):
+        """`sealer`: the key that encrypts webhook secrets at rest (made on first use); None:
+        stored as given (the store's own tests)."""
         self.db = db
+        self._sealer = sealer
+
+    def _seal(self, secret: str) -> str:
+        if self._sealer is None:
+            return secret
+        return SEALED + self._sealer().encrypt(secret.encode()).decode()
+
+    def _unseal(self, stored: str) -> str:
+        if self._sealer is None or not stored.startswith(SEALED):
+            return stored       # a row from before encryption (seal_plain turns them over)
+        return self._sealer().decrypt(stored[len(SEALED):].encode()).decode()
+
+    def seal_plain(self) -> int:
+        """Encrypt the webhook secrets stored in plain text before this version; how many."""
+        if self._sealer is None:
+            return 0
+
+        def run(tx: Tx) -> int:
+            n = 0
+            for r in tx.all("SELECT id, secret FROM webhooks WHERE substr(secret, 1, ?) <> ?", (len(SEALED), SEALED)):
+                n += tx.execute("UPDATE webhooks SET secret=? WHERE id=? AND secret=?",
+                                (self._seal(r["secret"]), r["id"], r["secret"]))
+            return n
+        return self.db.run(run)
 
     # -- events ------------------------------------------------------------------------------
     def ingest(self, source: str, events: Sequence[SandboxEvent], last_seq: int,
@@ -150,7 +187,7 @@ class EventStore:
         self.db.run(lambda tx: tx.execute(
             "INSERT INTO webhooks (id, project_id, url, name, events, secret, scheme, enabled, private_ok, created_at) "
             "VALUES (?,?,?,?,?,?,?,1,?,?)", (wid, project, url, name, json.dumps(events) if events is not None else None,
-                                             secret, scheme, int(private_ok), now)))
+                                             self._seal(secret), scheme, int(private_ok), now)))
         return WebhookInfo(id=wid, project=project, url=url, name=name, events=events, scheme=scheme,
                            created_at=now, secret=secret)
 
@@ -178,7 +215,7 @@ class EventStore:
 
     def update_webhook(self, webhook_id: str, **fields: object) -> None:
         cols = {k: (json.dumps(v) if k == "events" and v is not None else int(bool(v)) if k in ("enabled", "private_ok")
-                    else v)
+                    else self._seal(str(v)) if k == "secret" else v)
                 for k, v in fields.items()}
         if cols:
             self.db.run(lambda tx: tx.execute(f"UPDATE webhooks SET {', '.join(f'{k}=?' for k in cols)} WHERE id=?",
@@ -205,7 +242,7 @@ class EventStore:
                 if tx.execute("UPDATE webhook_deliveries SET lease_until=? WHERE id=? AND lease_until < ?",
                               (now + lease_s, r["did"], now)):
                     ev = _event({**r, "id": r["eid"], "project_id": r["eproject"]})
-                    out.append(Due(r["did"], int(r["attempts"]), float(r["dcreated"]), _webhook(r), r["secret"], ev,
+                    out.append(Due(r["did"], int(r["attempts"]), float(r["dcreated"]), _webhook(r), self._unseal(r["secret"]), ev,
                                    bool(r["private_ok"])))
             return out
         return self.db.run(run)

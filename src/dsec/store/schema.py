@@ -182,6 +182,24 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
         "CREATE INDEX webhook_deliveries_due ON webhook_deliveries(status, next_at)",
         "CREATE INDEX webhook_deliveries_hook ON webhook_deliveries(webhook_id, created_at)",
     ]),
+    (9, "audit log; API key roles", [
+        # who (which key) did what to what; ids sort by time (store/audit.py), so a page resumes
+        # after the last id it saw; no secret values, command text or file contents
+        """CREATE TABLE audit_log (
+            id         TEXT PRIMARY KEY,
+            at         DOUBLE PRECISION NOT NULL,
+            project_id TEXT NOT NULL,
+            key_id     TEXT NOT NULL,
+            action     TEXT NOT NULL,
+            target     TEXT NOT NULL DEFAULT '',
+            status     INTEGER NOT NULL,
+            details    TEXT NOT NULL DEFAULT '{}'
+        )""",
+        "CREATE INDEX audit_log_project ON audit_log(project_id, id)",
+        "CREATE INDEX audit_log_at ON audit_log(at)",
+        # admin: manages its project's keys and reads its audit log; member: uses sandboxes only
+        "ALTER TABLE api_keys ADD COLUMN role TEXT NOT NULL DEFAULT 'admin'",
+    ]),
 ]
 
 LATEST = MIGRATIONS[-1][0]

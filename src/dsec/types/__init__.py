@@ -36,9 +36,11 @@ from dsec.types.events import (MAX_EVENT_ID, INFRASTRUCTURE_REASONS, USER_REASON
                                ended_error)
 
 from dsec.types.volumes import (VolumeMount, VolumeCreate, VolumeEntry, VolumeEntryList, VolumeInfo, VolumeList)
+from dsec.types.audit import (MAX_AUDIT_PAGE, AuditEntry, AuditList)
 
 __all__ = [
     "VolumeMount", "VolumeCreate", "VolumeEntry", "VolumeEntryList", "VolumeInfo", "VolumeList",
+    "MAX_AUDIT_PAGE", "AuditEntry", "AuditList",
     "MAX_EVENT_ID", "INFRASTRUCTURE_REASONS", "USER_REASONS", "END_REASONS", "is_infrastructure", "EventType", "SandboxEvent",
     "EdgeEvents", "EventList", "WebhookCreate", "WebhookInfo", "WebhookList", "DeliveryInfo", "DeliveryList",
     "SandboxEnded", "InfrastructureFailure", "EndedByUser", "ended_error",

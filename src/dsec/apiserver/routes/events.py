@@ -14,6 +14,7 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi import Path as PathParam
 from fastapi.responses import Response, StreamingResponse
 
+from dsec.apiserver.audit import note_target
 from dsec.apiserver.deps import Ctx, Who, admin_only, is_admin
 from dsec.apiserver.context import ApiContext
 from dsec.apiserver.events import pump
@@ -94,6 +95,7 @@ async def create_webhook(req: WebhookCreate, who: Who, ctx: Ctx) -> WebhookInfo:
     """Send this project's lifecycle events to a URL, signed (docs/events.md). The answer
     carries the secret (the only time it is shown)."""
     info = await asyncio.to_thread(add_webhook, ctx, who, req, "dsec")
+    note_target(info.id)     # the audit log names it; the signing secret stays out
     worker(ctx).start()
     return info
 

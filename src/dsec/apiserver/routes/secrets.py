@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from dsec.apiserver import egress_secrets
+from dsec.apiserver.audit import note_target
 from dsec.apiserver.deps import Ctx, Who
 from dsec.types import SecretCreate, SecretInfo, SecretList
 
@@ -15,6 +16,7 @@ router = APIRouter()
 async def create_secret(req: SecretCreate, who: Who, ctx: Ctx) -> SecretInfo:
     """Store a credential of the caller's project with the destinations it is added to (by the
     egress proxy, for sandboxes created with `secrets=[name]`). The value is never returned."""
+    note_target(req.name)       # the audit log names it; the value stays out
     return egress_secrets.store(ctx).create(who.project_id, req)
 
 

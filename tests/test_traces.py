@@ -1,0 +1,163 @@
+"""OpenTelemetry traces (issue 26.4, dsec.tracing): each process writes its spans as OTLP-JSON
+(DSEC_TRACES_FILE; the client with dsec.tracing.setup), and joined by trace id one create is
+one trace across the client and the server, with the edge's stages (image, admission, start,
+agent ready) as children of its create span; an exec likewise. No command text on any span.
+The cluster's replica -> edge hop carries the trace over HTTP too (HttpEdge -> edge service)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import LOCAL_DNS_SINK, ServerProc, _cleanup_home, side_home
+
+from dsec.types import NodeCapacity, NodeStatus
+
+MARK = "trace-cmd-text-4711"
+
+CLIENT = textwrap.dedent("""
+    import asyncio, sys
+    from dsec import tracing
+    from dsec.sdk.client import Client
+    tracing.setup("test-client", traces_file=sys.argv[3])
+
+    async def main():
+        async with Client(sys.argv[1], sys.argv[2], autostart=False) as c:
+            sb = await c.create_container(image="busybox")
+            try:
+                assert (await sb.run("echo " + sys.argv[4])).exit_code == 0
+            finally:
+                await sb.stop()
+            print(sb.id)
+    asyncio.run(main())
+    tracing.shutdown()
+""")
+
+
+def spans(path: Path) -> list[dict]:
+    """Every span of an OTLP-JSON lines file, with its resource's service.name as `service`."""
+    out = []
+    for line in path.read_text().splitlines():
+        for rs in json.loads(line)["resourceSpans"]:
+            service = next(a["value"]["stringValue"] for a in rs["resource"]["attributes"] if a["key"] == "service.name")
+            for ss in rs["scopeSpans"]:
+                out += [{**s, "service": service} for s in ss["spans"]]
+    return out
+
+
+def attrs(span: dict) -> dict:
+    """Attribute values as Python values (OTLP-JSON writes 64-bit ints as strings)."""
+    return {a["key"]: int(a["value"]["intValue"]) if "intValue" in a["value"] else next(iter(a["value"].values()))
+            for a in span.get("attributes", [])}
+
+
+@pytest.fixture(scope="module")
+def traced(dsec_home, images, tmp_path_factory):
+    """A server of its own with DSEC_TRACES_FILE set (own bridge: concurrent test servers never share one)."""
+    home = side_home(dsec_home, tmp_path_factory, "traces")
+    out = home / "server-spans.jsonl"
+    tag = os.getpid() % 100000
+    srv = ServerProc(home, env={"DSEC_TRACES_FILE": str(out), "DSEC_NET_BRIDGE": f"dtr{tag}",
+                                "DSEC_NET_SUBNET": f"10.196.{os.getpid() % 250}.0/24",
+                                "DSEC_NET_DNS_UPSTREAM": LOCAL_DNS_SINK})
+    srv.start()
+    try:
+        yield srv, out
+    finally:
+        srv.kill(signal.SIGTERM)
+        _cleanup_home(home)
+
+
+def test_one_create_is_one_trace_across_processes(traced, tmp_path):
+    srv, server_file = traced
+    client_file = tmp_path / "client-spans.jsonl"
+    p = subprocess.run([sys.executable, "-c", CLIENT, srv.url, srv.key, str(client_file), MARK],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")})
+    assert p.returncode == 0, p.stdout + p.stderr
+    sandbox_id = p.stdout.strip().splitlines()[-1]
+    client, server = spans(client_file), spans(server_file)
+    by_id = {s["spanId"]: s for s in client + server}
+
+    create = next(s for s in client if s["name"] == "dsec.sandbox.create")
+    assert create["kind"] == 3 and attrs(create)["dsec.sandbox_id"] == sandbox_id, create
+    trace = [s for s in server if s["traceId"] == create["traceId"]]
+    names = {s["name"] for s in trace}
+    assert {"POST /v1/sandboxes", "dsec.edge.create", "dsec.create.image", "dsec.create.admission",
+            "dsec.create.start", "dsec.create.agent_ready"} <= names, names
+    assert {s["service"] for s in trace} == {"dsec"} and create["service"] == "test-client"
+    # the server's span continues the client's across the process hop (FastAPI, when tracing is on, adds
+    # its own HTTP span beside dsec's: one of the two is the child of the client's span)
+    https = [s for s in trace if s["name"] == "POST /v1/sandboxes"]
+    assert any(s.get("parentSpanId") == create["spanId"] and s["kind"] == 2 for s in https), https
+    http = next(s for s in https if "dsec.project" in attrs(s))
+    assert attrs(http)["http.response.status_code"] == 201 and attrs(http)["dsec.project"], http
+    edge = next(s for s in trace if s["name"] == "dsec.edge.create")
+    assert attrs(edge)["dsec.sandbox_id"] == sandbox_id
+
+    def ancestors(s: dict) -> list[str]:
+        chain = []
+        while s.get("parentSpanId") in by_id:
+            s = by_id[s["parentSpanId"]]
+            chain.append(s["spanId"])
+        return chain
+    assert http["spanId"] in ancestors(edge), edge
+    for stage in ("dsec.create.image", "dsec.create.admission", "dsec.create.start", "dsec.create.agent_ready"):
+        st = next(s for s in trace if s["name"] == stage)
+        assert st["parentSpanId"] == edge["spanId"], st
+        assert int(edge["startTimeUnixNano"]) <= int(st["startTimeUnixNano"]) <= int(st["endTimeUnixNano"]) \
+            <= int(edge["endTimeUnixNano"]), (st, edge)
+
+    # the exec: client -> POST .../exec -> the edge's exec span, one trace; no command text anywhere
+    run = next(s for s in client if s["name"] == "dsec.sandbox.exec")
+    exec_trace = {s["name"]: s for s in server if s["traceId"] == run["traceId"]}
+    assert "POST /v1/sandboxes/{sandbox_id}/exec" in exec_trace and "dsec.edge.exec" in exec_trace, exec_trace.keys()
+    assert attrs(exec_trace["dsec.edge.exec"])["dsec.exit_code"] == 0
+    assert run["traceId"] != create["traceId"]
+    assert MARK not in client_file.read_text() + server_file.read_text()
+
+
+HOP = textwrap.dedent("""
+    import asyncio, json, sys
+    from dsec import tracing
+    from dsec.cluster.edge_client import HttpEdge
+    from dsec.cluster.edge_service import bind, edge_app, serve, stop
+    from dsec.types import NodeStatus
+    tracing.setup("hop", traces_file=sys.argv[1])
+
+    class Edge:      # the edge service's target: what the hop carries is tested, not the edge
+        async def status(self):
+            with tracing.span("inside-edge"):
+                return NodeStatus.model_validate_json(sys.argv[2])
+
+    async def main():
+        sock = bind("127.0.0.1", 0)
+        server = await serve(edge_app(Edge(), "s" * 32), sock)
+        try:
+            e = HttpEdge(f"http://127.0.0.1:{sock.getsockname()[1]}", "s" * 32, "n1")
+            with tracing.span("replica"):
+                await e.status()
+        finally:
+            await stop(server)
+    asyncio.run(main())
+    tracing.shutdown()
+""")
+
+
+def test_the_replica_to_edge_hop_carries_the_trace(tmp_path):
+    out = tmp_path / "hop.jsonl"
+    status = NodeStatus(node_id="n1", healthy=True, backends=["container"],
+                        capacity=NodeCapacity(cpu_cores=1, memory_mb=1024, max_sandboxes=1)).model_dump_json()
+    p = subprocess.run([sys.executable, "-c", HOP, str(out), status], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    got = {s["name"]: s for s in spans(out)}
+    replica, server, inside = got["replica"], got["dsec.edge/status"], got["inside-edge"]
+    assert server["parentSpanId"] == replica["spanId"] and server["kind"] == 2, server
+    assert inside["parentSpanId"] == server["spanId"]
+    assert len({replica["traceId"], server["traceId"], inside["traceId"]}) == 1

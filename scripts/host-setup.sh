@@ -67,7 +67,7 @@ setup_zram() {
   fi
 }
 setup_zram
-# Memory merging for VMs (docs/decisions.md D6?, docs/security.md "Memory merging"): ksmd merges
+# Memory merging for VMs (docs/decisions.md D73, docs/security.md "Memory merging"): ksmd merges
 # only memory a process marked mergeable, and the only such memory dsec makes is its VMs' QEMUs
 # (DSEC_VM_KSM, default all). Clones of one template share many of their private pages (TCG TLBs,
 # guest pages written alike; docs/benchmarks.md vm-density) for a few % of a core. DSEC_KSM=0

@@ -138,14 +138,30 @@ class SQLiteDatabase(Database):
             cur = self._conn.cursor()
             if not write:   # reads run in autocommit: no BEGIN/COMMIT round (authenticate is one per request)
                 return self._enter(Tx(cur, self.dialect), fn)
-            cur.execute(self.dialect.begin_write)
             try:
-                out = self._enter(Tx(cur, self.dialect), fn)
-            except BaseException:
-                self._conn.execute("ROLLBACK")
+                cur.execute(self.dialect.begin_write)
+                try:
+                    out = self._enter(Tx(cur, self.dialect), fn)
+                    self._conn.execute("COMMIT")
+                except BaseException:
+                    # a failed COMMIT (disk full) may leave the transaction open: the one shared
+                    # connection would then refuse every later BEGIN ("within a transaction")
+                    if self._conn.in_transaction:
+                        self._conn.execute("ROLLBACK")
+                    raise
+                return out
+            except sqlite3.OperationalError as e:
+                if "disk is full" in str(e):
+                    raise self._full(e) from None
                 raise
-            self._conn.execute("COMMIT")
-            return out
+
+    def _full(self, error: sqlite3.OperationalError) -> Unavailable:
+        """A write the filesystem has no room for: the node's fault, never the request's (503)."""
+        e = Unavailable(f"the DSEC_HOME filesystem has no room: the control store ({self.path}) cannot "
+                        f"write ({error}); DSEC_HOME_RESERVE_MB keeps room for the node's own records",
+                        field="DSEC_HOME", fix="free space on the DSEC_HOME filesystem, then retry")
+        e.retry_after_s = STORE_RETRY_AFTER_S   # type: ignore[attr-defined]
+        return e
 
     def close(self) -> None:
         with self._lock:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
-import os
 from pathlib import Path
 
 from cryptography import x509
@@ -20,6 +19,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from dsec.security.pki import key_pem as _key_pem, load_or_make_ca, write_file as _write
 from dsec.types import InvalidArgument
 
 CA_DAYS = 3650
@@ -76,42 +76,8 @@ def _check_names(cert: Path, domain: str) -> None:
                                                          "or unset DSEC_TLS_CERT/DSEC_TLS_KEY for one dsec signs")
 
 
-def _write(path: Path, data: bytes, mode: int) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
-
-
-def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
-
-
 def _ca(d: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    cert_path, key_path = d / "ca.pem", d / "ca.key"
-    if cert_path.exists() and key_path.exists():
-        key = serialization.load_pem_private_key(key_path.read_bytes(), None)
-        assert isinstance(key, ec.EllipticCurvePrivateKey)
-        return x509.load_pem_x509_certificate(cert_path.read_bytes()), key
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "dsec"),
-                      x509.NameAttribute(NameOID.COMMON_NAME, f"dsec sandbox ingress CA {os.urandom(4).hex()}")])
-    now = dt.datetime.now(dt.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(hours=1)).not_valid_after(now + dt.timedelta(days=CA_DAYS))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
-                                         data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                                         crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-            .sign(key, hashes.SHA256()))
-    _write(key_path, _key_pem(key), 0o600)
-    _write(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
-    return cert, key
+    return load_or_make_ca(d / "ca.pem", d / "ca.key", "dsec sandbox ingress CA", CA_DAYS)
 
 
 def _fresh(leaf: Path, domain: str) -> bool:

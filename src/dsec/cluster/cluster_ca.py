@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
-import os
 import ssl
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from dsec.security.pki import key_pem as _key_pem, load_or_make_ca, write_file as _write
 from dsec.types import Unavailable
 
 CA_CERT = "cluster-ca.pem"       # in the cluster home, and in <node-homes> on every node
@@ -32,44 +32,9 @@ CA_DAYS = 3650
 LEAF_DAYS = 825                  # re-issued at every `up`
 
 
-def _write(path: Path, data: bytes, mode: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
-
-
-def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
-
-
 def ensure_ca(home: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     """The cluster CA kept in `home` (made on first use)."""
-    cert_path, key_path = home / CA_CERT, home / CA_KEY
-    if cert_path.exists() and key_path.exists():
-        key = serialization.load_pem_private_key(key_path.read_bytes(), None)
-        assert isinstance(key, ec.EllipticCurvePrivateKey)
-        return x509.load_pem_x509_certificate(cert_path.read_bytes()), key
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "dsec"),
-                      x509.NameAttribute(NameOID.COMMON_NAME, f"dsec cluster CA {os.urandom(4).hex()}")])
-    now = dt.datetime.now(dt.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(hours=1)).not_valid_after(now + dt.timedelta(days=CA_DAYS))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
-                                         data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                                         crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-            .sign(key, hashes.SHA256()))
-    _write(key_path, _key_pem(key), 0o600)
-    _write(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
-    return cert, key
+    return load_or_make_ca(home / CA_CERT, home / CA_KEY, "dsec cluster CA", CA_DAYS)
 
 
 def ca_pem(home: Path) -> bytes:

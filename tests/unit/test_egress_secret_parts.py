@@ -219,3 +219,21 @@ def test_intercept_adds_the_header_relays_the_body_and_never_sends_to_an_unverif
         assert b"Connection: close" in req
     else:
         assert out in (b"closed", b"") and seen == [], (out, seen)   # the destination got nothing
+
+
+def test_egress_ca_made_by_pki_keeps_its_name_usage_and_modes(tmp_path):
+    """The egress CA comes from security/pki.py like the ingress and cluster CAs, with what it
+    always had: a subject naming the node, digitalSignature among its key usages, a 0700 dir,
+    a 0600 key; made once, then loaded (the same certificate at the next start)."""
+    import os
+
+    from cryptography import x509
+
+    ca = EgressCA(tmp_path / "ca")
+    assert ca.cert.subject.rfc4514_string() == f"CN=dsec egress CA {os.uname().nodename}"[:67]
+    usage = ca.cert.extensions.get_extension_for_class(x509.KeyUsage).value
+    assert usage.digital_signature and usage.key_cert_sign and usage.crl_sign
+    assert ca.cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    assert (tmp_path / "ca").stat().st_mode & 0o777 == 0o700
+    assert (tmp_path / "ca" / "ca.key").stat().st_mode & 0o777 == 0o600
+    assert EgressCA(tmp_path / "ca").cert == ca.cert

@@ -23,8 +23,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from dsec.security.pki import load_or_make_ca
+
 HOST_BUNDLES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt")
 LEAF_DAYS = 7
+CA_DAYS = 3650
 # where the bundle is bound in a sandbox, and the variables that name it
 BUNDLE_IN_SANDBOX = "/etc/dsec/egress-ca-bundle.pem"
 TRUST_ENV = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "NODE_EXTRA_CA_CERTS", "CURL_CA_BUNDLE")
@@ -47,33 +50,12 @@ class EgressCA:
         self.key, self.cert = self._load_or_make()
 
     def _load_or_make(self) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
-        key_path, cert_path = self.dir / "ca.key", self.dir / "ca.pem"
-        if key_path.exists() and cert_path.exists():
-            key = serialization.load_pem_private_key(key_path.read_bytes(), None)
-            assert isinstance(key, ec.EllipticCurvePrivateKey)
-            return key, x509.load_pem_x509_certificate(cert_path.read_bytes())
-        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(self.dir, 0o700)
-        key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.timezone.utc)
-        name = _name(f"dsec egress CA {os.uname().nodename}"[:64])
-        cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-                .serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(hours=1))
-                .not_valid_after(now + datetime.timedelta(days=3650))
-                .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-                .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                             content_commitment=False, key_encipherment=False,
-                                             data_encipherment=False, key_agreement=False,
-                                             encipher_only=False, decipher_only=False), critical=True)
-                .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-                .sign(key, hashes.SHA256()))
-        fd = os.open(key_path.with_suffix(".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                      serialization.NoEncryption()))
-        key_path.with_suffix(".tmp").replace(key_path)
-        cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        if not (self.dir / "ca.key").exists():
+            self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.chmod(self.dir, 0o700)
+        cert, key = load_or_make_ca(self.dir / "ca.pem", self.dir / "ca.key", "dsec egress CA", CA_DAYS,
+                                    subject=_name(f"dsec egress CA {os.uname().nodename}"[:64]),
+                                    digital_signature=True)
         return key, cert
 
     @property

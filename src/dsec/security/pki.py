@@ -1,5 +1,6 @@
 """The small PKI pieces dsec's own CAs share (the ingress CA of apiserver/tls.py, the cluster CA
-of cluster/cluster_ca.py): atomic private writes and a self-signed P-256 CA kept in two files."""
+of cluster/cluster_ca.py, the egress CA of security/egress_ca.py): atomic private writes and a
+self-signed P-256 CA kept in two files."""
 
 from __future__ import annotations
 
@@ -29,23 +30,26 @@ def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
                              serialization.NoEncryption())
 
 
-def load_or_make_ca(cert_path: Path, key_path: Path, common_name: str,
-                    days: int) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+def load_or_make_ca(cert_path: Path, key_path: Path, common_name: str, days: int, *,
+                    subject: x509.Name | None = None, digital_signature: bool = False
+                    ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     """The CA kept at cert_path/key_path, made on first use (its name gets a random suffix, so
-    two installations' CAs are told apart)."""
+    two installations' CAs are told apart). `subject`: that name instead (the egress CA's names
+    its node); `digital_signature`: the key usage bit besides certificate and CRL signing (the
+    egress CA has always carried it; kept so its certificates stay as they were)."""
     if cert_path.exists() and key_path.exists():
         key = serialization.load_pem_private_key(key_path.read_bytes(), None)
         assert isinstance(key, ec.EllipticCurvePrivateKey)
         return x509.load_pem_x509_certificate(cert_path.read_bytes()), key
     key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "dsec"),
-                      x509.NameAttribute(NameOID.COMMON_NAME, f"{common_name} {os.urandom(4).hex()}")])
+    name = subject or x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "dsec"),
+                                 x509.NameAttribute(NameOID.COMMON_NAME, f"{common_name} {os.urandom(4).hex()}")])
     now = dt.datetime.now(dt.timezone.utc)
     cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - dt.timedelta(hours=1)).not_valid_after(now + dt.timedelta(days=days))
             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
+            .add_extension(x509.KeyUsage(digital_signature=digital_signature, content_commitment=False, key_encipherment=False,
                                          data_encipherment=False, key_agreement=False, key_cert_sign=True,
                                          crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)

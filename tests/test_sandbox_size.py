@@ -124,3 +124,52 @@ async def test_microvm_sees_its_own_size_from_its_kernel(vm_client):
         assert 300 << 10 < int(kb) <= 384 << 10, r
     finally:
         await sb.stop()
+
+
+def test_lxcfs_outlives_the_cgroup_that_started_it(tmp_path):
+    """The daemon is moved out of its starter's cgroup into dsec's own (lxcfs.py): ending every
+    process of the starter's cgroup (systemd's `stop` with KillMode=control-group, a job runner
+    cleaning up after a test run: what killed the default home's daemon twice, leaving its FUSE
+    mount behind) leaves it serving."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import pytest
+
+    from dsec.backends.container import cgroups
+    if os.geteuid() != 0 or not Lxcfs(tmp_path / "x").installed:
+        pytest.skip("needs root and lxcfs")
+    hier = cgroups.v2_root() if cgroups.is_unified() else cgroups.CGROUP_ROOT / "memory"
+    starter = hier / f"dsec-test-starter-{os.getpid()}"
+    starter.mkdir()
+    lx = Lxcfs(tmp_path / "lxcfs")
+    try:
+        code = f"from pathlib import Path; from dsec.backends.container.lxcfs import Lxcfs; Lxcfs(Path({str(lx.mountpoint)!r})).ensure()"
+        subprocess.run(["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(starter / "cgroup.procs"),
+                        sys.executable, "-c", code], check=True, timeout=60)
+        pid = lx.pid()
+        assert pid is not None and lx.healthy()
+        left = [int(p) for p in (starter / "cgroup.procs").read_text().split()]
+        for p in left:
+            os.kill(p, 9)
+        deadline = time.monotonic() + 30
+        while any(Path(f"/proc/{p}").exists() for p in left) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pid not in left, f"lxcfs {pid} stayed in its starter's cgroup {starter}"
+        assert lx.pid() == pid and lx.healthy()
+        assert starter.name not in Path(f"/proc/{pid}/cgroup").read_text()
+    finally:
+        lx.stop()
+        for p in (starter / "cgroup.procs").read_text().split():
+            os.kill(int(p), 9)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                starter.rmdir()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)

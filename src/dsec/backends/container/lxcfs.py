@@ -6,6 +6,13 @@ the sandboxes do. Each sandbox gets bind mounts of the VIEW_FILES over its own (
 When the daemon dies its FUSE connection is gone for good: every bind of it reads ENOTCONN.
 The driver watches the daemon's pidfd, starts a new one and moves fresh binds into every
 running sandbox (viewmounts.py), or takes the dead ones away if no daemon will start.
+
+`setsid -f` frees the daemon from its starter's session, not from its starter's cgroups: it was
+left in the cgroup of whatever ran the edge (a systemd unit, a CI job, a shell's scope), and
+whoever ends that cgroup's processes (`systemctl stop` with the default KillMode, a job runner
+cleaning up after a test run) killed it too, leaving its FUSE mount behind (found twice on the
+default home after full test runs). So the daemon is moved into a cgroup of dsec's own,
+DAEMON_CGROUP, in every hierarchy, as the sandboxes (crun) and VMs (qemu.py) already are.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ log = logging.getLogger("dsec.backends.container.lxcfs")
 VIEW_FILES: tuple[str, ...] = ("proc/meminfo", "proc/cpuinfo", "proc/stat", "proc/swaps", "proc/uptime",
                                "sys/devices/system/cpu/online")
 START_TIMEOUT_S = 10.0
+DAEMON_CGROUP = "dsec-daemons"       # beside the sandboxes' /dsec, in every hierarchy
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
 class Lxcfs:
@@ -66,6 +75,7 @@ class Lxcfs:
         a dead one's mount) if none answers. Blocking. Raises OSError naming the fix."""
         pid = self.pid()
         if pid is not None and self.healthy():
+            move_to_own_cgroup(pid)    # one an older dsec started is still in its starter's cgroup
             return pid, False
         if pid is not None:            # alive but not answering: a hung daemon is replaced
             _kill(pid)
@@ -91,6 +101,7 @@ class Lxcfs:
                     _kill(pid)
                 raise OSError(errno.EIO, f"lxcfs did not start at {self.mountpoint} within {START_TIMEOUT_S:g} s: {err}")
             time.sleep(0.01)
+        move_to_own_cgroup(pid)
         log.info("lxcfs started", extra={"pid": pid, "mountpoint": str(self.mountpoint)})
         return pid, True
 
@@ -115,6 +126,28 @@ class Lxcfs:
             _kill(pid)
         self.clear()
         self.pidfile.unlink(missing_ok=True)
+
+
+def move_to_own_cgroup(pid: int, root: Path = CGROUP_ROOT) -> list[Path]:
+    """Move `pid` into <hierarchy>/DAEMON_CGROUP in every cgroup hierarchy mounted under `root`
+    (pure v2: the one; v1/hybrid: each controller's, the named systemd one and the unified
+    one), so that it outlives the cgroup of the process that started it. Returns the cgroups
+    it is now in; a hierarchy that refuses is logged and skipped (the daemon still works)."""
+    hierarchies = [root] if (root / "cgroup.controllers").exists() else \
+        [d for d in sorted(root.iterdir()) if (d / "cgroup.procs").exists() and not d.is_symlink()]
+    moved = []
+    for h in hierarchies:
+        d = h / DAEMON_CGROUP
+        try:
+            d.mkdir(exist_ok=True)
+            for f in ("cpuset.cpus", "cpuset.mems"):     # v1 cpuset: a new cgroup has none
+                if (d / f).exists() and not (d / f).read_text().strip():
+                    (d / f).write_text((h / f).read_text())
+            (d / "cgroup.procs").write_text(str(pid))
+            moved.append(d)
+        except OSError as e:
+            log.warning("lxcfs left in its starter's cgroup of a hierarchy", extra={"cgroup": str(d), "error": str(e)})
+    return moved
 
 
 def _kill(pid: int) -> None:

@@ -36,8 +36,8 @@ NO_PSI_ADMISSION = {f"DSEC_ADMIT_PSI_{k}": "100" for k in ("CPU_SOME", "MEMORY_S
 class ServerProc(ServerProcess):
     """A `dsec up` subprocess that tests can kill -9 and restart on the same home."""
 
-    def __init__(self, home: Path, env: dict[str, str] | None = None):
-        super().__init__(home, {**NO_PSI_ADMISSION, **(env or {})})
+    def __init__(self, home: Path, env: dict[str, str] | None = None, args: tuple[str, ...] = ()):
+        super().__init__(home, {**NO_PSI_ADMISSION, **(env or {})}, args)
 
 
 def link_downloads(home: Path) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import pytest
 from conftest import NO_PSI_ADMISSION, requires_root
@@ -265,3 +266,97 @@ async def test_a_raylet_without_a_name_gets_no_edge(env):
         assert {n.node_id for n in await env.admins[0].nodes()} <= {env.head, env.worker}
     finally:
         env.local.ray_cluster.remove_node(extra)
+
+
+def _mounts_under(path) -> list[str]:
+    with open("/proc/self/mountinfo") as f:
+        return [m for m in (line.split()[4] for line in f) if m == str(path) or m.startswith(f"{path}/")]
+
+
+async def test_a_home_left_under_a_stale_identity_is_cleared_at_up_and_a_served_one_is_not(env, tmp_path_factory):
+    """A host's home under an old Ray-id name (an edge before D55) with a live sandbox and its
+    quota and index row in the control store: `cluster up` destroys it (no process, mount,
+    cgroup or lxcfs left; quota released, index row `forgotten`) and moves the home aside. A
+    home beside it that a live process serves (its lock held) is left alone and answers."""
+    import ipaddress
+    import shutil
+    import signal
+    import subprocess
+
+    from conftest import ServerProc, side_home
+
+    from dsec.backends.container.cgroups import leftover_dirs
+    from dsec.backends.container.lxcfs import Lxcfs
+    from dsec.backends.container.spec import cgroup_path
+    from dsec.cluster import ray_cluster as rc
+    from dsec.cluster.actors import seed_native_helpers
+    from dsec.cluster.names import bridge_name
+    from dsec.iam import IAM
+    from dsec.testing.isolated import cleanup_home
+
+    settings = env.local.settings
+    root = settings.node_homes
+    spare = list(ipaddress.ip_network(settings.subnet_pool).subnets(new_prefix=settings.subnet_prefix))[-2:]
+    servers: dict[str, ServerProc] = {}
+    for name, subnet in (("n0123456789ab", spare[0]), ("held-elsewhere", spare[1])):
+        home = root / name
+        built = side_home(env.local.homes[0], tmp_path_factory, name)    # the cluster's busybox
+        shutil.move(str(built), str(home))
+        seed_native_helpers(Path(settings.seed_bin), home / "bin")
+        servers[name] = ServerProc(home, {"DSEC_VM": "0", "DSEC_NET_BRIDGE": bridge_name(name),
+                                          "DSEC_NET_SUBNET": str(subnet), "DSEC_LOG_LEVEL": "WARNING"},
+                                   args=("--node-id", name))
+        await asyncio.to_thread(servers[name].start, SLOW_S)
+    stale, held = servers["n0123456789ab"], servers["held-elsewhere"]
+    moved = None
+    try:
+        async with stale.client() as c:
+            sb = await c.create_container(image="busybox", memory_mb=64, cpu_cores=0.1)
+            await sb.run("(sleep 3600 &)")
+        async with held.client() as c:
+            kept = await c.create_container(image="busybox", memory_mb=64, cpu_cores=0.1)
+        # as the cluster knew it before the upgrade: its quota held, its index row live
+        iam = IAM(env.db_url, home=settings.home)
+        try:
+            before = iam.quotas.quota(env.project).used.sandboxes
+            iam.quotas.activate(iam.quotas.reserve(env.project, 0.1, 64), sb.id)
+            SandboxIndex(iam.db).upsert(sb.id, "n0123456789ab", env.project, "running")
+        finally:
+            iam.close()
+        lxcfs_pid = Lxcfs(stale.home / "lxcfs").pid()
+        assert lxcfs_pid is not None and leftover_dirs(cgroup_path(sb.id))
+        stale.kill(signal.SIGTERM)            # the old edge gone; its sandbox runs on
+        assert subprocess.run(["crun", "--root", str(stale.paths.crun_root), "list", "-q"],
+                              capture_output=True, text=True).stdout.split() == [sb.id]
+
+        st = await rc.up(settings)
+        cleared = {x["node"]: x for x in st["stale_homes"]["cleared"]}
+        assert set(cleared) == {"n0123456789ab"}, st["stale_homes"]
+        out = cleared["n0123456789ab"]
+        moved = Path(out["moved_to"])
+        assert out["stopped"] == [sb.id] and out["released"] == 1 and out["ended"] == 1, out
+        assert not stale.home.exists() and moved.parent == root / ".stale"
+        # nothing of it runs or stays mounted: containers, cgroups, lxcfs, mounts
+        assert not leftover_dirs(cgroup_path(sb.id))
+        assert not _mounts_under(stale.home) and not _mounts_under(moved)
+        assert not Path(f"/proc/{lxcfs_pid}").exists()
+        assert subprocess.run(["crun", "--root", str(moved / "crun"), "list", "-q"],
+                              capture_output=True, text=True).stdout.split() == []
+        db = open_db(env.db_url)
+        try:
+            assert SandboxIndex(db).get(sb.id).state == "forgotten"
+        finally:
+            db.close()
+        async with Client(env.local.replica_urls[0], env.local.admin_key) as admin:
+            assert (await admin.quota(env.project)).used.sandboxes == before
+        # the served home: untouched, and its sandbox answers
+        assert held.home.exists() and "held-elsewhere" not in str(st["stale_homes"])
+        async with held.client() as c:
+            assert (await (await c.get(kept.id)).run("echo here")).stdout == "here\n"
+        assert (await rc.up(settings)).get("stale_homes") is None     # nothing left to clear
+    finally:
+        for s in servers.values():
+            s.kill(signal.SIGTERM)
+            cleanup_home(s.home)
+        if moved is not None:
+            cleanup_home(moved)

@@ -183,6 +183,7 @@ async def start_edge(settings: Settings, node_id: str, secret_file: str, system_
     from dsec.cluster.edge_service import edge_app, serve, stop
     from dsec.cluster.secret_file import SecretFile
     from dsec.embedded.server import make_private, node_services
+    from dsec.embedded.serverlock import hold_server_lock
     from dsec.images.builtin import ensure_builtin
     from dsec.images.service import ImageService
 
@@ -204,6 +205,8 @@ async def start_edge(settings: Settings, node_id: str, secret_file: str, system_
         await asyncio.to_thread(ensure_builtin, ImageService(paths, settings=settings.images), name)
     stack = AsyncExitStack()
     try:
+        # as `dsec up` does: a home in use is known by its lock (stale_homes.py never touches it)
+        stack.enter_context(hold_server_lock(paths))
         edge, fncall = await stack.enter_async_context(node_services(settings, node_id, system_project))
         sock = edge_socket(paths.home, host, port)
         server = await serve(edge_app(edge, secrets.accepted, fncall), sock, tls_file)

@@ -233,6 +233,11 @@ async def up(settings: ClusterSettings) -> dict[str, Any]:
                           fix="start each raylet with `ray start ... --resources \"$(dsec cluster node-resources)\"`"
                           + ("" if unnamed else ", or drop --node-resource"))
     placements = replica_placements(settings, set(nodes))     # a bad --api-nodes before anything starts
+    # homes left on these hosts under a stale identity (an edge before D55, a forgotten name):
+    # their sandboxes destroyed, before any new bridge could take their subnet (stale_homes.py)
+    from dsec.cluster import stale_homes
+    stale = await stale_homes.sweep(settings.node_homes, nodes, settings.iam_url, settings.home,
+                                    settings.subnet_prefix, dict(settings.edge_env), START_TIMEOUT_S)
     existing = {n.removeprefix(EDGE_PREFIX) for n in await asyncio.to_thread(named_actors, EDGE_PREFIX)}
     # an edge whose node is down keeps its actor (Ray starts it again where its name comes back),
     # unless the node was forgotten (`dsec nodes forget`): then its name and subnet are free
@@ -285,6 +290,8 @@ async def up(settings: ClusterSettings) -> dict[str, Any]:
         raise Unavailable("an apiserver replica did not start", field="replicas",
                           fix="see the Ray worker logs (/tmp/ray/session_latest/logs)")
     st = await status()
+    if stale["cleared"] or stale["kept"]:
+        st["stale_homes"] = stale
     if unnamed:      # the operator sees which raylets got no edge, and how to name them
         st["unnamed_ray_nodes"] = {"ray_node_ids": unnamed, "fix": "ray start ... --resources "
                                    "\"$(dsec cluster node-resources --node-name <name>)\""}

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import stat
+from pathlib import Path
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -81,6 +82,20 @@ async def node_services(settings: Settings, node_id: str, system_project_id: str
                         ) -> AsyncIterator[tuple[Edge, FnCallService]]:
     """One node's edge (its backends named here) and the FnCall service beside it: what the
     embedded server runs in-process and a cluster node serves over HTTP (dsec.cluster)."""
+    async with node_edge(settings, node_id) as edge:
+        # FnCall beside the edge: its warm pool containers are the system project's sandboxes
+        fncall = FnCallService(edge, system_project_id, FnCallSettings.from_settings(settings.fncall))
+        await fncall.start()
+        try:
+            yield edge, fncall
+        finally:
+            await fncall.close()    # its pool containers are a cache: stopped, not kept
+
+
+@asynccontextmanager
+async def node_edge(settings: Settings, node_id: str) -> AsyncIterator[Edge]:
+    """The node's edge alone, started (adopting the sandboxes of its home) and closed after:
+    node_services' core, and what clears a stale home (cluster/stale_homes.py) without a pool."""
     paths = settings.paths
     paths.ensure()
     images = ImageService(paths, keep_reader=True, settings=settings.images)
@@ -96,15 +111,16 @@ async def node_services(settings: Settings, node_id: str, system_project_id: str
                 unavailable=unavailable, conf=settings)
     await edge.start()
     try:
-        # FnCall beside the edge: its warm pool containers are the system project's sandboxes
-        fncall = FnCallService(edge, system_project_id, FnCallSettings.from_settings(settings.fncall))
-        await fncall.start()
-        try:
-            yield edge, fncall
-        finally:
-            await fncall.close()    # its pool containers are a cache: stopped, not kept
+        yield edge
     finally:
         await edge.close()
+
+
+def stop_node_lxcfs(home: Path) -> None:
+    """Stop the home's lxcfs daemon (it outlives edges by design): only for a home whose
+    sandboxes are all gone for good (cluster/stale_homes.py)."""
+    from dsec.backends.container.lxcfs import Lxcfs
+    Lxcfs(home / "lxcfs").stop()
 
 
 VM_KINDS = ("microvm", "vm")

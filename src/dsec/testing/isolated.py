@@ -43,8 +43,10 @@ def link_node_downloads(home: Path, cache: Path | None = None) -> None:
 class ServerProcess:
     """A `dsec up` subprocess on `home` that can be killed (-9 too) and started again."""
 
-    def __init__(self, home: Path, env: dict[str, str] | None = None):
+    def __init__(self, home: Path, env: dict[str, str] | None = None, args: tuple[str, ...] = ()):
+        """`args`: more `dsec up` options (e.g. `--node-id`)."""
         self.home = home
+        self.args = args
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {**os.environ, "DSEC_HOME": str(home), "DSEC_URL": self.url, **(env or {})}
@@ -63,7 +65,7 @@ class ServerProcess:
         fd = os.open(self.home / "server.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.fchmod(fd, 0o600)
         with open(fd, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "dsec", "up", "--port", str(self.port)],
+            self.proc = subprocess.Popen([sys.executable, "-m", "dsec", "up", "--port", str(self.port), *self.args],
                                          env=self.env, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

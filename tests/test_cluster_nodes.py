@@ -339,7 +339,10 @@ async def test_a_home_left_under_a_stale_identity_is_cleared_at_up_and_a_served_
         # nothing of it runs or stays mounted: containers, cgroups, lxcfs, mounts
         assert not leftover_dirs(cgroup_path(sb.id))
         assert not _mounts_under(stale.home) and not _mounts_under(moved)
-        assert not Path(f"/proc/{lxcfs_pid}").exists()
+
+        async def lxcfs_gone() -> bool:       # SIGKILLed; gone once init has reaped it
+            return not Path(f"/proc/{lxcfs_pid}").exists()
+        await wait_until(lxcfs_gone, timeout_s=30, every_s=0.2, what="the stale home's lxcfs to exit")
         assert subprocess.run(["crun", "--root", str(moved / "crun"), "list", "-q"],
                               capture_output=True, text=True).stdout.split() == []
         db = open_db(env.db_url)

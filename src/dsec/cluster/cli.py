@@ -86,8 +86,17 @@ def up(address: Address = "auto",
                                   edge_netns=conf.edge_netns if edge_netns is None else edge_netns, edge_env=env,
                                   edge_port=edge_port, edge_tls=not edge_plain_http,
                                   api_nodes=[x.strip() for x in (api_nodes or "").split(",") if x.strip()])
-    _print(asyncio.run(rc.up(settings)))
+    st = asyncio.run(rc.up(settings))
+    _print(st)
     typer.echo(f"admin key: {settings.home / 'admin.key'}")
+    stale = st.get("stale_homes") or {}
+    for x in stale.get("cleared", []):       # stale_homes.py: what up destroyed, and where the files went
+        typer.echo(f"warning: node {x['node']}'s home on {x['host']} was left under a stale identity: "
+                   + (f"{len(x.get('stopped', []))} sandbox(es) destroyed, files moved to {x['moved_to']}"
+                      if "moved_to" in x else f"not cleared ({x.get('skipped') or x.get('error')})"), err=True)
+    for x in stale.get("kept", []):
+        typer.echo(f"warning: node {x['node']}'s home {x['home']} on {x['host']} has no live raylet; "
+                   f"{x['fix']}", err=True)
 
 
 def _env_pairs(pairs: list[str]) -> dict[str, str]:

@@ -1,4 +1,5 @@
-"""Edge homes left on a host under a stale identity, cleared at `cluster up` (issue 28.2, D79).
+"""Edge homes left on a host under a stale identity, cleared at `cluster up` (issue 28.2;
+docs/decisions.md, "Homes left under a stale identity").
 
 Before D55 an edge's home and sandbox ids were named from its raylet's Ray node id
 (`n` + 12 hex digits); a host upgraded from such a release, or whose node was forgotten (`dsec

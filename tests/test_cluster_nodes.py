@@ -277,7 +277,8 @@ async def test_a_home_left_under_a_stale_identity_is_cleared_at_up_and_a_served_
     """A host's home under an old Ray-id name (an edge before D55) with a live sandbox and its
     quota and index row in the control store: `cluster up` destroys it (no process, mount,
     cgroup or lxcfs left; quota released, index row `forgotten`) and moves the home aside. A
-    home beside it that a live process serves (its lock held) is left alone and answers."""
+    home beside it that a live process serves (its lock held) is left alone and answers. A
+    down named node's home is only reported, until `dsec nodes forget`; the next `up` clears it."""
     import ipaddress
     import shutil
     import signal
@@ -296,7 +297,15 @@ async def test_a_home_left_under_a_stale_identity_is_cleared_at_up_and_a_served_
 
     settings = env.local.settings
     root = settings.node_homes
-    spare = list(ipaddress.ip_network(settings.subnet_pool).subnets(new_prefix=settings.subnet_prefix))[-2:]
+    spare = list(ipaddress.ip_network(settings.subnet_pool).subnets(new_prefix=settings.subnet_prefix))[-3:]
+    # a named node that is down (it had a subnet): its home is only reported until it is forgotten
+    (root / "gone-node" / "sb").mkdir(parents=True)
+    db = open_db(env.db_url)
+    try:
+        from dsec.store.nodes import NodeRegistry
+        assert NodeRegistry(db).assign_subnet("gone-node", [str(spare[2])]) == str(spare[2])
+    finally:
+        db.close()
     servers: dict[str, ServerProc] = {}
     for name, subnet in (("n0123456789ab", spare[0]), ("held-elsewhere", spare[1])):
         home = root / name
@@ -308,7 +317,7 @@ async def test_a_home_left_under_a_stale_identity_is_cleared_at_up_and_a_served_
                                    args=("--node-id", name))
         await asyncio.to_thread(servers[name].start, SLOW_S)
     stale, held = servers["n0123456789ab"], servers["held-elsewhere"]
-    moved = None
+    moved: list[Path] = []
     try:
         async with stale.client() as c:
             sb = await c.create_container(image="busybox", memory_mb=64, cpu_cores=0.1)
@@ -333,17 +342,19 @@ async def test_a_home_left_under_a_stale_identity_is_cleared_at_up_and_a_served_
         cleared = {x["node"]: x for x in st.get("stale_homes", {}).get("cleared", [])}
         assert set(cleared) == {"n0123456789ab"}, st.get("stale_homes")
         out = cleared["n0123456789ab"]
-        moved = Path(out["moved_to"])
+        moved.append(Path(out["moved_to"]))
         assert out["stopped"] == [sb.id] and out["released"] == 1 and out["ended"] == 1, out
-        assert not stale.home.exists() and moved.parent == root / ".stale"
+        assert not stale.home.exists() and moved[0].parent == root / ".stale"
+        kept_homes = {x["node"]: x for x in st["stale_homes"]["kept"]}
+        assert set(kept_homes) == {"gone-node"} and "dsec nodes forget gone-node" in kept_homes["gone-node"]["fix"]
         # nothing of it runs or stays mounted: containers, cgroups, lxcfs, mounts
         assert not leftover_dirs(cgroup_path(sb.id))
-        assert not _mounts_under(stale.home) and not _mounts_under(moved)
+        assert not _mounts_under(stale.home) and not _mounts_under(moved[0])
 
         async def lxcfs_gone() -> bool:       # SIGKILLed; gone once init has reaped it
             return not Path(f"/proc/{lxcfs_pid}").exists()
         await wait_until(lxcfs_gone, timeout_s=30, every_s=0.2, what="the stale home's lxcfs to exit")
-        assert subprocess.run(["crun", "--root", str(moved / "crun"), "list", "-q"],
+        assert subprocess.run(["crun", "--root", str(moved[0] / "crun"), "list", "-q"],
                               capture_output=True, text=True).stdout.split() == []
         db = open_db(env.db_url)
         try:
@@ -356,10 +367,15 @@ async def test_a_home_left_under_a_stale_identity_is_cleared_at_up_and_a_served_
         assert held.home.exists() and "held-elsewhere" not in str(st["stale_homes"])
         async with held.client() as c:
             assert (await (await c.get(kept.id)).run("echo here")).stdout == "here\n"
+        async with Client(env.local.replica_urls[0], env.local.admin_key) as admin:
+            await admin.node_action("gone-node", "forget")        # the operator's word: it is gone
+        again = (await rc.up(settings))["stale_homes"]
+        assert [x["node"] for x in again["cleared"]] == ["gone-node"] and not again["kept"], again
+        moved.append(Path(again["cleared"][0]["moved_to"]))
         assert (await rc.up(settings)).get("stale_homes") is None     # nothing left to clear
     finally:
         for s in servers.values():
             s.kill(signal.SIGTERM)
             cleanup_home(s.home)
-        if moved is not None:
-            cleanup_home(moved)
+        for m in [*moved, root / "gone-node"]:
+            cleanup_home(m)

@@ -95,10 +95,13 @@ def clear(root: str, name: str, subnet_prefix: int, env: dict[str, str]) -> dict
             argv = [sys.executable, "-m", "dsec.cluster.stale_homes", str(home), name]
             if ns.exists():       # its bridge and veths live in there (D40)
                 argv = ["nsenter", f"--net={ns}", "--", *argv]
-            p = subprocess.run(argv, env={**os.environ, **env, "DSEC_HOME": str(home),
-                                          "DSEC_NET_BRIDGE": bridge_name(name),
-                                          "DSEC_NET_SUBNET": _subnet(home, subnet_prefix)},
-                               stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=CLEAR_TIMEOUT_S)
+            try:
+                p = subprocess.run(argv, env={**os.environ, **env, "DSEC_HOME": str(home),
+                                              "DSEC_NET_BRIDGE": bridge_name(name),
+                                              "DSEC_NET_SUBNET": _subnet(home, subnet_prefix)},
+                                   stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=CLEAR_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                return {"node": name, "error": f"not cleared within {CLEAR_TIMEOUT_S:g} s (run `dsec cluster up` again)"}
             lines = p.stdout.strip().splitlines()
             if p.returncode != 0 or not lines:     # the home stays as it was: reported, `up` goes on
                 log.error("clearing a stale home failed", extra={"home": str(home), "stderr": p.stderr[-2000:]})
@@ -187,7 +190,8 @@ async def sweep(node_homes: Path, nodes: dict[str, dict[str, Any]], iam_url: str
                 out["kept"].append({"node": name, "host": host, "home": str(node_homes / name), "fix": fix})
     for host, names in todo.items():      # one host's homes one after another (each starts an edge)
         for name in names:
-            got = (await _on(clear, {host: (str(node_homes), name, subnet_prefix, env)}, hosts, CLEAR_TIMEOUT_S))[host]
+            got = (await _on(clear, {host: (str(node_homes), name, subnet_prefix, env)}, hosts,
+                             CLEAR_TIMEOUT_S + 60))[host]
             got["host"] = host
             if "skipped" not in got and "error" not in got:
                 got.update(await asyncio.to_thread(_forget, iam_url, admin_home, name, host))

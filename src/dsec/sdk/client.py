@@ -469,10 +469,11 @@ class Client:
         resp = await self._request("GET", "/v1/nodes")
         return [NodeStatus.model_validate(n) for n in resp.json()]
 
-    async def node_action(self, node: str, action: str) -> dict[str, Any]:
+    async def node_action(self, node: str, action: str, stop: bool = False) -> dict[str, Any]:
         """Admin only: `cordon`, `drain`, `uncordon` or `forget` a node (`dsec nodes`); the
-        answer names its state, a drain's remaining sandboxes, a forget's released quota."""
-        resp = await self._request("POST", f"/v1/nodes/{node}/{action}")
+        answer names its state, a drain's remaining sandboxes, a forget's released quota.
+        stop=True (drain): also stop its sandboxes, each ending `preempted` (answer: `stopped`)."""
+        resp = await self._request("POST", f"/v1/nodes/{node}/{action}", params={"stop": "true"} if stop else None)
         answer: dict[str, Any] = resp.json()
         return answer
 

@@ -128,13 +128,19 @@ HOP = textwrap.dedent("""
     from dsec import tracing
     from dsec.cluster.edge_client import HttpEdge
     from dsec.cluster.edge_service import bind, edge_app, serve, stop
-    from dsec.types import NodeStatus
+    from dsec.types import ExecEvent, ExecResult, NodeStatus
     tracing.setup("hop", traces_file=sys.argv[1])
 
     class Edge:      # the edge service's target: what the hop carries is tested, not the edge
         async def status(self):
             with tracing.span("inside-edge"):
                 return NodeStatus.model_validate_json(sys.argv[2])
+
+        async def exec_follow(self, sandbox_id, exec_id):     # a stream: its span spans every item
+            yield ExecEvent(type="start", exec_id=exec_id)
+            await asyncio.sleep(0.05)
+            with tracing.span("inside-stream"):
+                yield ExecEvent(type="exit", exec_id=exec_id, result=ExecResult(exec_id=exec_id, exit_code=0))
 
     async def main():
         sock = bind("127.0.0.1", 0)
@@ -143,6 +149,8 @@ HOP = textwrap.dedent("""
             e = HttpEdge(f"http://127.0.0.1:{sock.getsockname()[1]}", "s" * 32, "n1")
             with tracing.span("replica"):
                 await e.status()
+            with tracing.span("replica-stream"):
+                assert [ev.type async for ev in e.exec_follow("sb-x.000000000000", "7")] == ["start", "exit"]
         finally:
             await stop(server)
     asyncio.run(main())
@@ -161,6 +169,11 @@ def test_the_replica_to_edge_hop_carries_the_trace(tmp_path):
     assert server["parentSpanId"] == replica["spanId"] and server["kind"] == 2, server
     assert inside["parentSpanId"] == server["spanId"]
     assert len({replica["traceId"], server["traceId"], inside["traceId"]}) == 1
+    # a stream's hop: one server span over the stream, continuing the replica's trace
+    replica, server, inside = got["replica-stream"], got["dsec.edge/exec_follow"], got["inside-stream"]
+    assert server["parentSpanId"] == replica["spanId"] and server["kind"] == 2, server
+    assert inside["parentSpanId"] == server["spanId"]
+    assert int(server["startTimeUnixNano"]) <= int(inside["startTimeUnixNano"]) <= int(server["endTimeUnixNano"])
 
 
 STREAMED = textwrap.dedent("""

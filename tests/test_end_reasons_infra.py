@@ -99,18 +99,34 @@ async def test_own_limit_is_oom_killed_and_the_parents_is_host_pressure(pserver)
             await pressed.stop()
 
 
-async def test_drain_stop_preempts(pserver):
+async def test_drain_stop_preempts(pserver, monkeypatch):
     """`dsec nodes drain --stop`: the node takes no new sandbox and its running and parked
-    sandboxes end `preempted`; a request to one raises InfrastructureFailure."""
+    sandboxes end `preempted`; a request to one raises InfrastructureFailure. One made with
+    the stock e2b SDK: E2B's events API carries the reason in eventData."""
+    e2b = pytest.importorskip("e2b")
+    import httpx
+    url = f"{pserver.url}/e2b"
+    for k, v in {"E2B_API_URL": url, "E2B_SANDBOX_URL": url, "E2B_API_KEY": pserver.key,
+                 "E2B_DOMAIN": "dsec.invalid"}.items():
+        monkeypatch.setenv(k, v)
     async with pserver.client() as client:
         node = (await client.nodes())[0].node_id
         running = await client.create_container(image="busybox", memory_mb=16)
         parked = await client.create_container(image="busybox", memory_mb=16)
+        stock = await e2b.AsyncSandbox.create("busybox")
         try:
             await parked.suspend()
             answer = await client.node_action(node, "drain", stop=True)
             assert answer["state"] == "draining", answer
-            assert sorted(answer["stopped"]) == sorted([running.id, parked.id]) and answer["sandboxes"] == [], answer
+            stock_id = next(s for s in answer["stopped"] if s.endswith(stock.sandbox_id.split(".")[-1][-12:]))
+            assert sorted(answer["stopped"]) == sorted([running.id, parked.id, stock_id]), answer
+            assert answer["sandboxes"] == [], answer
+            e = await ended(client, stock_id)
+            assert e.reason == "preempted", e
+            async with httpx.AsyncClient(base_url=url, headers={"X-API-Key": pserver.key}, timeout=30) as h:
+                got = (await h.get(f"/events/sandboxes/{stock.sandbox_id}")).json()
+            data = [ev["eventData"] for ev in got if ev["type"].endswith("killed")]
+            assert data and data[0]["reason"] == "preempted" and data[0]["infrastructure"] is True, got
             for sb in (running, parked):
                 e = await ended(client, sb.id)
                 assert e.reason == "preempted" and e.infrastructure is True, e
@@ -122,3 +138,4 @@ async def test_drain_stop_preempts(pserver):
             await client.node_action(node, "uncordon")
             for sb in (running, parked):
                 await sb.stop()
+            await e2b.AsyncSandbox.kill(stock.sandbox_id)      # already ended: answers False

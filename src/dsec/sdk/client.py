@@ -813,18 +813,16 @@ class Sandbox:
         """Yield ExecEvents as the command produces output; the last one has type 'exit' and .result."""
         req = ExecRequest(cmd=cmd, session=session, timeout_s=timeout_s, cwd=cwd, env=env or {},
                           stdin=stdin, user=user, output_cap_bytes=output_cap_bytes, idempotency_key=idempotency_key)
-        async for ev in self._traced_ndjson("dsec.sandbox.exec_stream", "POST", f"{self._base}/exec/stream",
-                                            wire(req)):
+        path = f"{self._base}/exec/stream"
+        events = self._traced_ndjson("dsec.sandbox.exec_stream", "POST", path, wire(req)) if tracing.on() \
+            else self._ndjson("POST", path, wire(req))
+        async for ev in events:
             yield ev
 
     async def _traced_ndjson(self, name: str, method: str, path: str, content: str | None = None,
                              attrs: dict[str, Any] | None = None) -> AsyncIterator[ExecEvent]:
         """_ndjson inside a CLIENT span `name` from the request to the stream's end, its
-        traceparent sent (dsec.tracing; off: no span, no cost)."""
-        if not tracing.on():
-            async for ev in self._ndjson(method, path, content):
-                yield ev
-            return
+        traceparent sent (dsec.tracing: callers use it only when on())."""
         span = tracing.open_span(name, "client", {"dsec.sandbox_id": self.id, **(attrs or {})})
         failed: BaseException | None = None
         try:
@@ -871,8 +869,10 @@ class Sandbox:
 
     async def follow(self, exec_id: str) -> AsyncIterator[ExecEvent]:
         """An exec's output from its beginning, then live; the last event is its exit."""
-        async for ev in self._traced_ndjson("dsec.sandbox.exec_follow", "GET", f"{self._base}/execs/{exec_id}/stream",
-                                            attrs={"dsec.exec_id": exec_id}):
+        path = f"{self._base}/execs/{exec_id}/stream"
+        events = self._traced_ndjson("dsec.sandbox.exec_follow", "GET", path, attrs={"dsec.exec_id": exec_id}) \
+            if tracing.on() else self._ndjson("GET", path)
+        async for ev in events:
             yield ev
 
     async def send_stdin(self, exec_id: str, data: bytes | str, *, close: bool = False) -> None:

@@ -234,6 +234,10 @@ class ContainerSettings(Group):
                            "namespace at once)")
     idmap_registry: Path = env(Path("/run/dsec/idranges"), "DSEC_IDMAP_REGISTRY", "where the id ranges in "
                                "use are recorded (shared by the dsecs of a host)")
+    cgroup_parent: str = env("/dsec", "DSEC_CGROUP_PARENT", "the cgroup every sandbox's cgroup is made under "
+                             "(an operator may cap the node's sandboxes with a memory limit on it: an OOM "
+                             "kill from there ends a sandbox as host_pressure)",
+                             pattern=r"^(/[A-Za-z0-9_][A-Za-z0-9_.-]*)+$", max_length=200)
 
 
 class NetworkSettings(Group):

@@ -19,12 +19,13 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, MutableMapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from dsec.types import InvalidArgument
 
+T = TypeVar("T")
 TRACES_INSTALL = "pip install 'dsec-sandbox[traces]' (opentelemetry-api and opentelemetry-sdk)"
 TRACER_NAME = "dsec"
 
@@ -152,3 +153,67 @@ def past_span(name: str, start_ns: int, end_ns: int, attrs: Mapping[str, Any] | 
     parent_start = getattr(trace.get_current_span(), "start_time", None) or 0
     s = tracer().start_span(name, attributes=dict(attrs or {}), start_time=max(start_ns, parent_start))
     s.end(end_time=end_ns)
+
+
+def open_span(name: str, kind: str = "internal", attrs: Mapping[str, Any] | None = None,
+              parent: Any = None) -> Any:
+    """A span that is NOT made current, for work spread over an async generator's yields (a
+    current span set there could be reset in another context when the consumer goes away);
+    None when traces are off. `parent`: a context from extract(), default the current span.
+    End it with close_span()."""
+    if not on():
+        return None
+    from opentelemetry.trace import SpanKind
+    return tracer().start_span(name, context=parent, kind=getattr(SpanKind, kind.upper()),
+                               attributes=dict(attrs or {}))
+
+
+def close_span(s: Any, attrs: Mapping[str, Any] | None = None, error: BaseException | None = None) -> None:
+    if s is None:
+        return
+    set_attrs(s, attrs or {})
+    if error is not None and not isinstance(error, GeneratorExit):
+        from opentelemetry.trace import Status, StatusCode
+        s.set_status(Status(StatusCode.ERROR, type(error).__name__))
+    s.end()
+
+
+def inject_span(headers: MutableMapping[str, str], s: Any) -> MutableMapping[str, str]:
+    """Add `s`'s traceparent (a span from open_span) to outgoing headers."""
+    if s is not None:
+        from opentelemetry import trace
+        from opentelemetry.propagate import inject as _inject
+        _inject(headers, context=trace.set_span_in_context(s))
+    return headers
+
+
+async def traced(name: str, items: AsyncIterator[T], kind: str = "internal", attrs: Mapping[str, Any] | None = None,
+                 parent: Any = None, note: Callable[[Any, T], None] | None = None) -> AsyncIterator[T]:
+    """`items` inside one span from the first item asked for to the last (a streamed exec, an
+    attach): the span is current only while `items` computes its next item, so the spans it
+    opens are its children. `note(span, item)` may add attributes (an exit code). Callers wrap
+    only when on(): off, no generator layer is added."""
+    from opentelemetry import context as otel_context, trace
+    s = open_span(name, kind, attrs, parent)
+    it = aiter(items)
+    failed: BaseException | None = None
+    try:
+        while True:
+            token = otel_context.attach(trace.set_span_in_context(s))
+            try:
+                item = await anext(it)
+            except StopAsyncIteration:
+                break
+            finally:
+                otel_context.detach(token)
+            if note is not None:
+                note(s, item)
+            yield item
+    except BaseException as e:
+        failed = e
+        raise
+    finally:
+        aclose = getattr(it, "aclose", None)
+        if aclose is not None:
+            await aclose()
+        close_span(s, error=failed)

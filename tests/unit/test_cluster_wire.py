@@ -117,3 +117,12 @@ def test_file_calls_carry_their_user():
     spec = specs(EdgeHandle)["read_file"]
     body = spec.params(sandbox_id="sb-n1.0123456789ab", path="/root/x", maxlen=10, user="root").model_dump_json()
     assert spec.params.model_validate_json(body).user == "root"
+
+
+def test_stop_carries_the_end_reason():
+    """The apiserver's own stops (`dsec nodes drain --stop`) end `preempted` on the node's edge
+    too (issue 26, item 3); a caller's stop stays `killed`."""
+    params = specs(EdgeHandle)["stop"].params
+    assert params.model_fields["end"].default == "killed"
+    body = params(sandbox_id="sb-n1.0123456789ab", reason="drained", end="preempted").model_dump_json()
+    assert params.model_validate_json(body).end == "preempted"

@@ -181,3 +181,18 @@ async def test_a_sandbox_dying_mid_command_reports_failed(edge: Edge, fake: Fake
     with pytest.raises(SandboxFailed, match="killed mid-command"):
         await asyncio.wait_for(run, 5)
     assert (await edge.get(sb)).state == SandboxState.failed
+
+
+async def test_stop_with_an_end_reason(edge: Edge):
+    """The platform's own stop ends `preempted` (issue 26.3); a word outside the vocabulary is
+    refused naming the field, and the sandbox runs on."""
+    info = await edge.create("p", ARGS)
+    with pytest.raises(InvalidArgument) as e:
+        await edge.stop(info.id, end="bogus")
+    assert e.value.field == "end" and "preempted" in (e.value.fix or "")
+    assert (await edge.get(info.id)).state == SandboxState.running
+    stopped = await edge.stop(info.id, reason="drained", end="preempted")
+    assert stopped.state == SandboxState.stopped and stopped.end_reason == "preempted"
+    with pytest.raises(Conflict) as c:
+        await edge.run(info.id, ExecRequest(cmd="true"))
+    assert c.value.reason == "preempted"

@@ -123,10 +123,11 @@ async def set_network(ctx: ApiContext, edge: EdgeHandle, sandbox_id: str, policy
 
 
 async def stop_sandbox(ctx: ApiContext, edge: EdgeHandle, sandbox_id: str,
-                       reason: str | None = None) -> SandboxInfo:
+                       reason: str | None = None, end: str = "killed") -> SandboxInfo:
     """Stop it, end its index row and give its quota back at once (the index sync and reconcile
-    would find it later)."""
-    info = await edge.stop(sandbox_id, reason=reason)
+    would find it later). `end`: its end reason (killed; preempted when the platform stops it)."""
+    info = await (edge.stop(sandbox_id, reason=reason) if end == "killed"
+                  else edge.stop(sandbox_id, reason=reason, end=end))
     keeper(ctx).ended(sandbox_id, info.state.value)
     await quotas.ended(ctx, sandbox_id)
     return info

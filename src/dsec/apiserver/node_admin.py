@@ -4,6 +4,8 @@ every replica honours them:
     POST /v1/nodes/{node}/cordon     no new placement there (restores of its snapshots still go there)
     POST /v1/nodes/{node}/drain      no new sandbox there at all; answers the sandboxes it still
                                      holds (nothing is moved: they end by themselves or are stopped)
+                                     ?stop=true: and stops them, each ending `preempted` (the
+                                     platform took the capacity back: infrastructure, a trainer masks it)
     POST /v1/nodes/{node}/uncordon   active again
     POST /v1/nodes/{node}/forget     a node gone for good: its sandboxes leave the index (`forgotten`)
                                      and their quota is released; refused while the node answers.
@@ -23,16 +25,18 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 from pydantic import BaseModel
 
+from dsec.apiserver.control import stop_sandbox
 from dsec.apiserver.deps import Who, admin_only
 from dsec.apiserver.fanout import fan_out
 from dsec.apiserver.node_states import node_states
 from dsec.store.sandboxes import SandboxIndex
-from dsec.types import Conflict, NODE_ID_RE, InvalidArgument, NotFound
+from dsec.types import Conflict, DsecError, NODE_ID_RE, InvalidArgument, NotFound, SandboxState, Unavailable
 
 if TYPE_CHECKING:
     from dsec.apiserver.context import ApiContext
 
 log = logging.getLogger("dsec.apiserver.node_admin")
+PREEMPT_PARALLEL = 8      # stops at a time on a drained node (each tears down a sandbox)
 
 class NodeAdminResult(BaseModel):
     node_id: str
@@ -40,6 +44,7 @@ class NodeAdminResult(BaseModel):
     sandboxes: list[str] = []       # drain: the ones it still holds (as it or the index answers)
     released: int = 0               # forget: quota reservations given back
     ended: int = 0                  # forget: index rows ended
+    stopped: list[str] = []         # drain?stop=true: the ones stopped (ended `preempted`)
 
 
 def _check(node: str) -> str:
@@ -78,8 +83,34 @@ def add_node_admin_routes(app: FastAPI, ctx: "ApiContext") -> None:
         return await set_state(node, "cordoned", who)
 
     @app.post("/v1/nodes/{node}/drain", response_model=NodeAdminResult)
-    async def drain(node: str, who: Who) -> NodeAdminResult:
-        return await set_state(node, "draining", who)
+    async def drain(node: str, who: Who, stop: bool = False) -> NodeAdminResult:
+        result = await set_state(node, "draining", who)
+        if stop:
+            result.stopped = await _preempt(node, result.sandboxes)
+            result.sandboxes = sorted(set(result.sandboxes) - set(result.stopped))
+        return result
+
+    async def _preempt(node: str, ids: list[str]) -> list[str]:
+        """Stop the drained node's sandboxes as `preempted` (a few at a time); one already gone
+        is skipped, the others' errors leave them in the answer's `sandboxes`."""
+        edge = ctx.edges.get(node)
+        if edge is None:
+            raise Unavailable(f"node {node!r} does not answer: its sandboxes cannot be stopped", field="node",
+                              fix="drain it without stop, or forget it once it is gone (`dsec nodes forget`)")
+        gate = asyncio.Semaphore(PREEMPT_PARALLEL)
+
+        async def one(sid: str) -> str | None:
+            async with gate:
+                try:
+                    info = await stop_sandbox(ctx, edge, sid, reason=f"its node {node} was drained "
+                                              "(dsec nodes drain --stop)", end="preempted")
+                except DsecError as e:
+                    log.warning("drain could not stop a sandbox", extra={"sandbox": sid, "error": e.message})
+                    return None
+                return sid if info.state == SandboxState.stopped and info.end_reason == "preempted" else None
+        done = await asyncio.gather(*(one(s) for s in ids))
+        log.warning("node drained with stop", extra={"node": node, "stopped": sum(1 for d in done if d)})
+        return sorted(d for d in done if d)
 
     @app.post("/v1/nodes/{node}/uncordon", response_model=NodeAdminResult)
     async def uncordon(node: str, who: Who) -> NodeAdminResult:

@@ -35,10 +35,10 @@ def nodes_ls() -> None:
     _run(go())
 
 
-def _verb(action: str, node: str) -> None:
+def _verb(action: str, node: str, stop: bool = False) -> None:
     async def go() -> None:
         async with _client() as c:
-            console.print_json(data=await c.node_action(node, action))
+            console.print_json(data=await c.node_action(node, action, stop=stop))
     _run(go())
 
 
@@ -49,9 +49,11 @@ def nodes_cordon(node: Node) -> None:
 
 
 @nodes_app.command("drain")
-def nodes_drain(node: Node) -> None:
-    """No new sandbox on the node at all; lists the sandboxes it still holds (nothing is moved)."""
-    _verb("drain", node)
+def nodes_drain(node: Node, stop: Annotated[bool, typer.Option(
+        "--stop", help="also stop its sandboxes now; each ends `preempted` (infrastructure)")] = False) -> None:
+    """No new sandbox on the node at all; lists the sandboxes it still holds (nothing is moved),
+    or with --stop stops them."""
+    _verb("drain", node, stop=stop)
 
 
 @nodes_app.command("uncordon")

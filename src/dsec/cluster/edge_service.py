@@ -97,7 +97,10 @@ def _rpc(target: object, table: dict[str, MethodSpec], secret: Secrets):
         fn = getattr(target, name)
         try:
             if spec.kind == "stream":
-                return StreamingResponse(_ndjson(fn(**kwargs), spec), media_type="application/x-ndjson")
+                items = fn(**kwargs)
+                if tracing.on():     # the stream in one server span, continuing the apiserver's trace
+                    items = tracing.traced(f"dsec.edge/{name}", items, "server", parent=tracing.extract(request.headers))
+                return StreamingResponse(_ndjson(items, spec), media_type="application/x-ndjson")
             if tracing.on():     # continue the apiserver's trace (its traceparent)
                 with tracing.span(f"dsec.edge/{name}", "server", parent=tracing.extract(request.headers)):
                     result = await fn(**kwargs)

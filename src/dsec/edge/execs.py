@@ -7,6 +7,7 @@ import asyncio
 import builtins
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from dsec.agent import protocol as P
 from dsec.agent.client import INTERNAL_CHAN_BASE, AgentClient, AgentDisconnected, AgentError, ExecLost
@@ -35,14 +36,18 @@ class Execs(EdgeCore):
         """start, stdout/stderr chunks as they arrive, then exit with the full ExecResult. With an
         idempotency key the edge follows the command itself: a retry follows the same one."""
         self._count_exec(sandbox_id, "stream")
-        async for ev in self._exec_stream(sandbox_id, req):
+        events = self._exec_stream(sandbox_id, req)
+        if tracing.on():      # one span over the whole stream (docs/traces.md); no command text
+            events = tracing.traced("dsec.edge.exec_stream", events, attrs={"dsec.sandbox_id": sandbox_id,
+                                                                           "dsec.node": self.node_id}, note=_note_exit)
+        async for ev in events:
             yield ev
 
     async def _exec_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
         if req.idempotency_key is not None:
             tracked = await self._start_tracked(sandbox_id, req, detached=False)
             # exec_follow: the tracker, or the agent if the edge let go of it (a park, a restart)
-            async for ev in self.exec_follow(sandbox_id, tracked.info.exec_id):
+            async for ev in self._exec_follow(sandbox_id, tracked.info.exec_id):
                 yield ev
             return
         info = self._exec_info(req, detached=False)
@@ -71,9 +76,13 @@ class Execs(EdgeCore):
                 raise Conflict(f"sandbox {rec.id} was started before dsec had PTYs: its agent speaks protocol "
                                f"{agent.protocol_version}, a PTY needs {P.PTY_VERSION}", field="pty",
                                fix="create a new sandbox for PTYs, or run the command without pty")
+            agent_span: Any = None
             try:
                 # bounded per sandbox (count and output reserved): 429 + Retry-After beyond
                 with live.exec_slot(grant.reserved):
+                    # the agent round trip: the exec sent to the agent until its exit came back
+                    agent_span = tracing.open_span("dsec.agent.exec", attrs={"dsec.sandbox_id": rec.id}) \
+                        if tracing.on() else None
                     try:   # sent before "start" is announced: a restarted edge can then attach to it
                         events = await agent.start_exec(
                             chan, cmd=req.cmd, uid=uid, gid=gid, cwd=req.cwd, env=env,
@@ -93,6 +102,8 @@ class Execs(EdgeCore):
                                 r = ev.result
                                 delivered = min(r.stdout_bytes, grant.per_stream) + min(r.stderr_bytes, grant.per_stream)
                                 r.output_budget_exhausted = grant.exhausted and (r.truncated or grant.per_stream == 0)
+                                tracing.close_span(agent_span, {"dsec.exit_code": r.exit_code})
+                                agent_span = None
                                 # the result is in hand: the agent frees its copy now, before the
                                 # exit event (run() and other callers stop iterating there)
                                 try:
@@ -107,6 +118,7 @@ class Execs(EdgeCore):
                         raise SandboxFailed(f"exec {chan} in sandbox {rec.id} ended without a result: {e}",
                                             field="exec_id", fix="run the command again") from e
             finally:
+                tracing.close_span(agent_span)      # ended without an exit (an error, the caller gone)
                 live.commands.running.pop(info.exec_id, None)
                 output_budget.settle(rec, grant, delivered)
                 self._dirty.add(rec.id)
@@ -181,6 +193,15 @@ class Execs(EdgeCore):
         followers at once for execs the edge tracks (start_exec, idempotency key); others (after
         an edge restart, or a plain exec whose stream was lost) are attached at the agent, which
         replays what it retained."""
+        events = self._exec_follow(sandbox_id, exec_id)
+        if tracing.on():      # one span over the whole follow (docs/traces.md)
+            events = tracing.traced("dsec.edge.exec_follow", events, attrs={"dsec.sandbox_id": sandbox_id,
+                                                                           "dsec.node": self.node_id,
+                                                                           "dsec.exec_id": exec_id}, note=_note_exit)
+        async for ev in events:
+            yield ev
+
+    async def _exec_follow(self, sandbox_id: str, exec_id: str) -> AsyncIterator[ExecEvent]:
         chan = self._exec_chan(sandbox_id, exec_id)
         live = await self._live_resumed(sandbox_id)
         tracked = live.commands.tracked.get(exec_id)
@@ -190,9 +211,13 @@ class Execs(EdgeCore):
             return
         async with self._use(sandbox_id) as (_, agent):
             yield ExecEvent(type="start", exec_id=exec_id)
+            agent_span = tracing.open_span("dsec.agent.attach", attrs={"dsec.sandbox_id": sandbox_id}) \
+                if tracing.on() else None
             try:
                 async for ev in exec_events(exec_id, agent.attach(chan), time.monotonic()):
                     if ev.type == "exit":
+                        tracing.close_span(agent_span, {"dsec.exit_code": ev.result.exit_code if ev.result else None})
+                        agent_span = None
                         await agent.release(chan)
                     yield ev
             except AgentError as e:
@@ -201,10 +226,21 @@ class Execs(EdgeCore):
                 raise Conflict(f"exec {chan} is being followed already, by another attach or the stream that "
                                "started it", field="exec_id",
                                fix="wait for that request to return the result, then attach again") from e
+            finally:
+                tracing.close_span(agent_span)
 
     async def attach(self, sandbox_id: str, exec_id: str) -> ExecResult:
         """Result of an earlier exec (waits for it; also after the client or the edge restarted)."""
-        async for ev in self.exec_follow(sandbox_id, exec_id):
+        if tracing.on():
+            with tracing.span("dsec.edge.attach", attrs={"dsec.sandbox_id": sandbox_id, "dsec.node": self.node_id,
+                                                        "dsec.exec_id": exec_id}) as s:
+                result = await self._attach(sandbox_id, exec_id)
+                tracing.set_attrs(s, {"dsec.exit_code": result.exit_code})
+                return result
+        return await self._attach(sandbox_id, exec_id)
+
+    async def _attach(self, sandbox_id: str, exec_id: str) -> ExecResult:
+        async for ev in self._exec_follow(sandbox_id, exec_id):
             if ev.type == "exit":
                 if ev.result is None:
                     raise SandboxFailed(f"exec {exec_id} ended without a result: {ev.data}", field="exec_id",
@@ -288,3 +324,9 @@ class Execs(EdgeCore):
     async def close_session(self, sandbox_id: str, name: str) -> None:
         async with self._use(sandbox_id) as (_, agent):
             await agent.close_session(name)
+
+
+def _note_exit(span: Any, ev: ExecEvent) -> None:
+    """The exit code on a stream's span (traced()), once the exit event passes."""
+    if ev.type == "exit" and ev.result is not None:
+        tracing.set_attrs(span, {"dsec.exit_code": ev.result.exit_code})

@@ -15,7 +15,7 @@ from dsec.backends.warm import WarmClaim
 from dsec.edge.live import LiveSandbox
 from dsec.edge.timing import CreateTimer
 from dsec.edge.records import SandboxRecord
-from dsec.types import (EventType, DsecError, ImageInfo,
+from dsec.types import (END_REASONS, EventType, DsecError, ImageInfo, InvalidArgument,
                         SandboxArgs,
                         SandboxFailed, SandboxInfo, SandboxState, Unavailable, make_sandbox_id)
 from dsec.edge.core import LIVE, EdgeCore, log
@@ -256,7 +256,11 @@ class Lifecycle(EdgeCore):
 
     async def stop(self, sandbox_id: str, reason: str | None = None, end: str = "killed") -> SandboxInfo:
         """Stop it; `reason` the free text its record keeps, `end` the end reason its event
-        says (types/events.py: 'killed' for a caller's stop, 'ttl'/'lifetime' for the reaper's)."""
+        says (types/events.py: 'killed' for a caller's stop, 'ttl'/'lifetime' for the reaper's,
+        'preempted' for the platform's own, e.g. `dsec nodes drain --stop`)."""
+        if end not in END_REASONS:
+            raise InvalidArgument(f"{end!r} is not an end reason", field="end",
+                                  fix=f"use one of: {', '.join(sorted(END_REASONS))}")
         rec = self._record(sandbox_id)
         if rec.state in (SandboxState.stopped, SandboxState.failed):
             return rec.info(self.node_id)

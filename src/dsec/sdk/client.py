@@ -469,10 +469,11 @@ class Client:
         resp = await self._request("GET", "/v1/nodes")
         return [NodeStatus.model_validate(n) for n in resp.json()]
 
-    async def node_action(self, node: str, action: str) -> dict[str, Any]:
+    async def node_action(self, node: str, action: str, stop: bool = False) -> dict[str, Any]:
         """Admin only: `cordon`, `drain`, `uncordon` or `forget` a node (`dsec nodes`); the
-        answer names its state, a drain's remaining sandboxes, a forget's released quota."""
-        resp = await self._request("POST", f"/v1/nodes/{node}/{action}")
+        answer names its state, a drain's remaining sandboxes, a forget's released quota.
+        stop=True (drain): also stop its sandboxes, each ending `preempted` (answer: `stopped`)."""
+        resp = await self._request("POST", f"/v1/nodes/{node}/{action}", params={"stop": "true"} if stop else None)
         answer: dict[str, Any] = resp.json()
         return answer
 
@@ -812,12 +813,34 @@ class Sandbox:
         """Yield ExecEvents as the command produces output; the last one has type 'exit' and .result."""
         req = ExecRequest(cmd=cmd, session=session, timeout_s=timeout_s, cwd=cwd, env=env or {},
                           stdin=stdin, user=user, output_cap_bytes=output_cap_bytes, idempotency_key=idempotency_key)
-        async for ev in self._ndjson("POST", f"{self._base}/exec/stream", wire(req)):
+        path = f"{self._base}/exec/stream"
+        events = self._traced_ndjson("dsec.sandbox.exec_stream", "POST", path, wire(req)) if tracing.on() \
+            else self._ndjson("POST", path, wire(req))
+        async for ev in events:
             yield ev
 
-    async def _ndjson(self, method: str, path: str, content: str | None = None) -> AsyncIterator[ExecEvent]:
+    async def _traced_ndjson(self, name: str, method: str, path: str, content: str | None = None,
+                             attrs: dict[str, Any] | None = None) -> AsyncIterator[ExecEvent]:
+        """_ndjson inside a CLIENT span `name` from the request to the stream's end, its
+        traceparent sent (dsec.tracing: callers use it only when on())."""
+        span = tracing.open_span(name, "client", {"dsec.sandbox_id": self.id, **(attrs or {})})
+        failed: BaseException | None = None
+        try:
+            async for ev in self._ndjson(method, path, content, span=span):
+                if ev.type == "exit" and ev.result is not None:
+                    tracing.set_attrs(span, {"dsec.exit_code": ev.result.exit_code})
+                yield ev
+        except BaseException as e:
+            failed = e
+            raise
+        finally:
+            tracing.close_span(span, error=failed)
+
+    async def _ndjson(self, method: str, path: str, content: str | None = None,
+                      span: Any = None) -> AsyncIterator[ExecEvent]:
         await self._c._ensure_ready()
-        headers = tracing.inject(dict(JSON)) if tracing.on() else JSON
+        headers = tracing.inject_span(dict(JSON), span) if span is not None else \
+            tracing.inject(dict(JSON)) if tracing.on() else JSON
         async with self._c._http.stream(method, path, content=content, headers=headers) as resp:
             if resp.status_code >= 400:
                 _raise_for(resp, await resp.aread())
@@ -846,7 +869,10 @@ class Sandbox:
 
     async def follow(self, exec_id: str) -> AsyncIterator[ExecEvent]:
         """An exec's output from its beginning, then live; the last event is its exit."""
-        async for ev in self._ndjson("GET", f"{self._base}/execs/{exec_id}/stream"):
+        path = f"{self._base}/execs/{exec_id}/stream"
+        events = self._traced_ndjson("dsec.sandbox.exec_follow", "GET", path, attrs={"dsec.exec_id": exec_id}) \
+            if tracing.on() else self._ndjson("GET", path)
+        async for ev in events:
             yield ev
 
     async def send_stdin(self, exec_id: str, data: bytes | str, *, close: bool = False) -> None:
@@ -883,6 +909,13 @@ class Sandbox:
 
     async def attach(self, exec_id: str) -> ExecResult:
         """Wait for and return the result of an earlier exec (survives client and edge restarts)."""
+        if tracing.on():
+            with tracing.span("dsec.sandbox.attach", "client", {"dsec.sandbox_id": self.id,
+                                                                "dsec.exec_id": exec_id}) as span:
+                resp = await self._c._request("GET", f"{self._base}/execs/{exec_id}")
+                result = ExecResult.model_validate_json(resp.content)
+                tracing.set_attrs(span, {"dsec.exit_code": result.exit_code})
+                return result
         resp = await self._c._request("GET", f"{self._base}/execs/{exec_id}")
         return ExecResult.model_validate_json(resp.content)
 

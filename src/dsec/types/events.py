@@ -20,9 +20,9 @@ from dsec.types.errors import DsecError
 # The infrastructure ended it: not the task's fault.
 INFRASTRUCTURE_REASONS = frozenset({
     "node_lost",       # its node (or the edge holding it) went away or restarted
-    "oom_killed",      # the kernel's OOM killer ended the sandbox's init (its memory_mb was spent)
-    "host_pressure",   # the node reclaimed it under memory/disk pressure
-    "preempted",       # the platform took the capacity back (reserved: nothing preempts yet)
+    "oom_killed",      # the kernel's OOM killer ended the sandbox's init (its own memory_mb was spent)
+    "host_pressure",   # the OOM killer ended it below its own limit: the host or the node's cgroup ran out
+    "preempted",       # the platform took the capacity back (`dsec nodes drain --stop`)
     "agent_died",      # the sandbox's agent/runtime died or hung (killed from outside, crashed)
     "create_failed",   # it never started: the runtime failed while creating it
 })

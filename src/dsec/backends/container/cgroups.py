@@ -57,6 +57,58 @@ def oom_kills(rel: str) -> int | None:
     return None
 
 
+def _counters(f: Path) -> dict[str, int]:
+    """'key value' lines of a cgroup file (memory.events, memory.oom_control); {} if unreadable."""
+    out: dict[str, int] = {}
+    try:
+        for line in f.read_text().splitlines():
+            key, _, value = line.partition(" ")
+            out[key] = int(value)
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def _read_int(f: Path) -> int | None:
+    try:
+        return int(f.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def oom_from_above(rel: str) -> bool:
+    """Whether the OOM kills in a sandbox's memory cgroup came from above it (the host ran out,
+    or an ancestor cgroup's limit: the node's sandboxes parent) rather than from its own limit.
+
+    v2: memory.events `oom` counts the times this cgroup (or one below it) hit its own limit
+    and invoked the OOM killer; an ancestor's or the host's OOM is counted there, not here, while
+    `oom_kill` counts the kills of this cgroup's tasks from any source. So kills with `oom` 0 came
+    from above. v1 has no `oom` count, and memory.failcnt stays 0 on this kernel (6.18: measured,
+    an own-limit OOM kill left it 0); but an own-limit OOM needs the usage to reach the limit, so
+    the high-water mark (memory.max_usage_in_bytes, and the memsw pair with swap accounting)
+    below its limit by more than OWN_LIMIT_SLACK means the kill came from above. A sandbox that
+    once came near its own limit and was later killed from above counts as its own (oom_killed):
+    the conservative side. A sandbox cannot reset these: its cgroup files are read-only inside."""
+    if is_unified():
+        ev = _counters(v2_root() / rel.lstrip("/") / "memory.events")
+        return ev.get("oom_kill", 0) > 0 and ev.get("oom", 1) == 0
+    d = CGROUP_ROOT / "memory" / rel.lstrip("/")
+    if _counters(d / "memory.oom_control").get("oom_kill", 0) <= 0:
+        return False
+    for prefix in ("memory.", "memory.memsw."):
+        limit, peak = _read_int(d / f"{prefix}limit_in_bytes"), _read_int(d / f"{prefix}max_usage_in_bytes")
+        if prefix == "memory." and (limit is None or peak is None):
+            return False                           # unknown: not claimed as the host's doing
+        if limit is not None and peak is not None and peak >= limit - OWN_LIMIT_SLACK:
+            return False                           # it reached its own limit
+    return True
+
+
+# How far below its limit a cgroup's high-water mark may stop when the limit itself refused a
+# charge (charges come in batches of up to 64 pages; a failed batch falls back to single pages)
+OWN_LIMIT_SLACK = 1 << 20
+
+
 def v1_dir(controller: str, rel: str) -> Path:
     """A sandbox's directory in a cgroup v1 hierarchy (memory, freezer, ...)."""
     return CGROUP_ROOT / controller / rel.lstrip("/")

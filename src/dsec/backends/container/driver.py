@@ -45,7 +45,7 @@ from dsec.backends.container.snapshots import ContainerSnapshots
 from dsec.backends.warm import WarmClaim
 from dsec.backends.container.volumes import ContainerVolumeDirs
 from dsec.backends.container.spec import (VOLUME_STAGING, ContainerSpec, build_config, cgroup_path, dsec_dir,
-                                         ensure_node_file_max, mask_dir)
+                                         ensure_node_file_max, mask_dir, set_cgroup_parent)
 from dsec.config import Paths
 from dsec.native import compile_static
 from dsec.security.users import resolve_user
@@ -95,6 +95,7 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
         self.paths = paths
         conf = conf or Settings()         # the composition root's (dsec.settings)
         self.quota_floor = conf.containers.cpu_quota_floor_cores   # DSEC_CPU_QUOTA_FLOOR_CORES
+        set_cgroup_parent(conf.containers.cgroup_parent)            # DSEC_CGROUP_PARENT
         self.rulesets = rulesets      # the operator's named network rule sets
         self.agent_binary = agent_binary
         _make_mask_dir(mask_dir(agent_binary))
@@ -826,6 +827,11 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
         signalled = status is not None and os.WIFSIGNALED(status)
         if kills and (status is None or (signalled and os.WTERMSIG(status) == signal.SIGKILL)):
             # SIGKILL cannot reach a pid namespace's init from inside it: the host or the OOM killer
+            if cgroups.oom_from_above(cgroup_path(sandbox_id)):
+                return (f"host memory pressure: the kernel's OOM killer killed the sandbox's agent, its init, "
+                        f"while the sandbox was below its own memory_mb={self._memory_mb(sandbox_id)} (the host "
+                        f"or the node's sandboxes cgroup ran out; {kills} OOM kill(s) in the sandbox); "
+                        "not the sandbox's doing: run it again")
             return (f"out of memory (memory_mb={self._memory_mb(sandbox_id)}): the kernel's OOM killer killed the "
                     f"sandbox's agent, its init, which ends the sandbox ({kills} OOM kill(s) in the sandbox); "
                     "create it with a larger memory_mb")
@@ -842,13 +848,15 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
 
     def end_code(self, sandbox_id: str) -> str:
         """oom_killed where the cgroup counted an OOM kill and the init died of SIGKILL (or
-        its status is unknown), as end_reason() words it; else the runtime died (agent_died)."""
+        its status is unknown), as end_reason() words it; host_pressure where that OOM came from
+        above the sandbox (cgroups.oom_from_above); else the runtime died (agent_died)."""
         w = self._watches.get(sandbox_id)
         status = w.status if w is not None and w.status is not None else (self._exit_status(w) if w else None)
         signalled = status is not None and os.WIFSIGNALED(status)
         if cgroups.oom_kills(cgroup_path(sandbox_id)) and (
                 status is None or (signalled and os.WTERMSIG(status) == signal.SIGKILL)):
-            return "oom_killed"
+            # its own limit -> oom_killed; the host's or an ancestor cgroup's -> host_pressure
+            return "host_pressure" if cgroups.oom_from_above(cgroup_path(sandbox_id)) else "oom_killed"
         return "agent_died"
 
     def _memory_mb(self, sandbox_id: str) -> int | str:

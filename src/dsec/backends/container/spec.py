@@ -53,8 +53,17 @@ class ContainerSpec:
     volumes: tuple[tuple[str, str, bool], ...] = ()
 
 
+# DSEC_CGROUP_PARENT: one per process (the driver sets it at start), read by every cgroup path
+_cgroup_parent = "/dsec"
+
+
+def set_cgroup_parent(parent: str) -> None:
+    global _cgroup_parent
+    _cgroup_parent = parent.rstrip("/") or "/dsec"
+
+
 def cgroup_path(sandbox_id: str) -> str:
-    return f"/dsec/{sandbox_id}"
+    return f"{_cgroup_parent}/{sandbox_id}"
 
 
 def retained_output_bytes(memory_mb: int) -> int:

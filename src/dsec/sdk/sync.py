@@ -216,11 +216,12 @@ class SyncClient(_sync.Synchronized):
     def nodes(self) -> builtins.list[NodeStatus]:
         return cast("builtins.list[NodeStatus]", _sync.call(self, "nodes"))
 
-    def node_action(self, node: str, action: str) -> dict[str, Any]:
+    def node_action(self, node: str, action: str, stop: bool = False) -> dict[str, Any]:
         """Admin only: `cordon`, `drain`, `uncordon` or `forget` a node (`dsec nodes`); the
         answer names its state, a drain's remaining sandboxes, a forget's released quota.
+        stop=True (drain): also stop its sandboxes, each ending `preempted` (answer: `stopped`).
         """
-        return cast("dict[str, Any]", _sync.call(self, "node_action", node, action))
+        return cast("dict[str, Any]", _sync.call(self, "node_action", node, action, stop))
 
     def images(self) -> builtins.list[ImageInfo]:
         return cast("builtins.list[ImageInfo]", _sync.call(self, "images"))

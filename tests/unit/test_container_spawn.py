@@ -43,19 +43,21 @@ async def test_no_waiter_thread_per_child():
 
 
 async def test_a_cancelled_wait_still_reaps_the_child():
-    task = asyncio.create_task(run_to_exit([PY, "-c", "import os, time; print(os.getpid(), flush=True); "
+    r, w = os.pipe()
+    task = asyncio.create_task(run_to_exit([PY, "-c", f"import os, time; os.write({w}, str(os.getpid()).encode()); "
                                                        "time.sleep(0.3)"],
-                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    await asyncio.sleep(0.05)
-    kids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _ppid(int(p)) == os.getpid()]
-    assert kids
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(w,)))
+    kid = int(await asyncio.to_thread(os.read, r, 32))    # the child's own pid, not any child of pytest's
+    os.close(w)
+    os.close(r)
+    assert _exists(kid)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     deadline = time.monotonic() + 30
-    while any(_exists(k) for k in kids) and time.monotonic() < deadline:
+    while _exists(kid) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)     # the loop's reader reaps it once it exits
-    assert not any(_exists(k) for k in kids), "child left as a zombie"
+    assert not _exists(kid), "child left as a zombie"
 
 
 def test_the_create_path_uses_it():

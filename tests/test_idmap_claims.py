@@ -71,3 +71,22 @@ def test_opening_the_registry_sweeps_claims_of_gone_sandboxes(registry, tmp_path
     (registry / ".5.tmp").write_text("half")
     IdRanges(registry, first=1 << 29, slots=8)                     # an edge starts
     assert sorted(os.listdir(registry)) == [".lock", "4"]
+
+
+def test_a_claim_costs_the_same_however_many_the_host_holds(registry, tmp_path, monkeypatch):
+    """A claim probes from the round-robin hint instead of listing the registry: at 3,000 live
+    claims a listing was ~1 ms on tmpfs under the host-wide lock, ~0.09 ms for a probe (D7?)."""
+    live = tmp_path / "live-sandbox"
+    live.mkdir()
+    ids = IdRanges(registry, first=1 << 29, slots=64)
+    for s in (0, 1, 2, 5, 62, 63):               # other sandboxes' claims (this host, any home)
+        (registry / str(s)).write_text(str(live))
+    listed = []
+    real_listdir = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda p=".": listed.append(p) or real_listdir(p))
+    got = [(ids.allocate(live) - (1 << 29)) // RANGE for _ in range(3)]
+    assert got == [3, 4, 6], "the first free slots from the hint on, skipping claimed ones"
+    assert listed == [], "a claim listed the whole registry"
+    ids._hint = 61                               # wraps around past the end
+    assert (ids.allocate(live) - (1 << 29)) // RANGE == 61
+    assert (ids.allocate(live) - (1 << 29)) // RANGE == 7

@@ -42,6 +42,7 @@ from dsec.backends.container.network import NetSettings, SandboxNetworks
 from dsec.backends.container.parking import PARKED_MARKER, CgroupParking, cgroup_gone
 from dsec.backends.container.ports import CONNECT_TIMEOUT_S, connect_in_netns
 from dsec.backends.container.snapshots import ContainerSnapshots
+from dsec.backends.container.spawn import run_to_exit
 from dsec.backends.warm import WarmClaim
 from dsec.backends.container.volumes import ContainerVolumeDirs
 from dsec.backends.container.spec import (VOLUME_STAGING, ContainerSpec, build_config, cgroup_path, dsec_dir,
@@ -288,10 +289,7 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
         with open(d / "run" / "init.log", "ab") as logf:
             # umask 022, not the server's private 077: what crun creates inside the rootfs
             # (mountpoints such as /.dsec, /proc, /dev) must be usable by the sandbox's own root
-            proc = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=logf, stderr=logf, pass_fds=(fd,),
-                umask=0o022)
-            rc = await proc.wait()
+            rc = await run_to_exit(argv, stdout=logf.fileno(), stderr=logf.fileno(), pass_fds=(fd,), umask=0o022)
         if rc != 0:
             tail = (d / "run" / "init.log").read_bytes()[-2000:].decode(errors="replace").strip()
             raise SandboxFailed(f"crun could not start sandbox {sandbox_id} (exit {rc}): {tail}",

@@ -62,20 +62,29 @@ class IdRanges:
         """Claim a free range for the sandbox directory `owner` (which must exist); its host base."""
         owner_s = str(owner.resolve())
         with self._locked():
-            taken = {int(n) for n in os.listdir(self.registry) if n.isdigit()}
-            order = list(range(self._hint, self.slots)) + list(range(self._hint))
-            free = [s for s in order if s not in taken]
-            if not free:   # all claimed: take back claims whose sandbox directory is gone
-                free = [s for s in order if not self._owner_alive(s)]
-            if not free:
+            # probe from the hint on, one stat a slot: round robin means the next slot is
+            # usually free, so a claim costs O(1) however many sandboxes the host holds (a
+            # listing of the registry was ~3.6 ms at 3,700 claims, under the host-wide lock)
+            slot = self._first_free()
+            if slot is None:   # all claimed: take back claims whose sandbox directory is gone
+                order = list(range(self._hint, self.slots)) + list(range(self._hint))
+                slot = next((s for s in order if not self._owner_alive(s)), None)
+            if slot is None:
                 raise CapacityExceeded(f"no free uid range for a new sandbox ({self.slots} in use on this host)",
                                        fix="stop sandboxes, or raise DSEC_IDMAP_SLOTS")
-            slot = free[0]
             tmp = self.registry / f".{slot}.tmp"   # whole or not at all: a crash leaves no empty claim
             tmp.write_text(owner_s)
             tmp.replace(self._claim_file(slot))
             self._hint = (slot + 1) % self.slots   # round robin: a just-freed range rests a while
             return self.base(slot)
+
+    def _first_free(self) -> int | None:
+        """The first unclaimed slot at or after the hint, wrapping (called with the lock held)."""
+        for i in range(self.slots):
+            slot = (self._hint + i) % self.slots
+            if not os.path.lexists(self._claim_file(slot)):
+                return slot
+        return None
 
     def _owner_alive(self, slot: int) -> bool:
         """Whether a claim's owner directory exists (called with the lock held, so no claim is

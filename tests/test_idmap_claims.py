@@ -75,7 +75,7 @@ def test_opening_the_registry_sweeps_claims_of_gone_sandboxes(registry, tmp_path
 
 def test_a_claim_costs_the_same_however_many_the_host_holds(registry, tmp_path, monkeypatch):
     """A claim probes from the round-robin hint instead of listing the registry: at 3,000 live
-    claims a listing was ~1 ms on tmpfs under the host-wide lock, ~0.09 ms for a probe (D7?)."""
+    claims a listing was ~1 ms on tmpfs under the host-wide lock, ~0.09 ms for a probe (D81)."""
     live = tmp_path / "live-sandbox"
     live.mkdir()
     ids = IdRanges(registry, first=1 << 29, slots=64)

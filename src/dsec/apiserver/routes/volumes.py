@@ -41,10 +41,15 @@ async def list_volumes(who: Who, ctx: Ctx, usage: bool = False) -> VolumeList:
 @router.delete("/v1/volumes/{name}", status_code=204)
 async def delete_volume(name: str, who: Who, ctx: Ctx) -> Response:
     """Delete a volume and its files; refused (409) while a sandbox mounts it, on any node."""
-    keeper = volume_edge(ctx)
-    await _refuse_if_held(ctx, keeper, who.project_id, name)
-    await keeper.delete_volume(who.project_id, name)       # checks its own node's sandboxes again
+    await delete_volume_everywhere(ctx, who.project_id, name)
     return Response(status_code=204)
+
+
+async def delete_volume_everywhere(ctx: ApiContext, project: str, name: str) -> None:
+    """Delete a volume unless a sandbox of any node mounts it (dsec's and E2B's routes)."""
+    keeper = volume_edge(ctx)
+    await _refuse_if_held(ctx, keeper, project, name)
+    await keeper.delete_volume(project, name)       # checks its own node's sandboxes again
 
 
 async def _refuse_if_held(ctx: ApiContext, keeper: EdgeHandle, project: str, name: str) -> None:

@@ -83,8 +83,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--fill-mb", type=int, default=64)
+    ap.add_argument("--home-dir", default="/var/tmp", help="where the server's DSEC_HOME is made (its filesystem "
+                                                            "holds the snapshot and its RAM file)")
     a = ap.parse_args()
-    home = Path(tempfile.mkdtemp(prefix="dsec-vmforkmem-", dir="/var/tmp"))
+    home = Path(tempfile.mkdtemp(prefix="dsec-vmforkmem-", dir=a.home_dir))
     home.chmod(0o711)
     srv = None
     try:
@@ -94,8 +96,13 @@ def main() -> None:
         srv.start()
         out = asyncio.run(bench(srv.url, srv.key, home, a.n, a.fill_mb))
         # the snapshot's RAM split (snapram.py), where this code version has one
-        out["split_s"] = [json.loads(line).get("seconds") for line in (home / "server.log").read_text().splitlines()
-                          if '"vm snapshot ram split"' in line]
+        splits = [json.loads(line) for line in (home / "server.log").read_text().splitlines()
+                  if '"vm snapshot ram split"' in line]
+        out["split_s"] = [r.get("seconds") for r in splits]
+        out["split_phases_s"] = [{k: r.get(k) for k in ("launch_s", "load_s", "save_s")}
+                                 for r in splits]
+        out["parent_paused_s"] = [json.loads(line).get("paused_s") for line in
+                                  (home / "server.log").read_text().splitlines() if '"vm snapshot pause"' in line]
         out["load_1m"] = os.getloadavg()[0]
         print(json.dumps(out))
     finally:

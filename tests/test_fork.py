@@ -15,7 +15,7 @@ from conftest import stranger_key
 
 from dsec.iam import IAM
 from dsec.sdk.client import Client
-from dsec.types import CapacityExceeded, Conflict, NotFound
+from dsec.types import CapacityExceeded, Conflict, NotFound, Unavailable
 from dsec.testing.waiting import wait_until
 
 
@@ -145,6 +145,22 @@ async def test_snapshot_and_pack_diff_of_a_fork_keep_the_parents_files(fc):
         await parent.stop()
 
 
+async def test_snapshot_of_a_draining_node_without_a_shared_layer_store_is_refused_by_name(fc):
+    """Carrying a container snapshot to another node needs DSEC_LAYER_STORE (one machine has
+    none, and no other node): the refusal names it rather than the drain alone."""
+    sb = await fc.create_container(image="busybox")
+    snap = await sb.snapshot()
+    await sb.stop()
+    await fc.node_action(snap.node, "drain")
+    try:
+        with pytest.raises(Unavailable) as e:
+            await fc.create_container(image="busybox", snapshot=snap.id)
+        assert e.value.field == "DSEC_LAYER_STORE" and snap.node in e.value.message, e.value
+    finally:
+        await fc.node_action(snap.node, "uncordon")
+        await fc.delete_snapshot(snap.id)
+
+
 async def test_fork_of_a_stopped_sandbox_is_refused(fc):
     sb = await fc.create_container(image="busybox")
     await sb.stop()
@@ -195,6 +211,18 @@ async def test_microvm_fork_carries_memory_and_processes(vm_client, server):
             for kid in forked.sandboxes:
                 await kid.stop()
         assert all(s.sandbox_id != src.id for s in await vm_client.snapshots())   # the fork's own went
+        # a VM snapshot holds memory and devices: never carried to another node, even when its
+        # own takes no sandbox (containers' are: tests/test_cluster_state.py); said by name
+        snap = await src.snapshot()
+        await vm_client.node_action(snap.node, "drain")
+        try:
+            with pytest.raises(Unavailable) as e:
+                await vm_client.create_microvm(image="busybox", memory_mb=256, snapshot=snap.id)
+            assert e.value.field == "snapshot" and "memory and devices" in e.value.message, e.value
+            assert "restore only on the node that took it" in e.value.message, e.value
+        finally:
+            await vm_client.node_action(snap.node, "uncordon")
+            await vm_client.delete_snapshot(snap.id)
     finally:
         await src.stop()
 

@@ -9,7 +9,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from dsec import metrics
-from dsec.apiserver import egress_secrets, idempotent, quotas
+from dsec.apiserver import egress_secrets, idempotent, quotas, snapshot_export
 from dsec.apiserver.audit import note_target
 from dsec.apiserver.fair_creates import FairCreates, create_gate
 from dsec.apiserver.context import ApiContext, EdgeHandle
@@ -80,14 +80,37 @@ async def _create_sandbox(ctx: ApiContext, who: Principal, args: SandboxArgs, ga
     snapshot = getattr(args, "snapshot", None)
     if snapshot:
         edge = await owned_snapshot(ctx, snapshot, who, field="snapshot")
-        async with gate.turn(who.project_id):
-            return await create_on(ctx, edge, who, args)
+        node = getattr(edge, "node_id", None)
+        if (await node_states(ctx).unschedulable()).get(node or "") in ("draining", "forgotten"):
+            return await _restore_elsewhere(ctx, who, args, edge, gate)    # VM snapshots: refused, naming why
+        try:
+            async with gate.turn(who.project_id):
+                return await create_on(ctx, edge, who, args)
+        except CapacityExceeded as full:       # its node is full: a container snapshot goes elsewhere
+            try:
+                return await _restore_elsewhere(ctx, who, args, edge, gate)
+            except Unavailable:
+                raise full from None
     image: str | None = None      # its digest: placement prefers nodes that hold it (D34)
     if ctx.images is not None:
         image = check_usable(ctx.iam, ctx.images, who, args)[0].digest
     async with gate.turn(who.project_id):
         return await _indexed(ctx, who, args, lambda: quotas.with_quota(ctx, who.project_id, args,
                                                                          lambda: _place(ctx, who, args, image)))
+
+
+async def _restore_elsewhere(ctx: ApiContext, who: Principal, args: SandboxArgs, edge: EdgeHandle,
+                             gate: FairCreates) -> SandboxInfo:
+    """A container snapshot whose node takes no new sandbox, created on another node from the
+    layer its node packs into the shared layer store (snapshot_export.py)."""
+    exp = await edge.export_snapshot(str(getattr(args, "snapshot")))
+    moved = snapshot_export.args_from(args, exp)
+    check_create(ctx.iam.effective_policy(who.project_id), moved, who.project_id)
+    async with gate.turn(who.project_id):
+        info = await _indexed(ctx, who, moved, lambda: quotas.with_quota(ctx, who.project_id, moved,
+                                                                          lambda: _place(ctx, who, moved)))
+    log.info("snapshot restored on another node", extra={"snapshot": exp.snapshot, "sandbox": info.id})
+    return info
 
 
 async def create_on(ctx: ApiContext, edge: EdgeHandle, who: Principal, args: SandboxArgs) -> SandboxInfo:

@@ -224,6 +224,16 @@ class UpperView:
     below: tuple[tuple[Path, Callable[[int], int] | None], ...] = ()
 
 
+class SnapshotLayers(ABC):
+    """A snapshot that is files only (containers): its layers can be packed as an image that
+    another node creates from (VM snapshots hold memory and devices, and stay on their node)."""
+
+    @abstractmethod
+    def snapshot_layers(self, snapshot_id: str) -> tuple[UpperView, dict[str, Any]]:
+        """Its topmost layer (the earlier ones of its chain in `below`) and its meta (image,
+        project, args). Read-only files: nothing needs freezing. File I/O: call in a thread."""
+
+
 class LayerDiff(ABC):
     """Read a sandbox's writable layer (pack_diff)."""
 

@@ -85,6 +85,7 @@ class EdgeCore:
     _next_ping: dict[int, float]
     _disk_next: float
     _creating_keys: dict[tuple[str, str], asyncio.Task[SandboxInfo]]
+    _export_lock: asyncio.Lock         # snapshot exports, one pack at a time (parking.py)
     _load: NodeLoad
     _cached_images: CacheSummary
     _deadlines: Deadlines

@@ -80,6 +80,7 @@ class Edge(Lifecycle, WarmHooks, ParkingVerbs, CapabilityVerbs, AgentChannel, Ex
         self._next_ping: dict[int, float] = {}   # per LivenessWatched backend (by id())
         self._disk_next = 0.0
         self._creating_keys: dict[tuple[str, str], asyncio.Task[SandboxInfo]] = {}   # idempotent creates under way
+        self._export_lock = asyncio.Lock()     # snapshot exports (parking.py)
         self._load = NodeLoad()                # committed CPU/memory of the live sandboxes, as running totals
         self._cached_images = CacheSummary()   # images this node holds: placement prefers it for them (D34)
         self._deadlines = Deadlines()          # when the reaper looks at each sandbox next (O(due) ticks)

@@ -10,9 +10,10 @@ from datetime import datetime, timezone
 from typing import Any
 
 from dsec.agent.client import AgentError
-from dsec.backends.base import Hibernation, Parking, Snapshots
+from dsec.backends.base import Hibernation, Parking, SnapshotLayers, Snapshots
 from dsec.edge.live import LiveSandbox
-from dsec.types import (EventType, BulkItem, DsecError, NotFound, SandboxInfo, SandboxState, SnapshotInfo, Unavailable,
+from dsec.types import (EventType, BulkItem, DsecError, NotFound, SandboxInfo, SandboxState, SnapshotImage, SnapshotInfo,
+                        Unavailable,
                         make_snapshot_id)
 from dsec.edge.core import BULK_PARALLEL, EdgeCore, log
 
@@ -70,6 +71,38 @@ class ParkingVerbs(EdgeCore):
             out += [self._snapshot_info(r) for r in await asyncio.to_thread(b.snapshot_records)
                     if project is None or r["project"] == project]
         return out
+
+    async def export_snapshot(self, snapshot_id: str) -> SnapshotImage:
+        """A container snapshot as a workspace layer in the shared layer store (packed once,
+        named after the snapshot), for a create on another node when this one takes no new
+        sandboxes (draining, full). VM snapshots are refused, naming why."""
+        owner, record = await asyncio.to_thread(self._find_snapshot, snapshot_id)
+        if not isinstance(owner, SnapshotLayers):
+            raise Unavailable(f"snapshot {snapshot_id} is a {record['backend']} snapshot: it holds the guest's memory "
+                              f"and devices, which restore only on the node that took it ({self.node_id})",
+                              field="snapshot", fix=f"restore it when node {self.node_id} takes sandboxes again "
+                                                    f"(`dsec nodes uncordon {self.node_id}`), or snapshot a sandbox "
+                                                    "running on another node")
+        if self.images.shared is None:
+            raise Unavailable(f"snapshot {snapshot_id} lives on node {self.node_id}, and no shared layer store "
+                              "is configured to carry it to another node", field="DSEC_LAYER_STORE",
+                              fix="set DSEC_LAYER_STORE on every node (`cluster up --edge-env DSEC_LAYER_STORE=...`), "
+                                  f"or restore it when node {self.node_id} takes sandboxes again")
+        name = f"{snapshot_id}@export"
+        async with self._export_lock:     # one pack per snapshot, however many creates ask at once
+            view, meta = await asyncio.to_thread(owner.snapshot_layers, snapshot_id)
+            args = dict(meta.get("args") or {})
+            if self.images.registry.get_image(name) is None:
+                workspace = args.get("workspace")
+                parents = [await self.stacks.resolve(workspace, "workspace")] if workspace else []
+                project = meta.get("project", "")
+                async with self.images.heavy.slot(project):
+                    await self.images.heavy.run(self.images.pack_upper, name, view.path, parents=parents, scrub=[],
+                                                source=f"snapshot:{snapshot_id}", map_id=view.map_id,
+                                                below=view.below, owner=project)
+                log.info("snapshot exported", extra={"snapshot": snapshot_id, "layer": name})
+        return SnapshotImage(snapshot=snapshot_id, image=str(args.get("image") or meta.get("image", "")),
+                             workspace=name, args=args)
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         """Remove a snapshot. Sandboxes restored from it keep running and restoring: they hold

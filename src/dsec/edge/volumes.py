@@ -45,6 +45,11 @@ class VolumeVerbs(EdgeCore):
                       if live.rec.project == project and live.rec.state in _HOLDING
                       and any(m.name == name for m in getattr(live.rec.args, "volumes", ())))
 
+    async def volume_holders(self, project: str, name: str) -> builtins.list[str]:
+        """This node's sandboxes (running, parked or being created) that mount the volume: a
+        cluster whose nodes share DSEC_VOLUMES_DIR asks every node before a delete."""
+        return self._holders(project, name)
+
     async def delete_volume(self, project: str, name: str) -> None:
         """Refused while a sandbox of this node (running, parked or being created) mounts it."""
         store = self._volumes()

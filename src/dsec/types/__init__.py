@@ -19,7 +19,7 @@ from dsec.types.sandboxes import (NAME_RE, MAX_TTL_S, ENV_KEY_RE, MAX_ENV_VARS, 
                                   PORT_RANGE_RE, RULESET_NAME_RE, NetworkRule, NetworkPolicy, NetworkRuleSet, EgressProxy,
                                   ContainerArgs,
                                   MicroVMArgs, VMArgs, SandboxArgs, VM_BACKENDS, SandboxState, SandboxInfo,
-                                  BulkSelector, BulkItem, BulkResult, SnapshotInfo, SnapshotList, SandboxList)
+                                  BulkSelector, BulkItem, BulkResult, SnapshotInfo, SnapshotImage, SnapshotList, SandboxList)
 from dsec.types.execs import (MAX_EXEC_TIMEOUT_S, PtySize, ResizeRequest, ExecRequest, ExecResult, ExecInfo, ExecList, SignalRequest,
                               TimeoutRequest, ExecEvent, FileWrite, FileEntry, FsEvent, FileList)
 from dsec.types.nodes import (NodeCapacity, NodeStatus)
@@ -54,7 +54,7 @@ __all__ = [
     "ImageRef", "SandboxUser", "Labels", "IdleTtl", "Lifetime", "IDEMPOTENCY_KEY_RE", "SDK_KEY_PREFIX",
     "IdempotencyKey", "OutputCap", "PORT_RANGE_RE", "RULESET_NAME_RE", "NetworkRule", "NetworkPolicy", "NetworkRuleSet", "EgressProxy",
     "ContainerArgs", "MicroVMArgs", "VMArgs", "SandboxArgs", "VM_BACKENDS", "SandboxState", "SandboxInfo",
-    "BulkSelector", "BulkItem", "BulkResult", "SnapshotInfo", "SnapshotList", "SandboxList", "MAX_EXEC_TIMEOUT_S",
+    "BulkSelector", "BulkItem", "BulkResult", "SnapshotInfo", "SnapshotImage", "SnapshotList", "SandboxList", "MAX_EXEC_TIMEOUT_S",
     "PtySize", "ResizeRequest", "ExecRequest", "ExecResult", "ExecInfo", "ExecList", "SignalRequest", "TimeoutRequest", "ExecEvent", "FileWrite",
     "FileEntry", "FsEvent", "FileList", "NodeCapacity", "NodeStatus", "LayerInfo", "ImageInfo", "ImageList",
     "DEFAULT_SCRUB", "PackDiffRequest", "FNCALL_MAX_TIMEOUT_S", "FNCALL_MAX_BYTES", "FNCALL_DEFAULT_IMAGE",

@@ -479,6 +479,17 @@ class SnapshotList(BaseModel):
     snapshots: list[SnapshotInfo]
 
 
+class SnapshotImage(BaseModel):
+    """A container snapshot packed as a workspace layer in the shared layer store, so that a
+    node other than its own can create from it: `image` + `workspace` with the snapshot's args."""
+
+    snapshot: str
+    image: str = Field(description="the image the snapshot's source sandbox ran")
+    workspace: str = Field(description="the layer (NAME@VERSION) holding the snapshot's files, "
+                                       "stacked on the source's workspace")
+    args: dict[str, Any] = Field(description="the source sandbox's args (env, workdir, limits ...)")
+
+
 class SandboxList(BaseModel):
     sandboxes: list[SandboxInfo]
     unreachable_nodes: list[str] = Field(default_factory=list, description=(

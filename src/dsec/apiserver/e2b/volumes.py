@@ -22,7 +22,7 @@ from dsec.apiserver.context import ApiContext
 from dsec.apiserver.e2b.auth import AccessTokens
 from dsec.apiserver.e2b.volume_content import add_volume_content_routes
 from dsec.apiserver.guard import principal_of
-from dsec.apiserver.routes.volumes import volume_edge
+from dsec.apiserver.routes.volumes import delete_volume_everywhere, volume_edge
 from dsec.iam import Principal
 from dsec.types import InvalidArgument, NotFound, Unauthorized, VolumeCreate, VolumeInfo
 
@@ -69,5 +69,5 @@ def add_volume_routes(app: FastAPI, ctx: ApiContext, tokens: AccessTokens) -> No
     @app.delete("/volumes/{volume_id}")
     async def delete(request: Request, volume_id: str) -> Response:
         v = await find(request, volume_id)
-        await volume_edge(ctx).delete_volume(v.project, v.name)
+        await delete_volume_everywhere(ctx, v.project, v.name)
         return Response(status_code=204)

@@ -30,7 +30,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dsec.backends.base import (PARKED, RUNNING, Backend, Egress, EgressSecrets, Hibernation, ImageStacks, LayerDiff, MemoryUsage,
-                                Parking, PortIngress, Prepared, RawUsage, Reclaim, Snapshots, UpperView, UsageStats)
+                                Parking, PortIngress, Prepared, RawUsage, Reclaim, SnapshotLayers, Snapshots, UpperView,
+                                UsageStats)
 from dsec.backends.container import cgroups, hibernate, qos
 from dsec.backends.container import usage as usage_reader
 from dsec.backends.container import claim as warm_claim
@@ -86,7 +87,7 @@ class _ExitWatch:
 
 
 class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Parking, Hibernation, MemoryUsage, UsageStats, Reclaim,
-                      WarmClaim, Snapshots, ContainerVolumeDirs):
+                      WarmClaim, Snapshots, SnapshotLayers, ContainerVolumeDirs):
     kinds = ("container",)
     fresh_agent_at_create = True      # crun starts a new agent every time (snapshots are files only)
     instead = {"console": "read a container's output from its commands"}
@@ -410,6 +411,15 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
 
     def snapshot_record(self, snapshot_id: str) -> dict:
         return self.snaps.record(snapshot_id)
+
+    def snapshot_layers(self, snapshot_id: str) -> tuple[UpperView, dict]:
+        """Its chain's layers, each with the id map of the range its source ran in (as
+        frozen_upper gives a fork's): packed as they are, no sandbox needed."""
+        meta = self.snaps.meta(snapshot_id)
+        layers = [(self.snaps.layer(sid), functools.partial(host_to_sandbox, base=b) if b is not None else None)
+                  for sid, b in meta["chain"]]
+        (top, top_map), below = layers[-1], tuple(layers[:-1])
+        return UpperView(top, top_map, below), meta
 
     def snapshot_records(self) -> list[dict]:
         return self.snaps.records()

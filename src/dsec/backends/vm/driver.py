@@ -573,6 +573,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
             (tmp / "spec.json").write_text(json.dumps({**spec, **meta, "source": sandbox_id}))
             async with Qmp(d / "qmp.sock", sandbox_id) as q:
                 await q.run("stop")
+                paused = time.monotonic()
                 try:
                     await q.save_state(tmp / "state")
                     upper = d / _upper_name(d)
@@ -585,6 +586,8 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
                         shutil.copyfile(d / "console.log", tmp / "console.log")
                 finally:
                     await q.run("cont")
+                    log.info("vm snapshot pause", extra={"sandbox": sandbox_id,
+                                                         "paused_s": round(time.monotonic() - paused, 3)})
             # its RAM as a file every restore maps copy-on-write (snapram.py); a failure
             # only costs the sharing: the whole stream stays and restores as before
             try:

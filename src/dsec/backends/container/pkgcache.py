@@ -31,8 +31,9 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import quote, unquote, urljoin, urlsplit
 
-from dsec.backends.container.dns import SandboxView, SourceSlots, Upstream
+from dsec.backends.container.dns import SandboxView, Upstream
 from dsec.backends.container.egress_proxy import _cidr_allows, _is_ipv4, forbidden
+from dsec.backends.container.listener import SandboxListener
 from dsec.pkgcache import apt, fetch
 from dsec.pkgcache.index import (dumps, merge_npm_seeds, npm_name, parse_simple, pypi_name, render_simple,
                                  rewrite_npm, safe_filename, PypiFile)
@@ -68,64 +69,38 @@ REASONS = {200: "OK", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allow
            502: "Bad Gateway"}
 
 
-class PackageCache:
+class PackageCache(SandboxListener):
+    max_per_source = MAX_PER_SOURCE
+    stream_limit = HEAD_MAX
+    what = "package cache"
+
     def __init__(self, lookup: Callable[[str], SandboxView | None], upstream: Upstream, address: str, port: int,
                  subnet: ipaddress.IPv4Network, store: BlobStore, *, pypi_url: str, npm_url: str,
                  index_ttl_s: float, ca_file: str = "") -> None:
+        super().__init__(address, port)
         self.lookup, self.upstream, self.store = lookup, upstream, store
-        self.address, self.port, self.subnet = address, port, subnet
+        self.subnet = subnet
         self.pypi_url = pypi_url.rstrip("/") + "/"
         self.npm_url = npm_url.rstrip("/") + "/"
         self.index_ttl_s, self.ca_file = index_ttl_s, ca_file
         self.base = f"http://{address}:{port}"
-        self._server: asyncio.Server | None = None
-        self._slots = SourceSlots(MAX_PER_SOURCE)
         self._inflight: dict[tuple[str, str], asyncio.Future] = {}
-        self._tasks: set[asyncio.Task] = set()
         self._apt_learned: set[tuple[str, str]] = set()   # (mirror, sha256) of Packages already read
 
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, self.address, self.port, reuse_address=True,
-                                                  backlog=1024, limit=HEAD_MAX)
-
-    async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-        for t in list(self._tasks):
-            t.cancel()
-
     # -- HTTP ----------------------------------------------------------------------------------
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._tasks.add(task)
-        source = writer.get_extra_info("peername")[0]
-        if not self._slots.take(source):
-            writer.close()
-            return
+    async def _handle(self, source: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One request per connection (answers say Connection: close)."""
+        async with asyncio.timeout(HEAD_TIMEOUT_S):
+            head = await reader.readuntil(b"\r\n\r\n")
+        method, target, *_ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
         try:
-            async with asyncio.timeout(HEAD_TIMEOUT_S):
-                head = await reader.readuntil(b"\r\n\r\n")
-            method, target, *_ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
-            try:
-                if target.startswith("http://"):   # apt, with the cache as its proxy
-                    await self._apt(source, method, target, writer)
-                else:
-                    await self._route(source, method, urlsplit(target).path, writer)
-            except HttpError as e:
-                await self._send(writer, e.status, "text/plain; charset=utf-8",
-                                 f"dsec package cache: {e}\n".encode(), method == "HEAD")
-        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
-            pass
-        except Exception:   # one request, never the loop
-            log.warning("package cache request failed", exc_info=True, extra={"source": source})
-        finally:
-            self._slots.give_back(source)
-            if not writer.is_closing():
-                writer.close()
-            if task is not None:
-                self._tasks.discard(task)
+            if target.startswith("http://"):   # apt, with the cache as its proxy
+                await self._apt(source, method, target, writer)
+            else:
+                await self._route(source, method, urlsplit(target).path, writer)
+        except HttpError as e:
+            await self._send(writer, e.status, "text/plain; charset=utf-8",
+                             f"dsec package cache: {e}\n".encode(), method == "HEAD")
 
     async def _send(self, writer: asyncio.StreamWriter, status: int, ctype: str, body: bytes | Path,
                     head_only: bool = False) -> None:

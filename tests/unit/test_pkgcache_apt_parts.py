@@ -30,6 +30,9 @@ def test_kind_serves_only_dists_files_and_pool_debs_of_http_mirrors():
     assert apt.is_packages(f"{M}/dists/b/main/binary-amd64/by-hash/SHA256/{H}")
     assert not apt.is_packages(f"{M}/dists/b/main/i18n/by-hash/SHA256/{H}")
     assert apt.mirror_base(f"{M}/dists/b/InRelease") == M + "/"
+    # apt may quote what a Filename writes plainly: one name in the store; quoting never hides a '..'
+    assert apt.key(f"{M}/pool/main/g/g++/g%2b%2b_1_all.deb") == f"{M}/pool/main/g/g++/g++_1_all.deb"
+    assert apt.kind(f"{M}/pool/%2e%2e/x.deb") is None
 
 
 def _packages(*stanzas: tuple[str, str]) -> bytes:

@@ -19,7 +19,7 @@ import lzma
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 DEB_SUFFIXES = (".deb", ".udeb", ".ddeb")
 _BY_HASH = re.compile(r"/by-hash/SHA256/([0-9a-f]{64})$")
@@ -39,12 +39,19 @@ def apt_conf(gateway: str, port: int) -> str:
             "Acquire::http::Pipeline-Depth \"0\";\n")
 
 
+def key(url: str) -> str:
+    """The URL as the store names it: its path unquoted, as Packages' Filenames are written
+    (apt may quote characters such as '+' when it asks)."""
+    u = urlsplit(url)
+    return f"{u.scheme}://{u.netloc}{unquote(u.path)}"
+
+
 def kind(url: str) -> str | None:
     """'by-hash', 'meta' (a file under dists/), 'deb', or None (not served)."""
     u = urlsplit(url)
     if u.scheme != "http" or not u.hostname or u.query or u.fragment:
         return None
-    path = u.path
+    path = unquote(u.path)
     if "/../" in path + "/" or "/./" in path + "/" or "//" in path:
         return None
     if "/dists/" in path:

@@ -288,14 +288,16 @@ class PackageCache(SandboxListener):
         what = apt.kind(url)
         if what is None:
             raise HttpError(404, "the package cache serves apt only: files under an http:// mirror's dists/ and "
-                                 "its pool/ .debs (for anything else, unset Acquire::http::Proxy)")
+                                 "its pool/ .debs; for anything else (apt-get source, changelogs) go direct: "
+                                 "apt-get -o Acquire::http::Proxy=DIRECT ...")
         await self._may_use(view, url, "apt")
+        asked, url = url, apt.key(url)   # fetched as asked, named in the store unquoted (as Filenames are)
         name = urlsplit(url).path.rsplit("/", 1)[-1]
         if what == "meta":
-            f = await self._apt_meta(view, url)
+            f = await self._apt_meta(view, url, asked)
         elif what == "by-hash":
             digest = apt.by_hash_digest(url) or ""
-            f = await self._file(view, "sha256", digest, name, (url, name))
+            f = await self._file(view, "sha256", digest, name, (asked, name))
             base = apt.mirror_base(url)
             # only a Packages this mirror's own Release named speaks for its pool (apt.release_packages)
             if apt.is_packages(url) and self.store.apt_lookup(apt.index_key(base, digest)) is not None:
@@ -305,10 +307,10 @@ class PackageCache(SandboxListener):
             if named is None or named[1] != "deb":
                 raise HttpError(404, f"{name}: no Packages index of this mirror that the cache fetched names it "
                                      "(run apt-get update first, with this cache as the proxy)")
-            f = await self._file(view, "sha256", named[0], name, (url, name))
+            f = await self._file(view, "sha256", named[0], name, (asked, name))
         await self._send(writer, 200, "application/octet-stream", f, method == "HEAD")
 
-    async def _apt_meta(self, view: SandboxView, url: str) -> Path:
+    async def _apt_meta(self, view: SandboxView, url: str, asked: str) -> Path:
         """A mirror's metadata file as upstream gives it (apt checks the signature and hashes),
         kept by content; asked again after DSEC_PKGCACHE_INDEX_TTL_S, the kept one served while
         upstream fails (apt refuses it once its Release's Valid-Until has passed)."""
@@ -318,7 +320,7 @@ class PackageCache(SandboxListener):
             return held
         tmp = self.store.tmp_file()
         try:
-            await fetch.get(url, self._connect_to(view), sink=tmp, max_bytes=APT_META_MAX_BYTES, ca_file=self.ca_file)
+            await fetch.get(asked, self._connect_to(view), sink=tmp, max_bytes=APT_META_MAX_BYTES, ca_file=self.ca_file)
             digest = await asyncio.to_thread(_sha256_of, tmp)
             path = await asyncio.to_thread(self.store.put_file, "sha256", digest, tmp)
         except Exception as e:   # FetchError, OSError, timeouts, a name the node cannot resolve

@@ -149,15 +149,24 @@ async def test_a_sandbox_without_egress_gets_no_apt_config_and_others_are_refuse
     async with aserver.client() as c:
         none = await c.create_container(image="debian-python")
         other = await c.create_container(image="debian-python", network={"domains": ["elsewhere.test"]})
+        https = await sandbox(c, mirrors)
         try:
+            # an https:// mirror is not sent to the cache (apt would CONNECT: 405); it goes direct,
+            # here to the peer's HTTPS echo server, whose answer is not a signed InRelease
+            r = await run(https, "rm -f /etc/apt/sources.list /etc/apt/sources.list.d/* && echo 'deb "
+                                 "[signed-by=/tmp/good.gpg] https://apt.test/debian stable main' > "
+                                 "/etc/apt/sources.list.d/t.list && apt-get update -o Acquire::https::Verify-Peer=false "
+                                 "-o Acquire::https::Verify-Host=false 2>&1")
+            out = r.stdout + r.stderr
+            assert "apt.test" in out and not any(s in out for s in ("405", "Method Not Allowed", "10081", "DIRECT")), out
             r = await run(none, "ls /etc/apt/apt.conf.d/")
             assert "dsec" not in r.stdout, r.stdout
             await other.files.write("/tmp/via_proxy.py", VIA_PROXY)
             got = await via_proxy(other, [["rel", f"http://apt.test:{PORT}/debian/dists/stable/InRelease"]])
             assert got["rel"][0] == 403 and "apt.test" in got["rel"][1], got
         finally:
-            await none.stop()
-            await other.stop()
+            for s in (none, other, https):
+                await s.stop()
 
 
 async def test_a_seeded_mirror_copy_serves_apt_with_no_upstream(aserver, mirrors, tmp_path):

@@ -30,11 +30,13 @@ CONF_DIR_IN_SANDBOX = "/etc/apt/apt.conf.d"
 
 def apt_conf(gateway: str, port: int) -> str:
     """What a sandbox's apt reads (bound read-only at /etc/apt/apt.conf.d/90dsec-pkgcache):
-    http:// mirrors through the cache; https:// ones are not proxied (they go direct)."""
+    http:// mirrors through the cache; https:// ones direct (apt's https method falls back to
+    the Acquire::http settings: without its own line it would send CONNECT to the cache)."""
     return ("// dsec: apt asks the node's package cache, which serves what this sandbox's network\n"
             "// policy reaches (verified by the repository's signed hashes). To go direct: a later\n"
             "// file with Acquire::http::Proxy \"DIRECT\";\n"
             f"Acquire::http::Proxy \"http://{gateway}:{port}/\";\n"
+            "Acquire::https::Proxy \"DIRECT\";\n"
             # one request per connection (the cache closes after each answer): no pipelining
             "Acquire::http::Pipeline-Depth \"0\";\n")
 

@@ -39,7 +39,7 @@ part_cluster() { apt_get postgresql; .venv/bin/pip install -q -e '.[server,clust
 part_ui() { apt_get chromium chromium-driver; .venv/bin/pip install -q 'selenium>=4.20,<5'; }
 part_traces() { .venv/bin/pip install -q -e '.[server,traces]'; }   # docs/traces.md
 part_tests() {
-  apt_get git python3-botocore docker-registry openssl   # openssl: self-signed certificates of the egress tests
+  apt_get git python3-botocore docker-registry openssl gpg gpg-agent   # openssl: self-signed certificates of the egress tests; gpg: the signed apt repository of the package cache tests
   command -v npm >/dev/null || apt_get nodejs npm      # Debian's node (a node of another origin may bring its own npm)
   # the stock E2B JavaScript SDKs, pinned by tests/compat/js/package-lock.json
   [ -d tests/compat/js/node_modules/e2b ] || (cd tests/compat/js && npm ci --no-audit --no-fund --silent)

@@ -257,7 +257,8 @@ class NetworkSettings(Group):
                                 "host's default trust store", max_length=4096)
     # the node's package cache (issue 25.4, backends/container/pkgcache.py)
     pkgcache_port: int = env(10081, "DSEC_PKGCACHE_PORT", "port of the node's package cache on the gateway "
-                             "address (sandboxes' PIP_INDEX_URL and npm_config_registry name it); 0: no cache",
+                             "address (sandboxes' PIP_INDEX_URL and npm_config_registry name it, and apt's proxy in "
+                             "Debian-based images); 0: no cache",
                              ge=0, le=65535)
     pkgcache_max_bytes: int = env(10 * GiB, "DSEC_PKGCACHE_MAX_BYTES", "size bound of the package cache's "
                                   "files (least recently used go first; seeded files stay)", ge=0)

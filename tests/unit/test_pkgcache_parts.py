@@ -84,15 +84,17 @@ def test_npm_metadata_keeps_versions_with_a_sha512_at_the_cache():
     assert learned == [("sha512", digest, "https://r.example/p/-/p-2.0.0.tgz", "p-2.0.0.tgz")]
 
 
-def test_seeding_pins_wheels_and_npm_tarballs_and_skips_the_rest(tmp_path):
+def test_seeding_pins_wheels_npm_tarballs_and_debs_and_skips_the_rest(tmp_path):
     src = tmp_path / "seeds"
     (src / "sub").mkdir(parents=True)
     w = make_wheel(src, "Seed_Me", "1.0", "v")
     t = make_npm_tgz(src / "sub", "pkg", "1.2.3", "v")
     (src / "x.deb").write_bytes(b"!<arch>\n")
+    (src / "notes.txt").write_text("x")
     store = BlobStore(tmp_path / "c", 10)          # smaller than the seeds: pinned ones stay
     done = seed_dir(store, src)
-    assert done["pypi"] == [w.name] and done["npm"] == ["pkg@1.2.3"] and "x.deb" in done["skipped"][0]
+    assert done["pypi"] == [w.name] and done["npm"] == ["pkg@1.2.3"] and done["apt"] == ["x.deb"]
+    assert "notes.txt" in done["skipped"][0] and len(done["skipped"]) == 1
     [s] = store.seeded("pypi", "seed-me")
     assert s.digest == hashlib.sha256(w.read_bytes()).hexdigest() and store.get("sha256", s.digest) is not None
     [n] = store.seeded("npm", "pkg")

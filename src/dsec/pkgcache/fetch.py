@@ -25,7 +25,12 @@ ConnectTo = Callable[[str, int], Awaitable[list[str]]]
 
 
 class FetchError(Exception):
-    """Upstream could not be asked or did not answer 200 (the message says which)."""
+    """Upstream could not be asked or did not answer 200 (the message says which; `status`: its
+    HTTP status when it answered one)."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def _ssl_context(ca_file: str) -> ssl.SSLContext:
@@ -44,7 +49,7 @@ async def get(url: str, connect_to: ConnectTo, *, accept: str = "*/*", sink: Pat
                 url = urljoin(redact(url), headers["location"])
                 continue
             if status != 200:
-                raise FetchError(f"{redact(url)} answered {status}")
+                raise FetchError(f"{redact(url)} answered {status}", status)
             body = await asyncio.wait_for(_body(reader, headers, max_bytes, sink), READ_TIMEOUT_S * 10)
             return body, url
         finally:

@@ -11,6 +11,9 @@ Layout under DSEC_HOME/pkgcache: files/<algo>/<2 hex>/<hex>, pkgcache.db (SQLite
   known(algo, digest, url, filename)           where upstream said a digest can be fetched
   pages(key, body, fetched_at)                 the last upstream index answer per page
   seeded(eco, project, filename, algo, digest, meta)  what a seed offers in index answers
+  apt(url, sha256, kind, at)                   apt: the blob a mirror URL gives ('meta': its last
+                                               fetch, refreshed after the TTL; 'deb': what a
+                                               Packages index of that mirror named)
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ CREATE TABLE IF NOT EXISTS known (algo TEXT, digest TEXT, url TEXT NOT NULL, fil
 CREATE TABLE IF NOT EXISTS pages (key TEXT PRIMARY KEY, body BLOB NOT NULL, fetched_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS seeded (eco TEXT, project TEXT, filename TEXT, algo TEXT NOT NULL,
     digest TEXT NOT NULL, meta TEXT NOT NULL DEFAULT '{}', PRIMARY KEY (eco, project, filename));
+CREATE TABLE IF NOT EXISTS apt (url TEXT PRIMARY KEY, sha256 TEXT NOT NULL, kind TEXT NOT NULL, at REAL NOT NULL);
 """
 
 
@@ -167,3 +171,14 @@ class BlobStore:
     def seeded(self, eco: str, project: str) -> list[Seeded]:
         return [Seeded(*r) for r in self._q("SELECT filename, algo, digest, meta FROM seeded WHERE eco=? AND project=? "
                                             "ORDER BY filename", (eco, project))]
+
+    # -- apt ---------------------------------------------------------------------------------
+    def apt_name(self, entries: list[tuple[str, str, str]], at: float | None = None) -> None:
+        """(url, sha256, kind): the blob a mirror URL gives from now on."""
+        t = time.time() if at is None else at
+        with self._lock:
+            self._db.executemany("INSERT OR REPLACE INTO apt VALUES (?,?,?,?)", [(u, d, k, t) for u, d, k in entries])
+
+    def apt_lookup(self, url: str) -> tuple[str, str, float] | None:
+        rows = self._q("SELECT sha256, kind, at FROM apt WHERE url=?", (url,))
+        return (rows[0][0], rows[0][1], float(rows[0][2])) if rows else None

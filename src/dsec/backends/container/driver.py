@@ -176,10 +176,21 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
                              gid=prepared.gid, workdir=args.workdir, network=tuple(prepared.allows),
                              resolv_conf=str(self.net.resolv_conf()),
                              ca_bundle=str(self._ca_bundle()) if args.secrets else None,
+                             apt_conf=self._apt_conf(prepared.allows, lower),
                              disk_mb=args.disk_mb, nofile=args.nofile, max_file_mb=args.max_file_mb,
                              cpu_class=args.cpu_class, snapshot=args.snapshot, volumes=tuple(prepared.volumes),
                              cpus=self.cpusets.pick(sandbox_id, args.cpu_cores) if self.cpusets else "")
         await self._start(sandbox_id, spec)
+
+    def _apt_conf(self, allows: list, lower: list) -> str | None:
+        """apt's proxy setting naming the package cache, for the sandboxes that get its env
+        (prepare) and whose image has apt (/etc/apt/apt.conf.d): others get no new file."""
+        if not allows or tunnel_of(allows) is not None:
+            return None
+        if not any((Path(d) / "etc" / "apt" / "apt.conf.d").is_dir() for d in lower):
+            return None
+        path = self.net.apt_conf()
+        return str(path) if path is not None else None
 
     async def _start(self, sandbox_id: str, spec: ContainerSpec) -> None:
         d = self.sandbox_dir(sandbox_id)

@@ -30,7 +30,8 @@ import logging
 import socket
 import struct
 
-from dsec.backends.container.dns import Lookup, SourceSlots, Upstream
+from dsec.backends.container.dns import Lookup, Upstream
+from dsec.backends.container.listener import SandboxListener
 from dsec.backends.container.socks5 import SocksRefused, socks_connect, split_address
 from dsec.backends.container.tls_intercept import Interceptor
 from dsec.security.netpolicy import compile_allows, tunnel_of
@@ -116,46 +117,15 @@ def forbidden(ip: str, subnet: ipaddress.IPv4Network) -> bool:
         s.close()
 
 
-class EgressProxy:
+class EgressProxy(SandboxListener):
+    max_per_source = MAX_PER_SOURCE
+    what = "egress proxy"
+
     def __init__(self, lookup: Lookup, upstream: Upstream, address: str, port: int,
                  subnet: ipaddress.IPv4Network, interceptor: Interceptor | None = None) -> None:
+        super().__init__(address, port)
         self.lookup, self.upstream, self.interceptor = lookup, upstream, interceptor
-        self.address, self.port, self.subnet = address, port, subnet
-        self._server: asyncio.Server | None = None
-        self._per_source = SourceSlots(MAX_PER_SOURCE)
-        self._tasks: set[asyncio.Task] = set()
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, self.address, self.port, reuse_address=True,
-                                                  backlog=1024)
-
-    async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-        for t in list(self._tasks):
-            t.cancel()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._tasks.add(task)
-        source = writer.get_extra_info("peername")[0]
-        if not self._per_source.take(source):
-            writer.close()
-            return
-        try:
-            await self._handle(source, reader, writer)
-        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError, UnicodeError):
-            pass   # the sandbox's or the upstream's connection ended or was malformed
-        except Exception:   # e.g. a malformed upstream DNS answer: this connection only, never the loop
-            log.warning("egress proxy connection failed", exc_info=True, extra={"source": source})
-        finally:
-            self._per_source.give_back(source)
-            if not writer.is_closing():
-                writer.close()
-            if task is not None:
-                self._tasks.discard(task)
+        self.subnet = subnet
 
     async def _handle(self, source: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         view = self.lookup(source)

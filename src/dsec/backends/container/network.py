@@ -39,6 +39,7 @@ from pathlib import Path
 from dsec.backends.container.dns import DnsServer, SandboxView, Upstream, parse_upstream
 from dsec.backends.container.egress_proxy import EgressProxy
 from dsec.backends.container.pkgcache import PackageCache, sandbox_env
+from dsec.pkgcache.apt import apt_conf
 from dsec.pkgcache.store import BlobStore
 from dsec.backends.container.secret_rules import SecretRules
 from dsec.backends.container.tls_intercept import Interceptor
@@ -167,6 +168,7 @@ class SandboxNetworks:
         self._prog_error: Exception | None = None
         self._prog_lock = threading.Lock()
         self._resolv_seen: tuple[int, int, int] | None = None   # resolv_conf(): the file last checked
+        self._apt_conf_seen: str | None = None   # apt_conf(): the text last written
         self._cgids: dict[str, int] = {}          # sandbox id -> cgroup id, for every attached sandbox
         self._by_ip: dict[str, str] = {r["ip"]: sid for sid, r in self._rows.items() if r["ip"]}
         self._domain_ips: set[str] = set()        # in the nft set: TCP 80/443 go to the egress proxy
@@ -305,6 +307,24 @@ class SandboxNetworks:
         except InvalidArgument:
             return []
         return extra
+
+    def apt_conf(self) -> Path | None:
+        """The apt.conf.d file Debian-based sandboxes that get the cache's env see (spec.py):
+        apt's HTTP proxy is the cache. None when the cache is off."""
+        s = self.settings
+        if not s.pkgcache_port:
+            return None
+        path = self.paths.home / "net" / f"apt-{s.bridge}.conf"
+        text = apt_conf(str(s.gateway), s.pkgcache_port)
+        if self._apt_conf_seen != text or not path.exists():   # a stat per create, a write once
+            if not path.exists() or path.read_text() != text:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(text)
+                tmp.chmod(0o644)
+                tmp.replace(path)
+            self._apt_conf_seen = text
+        return path
 
     def sandbox_env(self) -> dict[str, str]:
         """pip's and npm's settings naming the cache (none when it is off)."""

@@ -12,11 +12,17 @@ What a sandbox gets is decided by digests: index pages list only files whose dig
 gave, and a file is served only from the content-addressed store, which takes bytes only when
 they hash to that digest (store.py). A sandbox can name a digest, never supply bytes, and can
 fetch only URLs an upstream index answer named (a digest never seen is 404).
+
+apt uses the cache as its HTTP proxy (an apt.conf.d file bound into Debian-based sandboxes,
+pkgcache/apt.py): absolute `http://<mirror>/...` requests, allowed when the policy reaches that
+mirror. Signed metadata passes through untouched (apt verifies it); by-hash files and .debs are
+served from the store by the SHA256 in their URL or in a Packages index of the same mirror.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import ipaddress
 import json
 import logging
@@ -25,9 +31,10 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import quote, unquote, urljoin, urlsplit
 
-from dsec.backends.container.dns import SandboxView, SourceSlots, Upstream
+from dsec.backends.container.dns import SandboxView, Upstream
 from dsec.backends.container.egress_proxy import _cidr_allows, _is_ipv4, forbidden
-from dsec.pkgcache import fetch
+from dsec.backends.container.listener import SandboxListener
+from dsec.pkgcache import apt, fetch
 from dsec.pkgcache.index import (dumps, merge_npm_seeds, npm_name, parse_simple, pypi_name, render_simple,
                                  rewrite_npm, safe_filename, PypiFile)
 from dsec.pkgcache.store import BlobStore, DigestMismatch, valid_digest
@@ -41,6 +48,7 @@ HEAD_TIMEOUT_S = 10.0
 MAX_PER_SOURCE = 64
 INDEX_MAX_BYTES = 64 << 20
 FILE_MAX_BYTES = 4 << 30
+APT_META_MAX_BYTES = 512 << 20    # Debian's Packages for one arch is ~50 MB uncompressed
 NPM_ACCEPT = "application/vnd.npm.install-v1+json; q=1.0, application/json; q=0.8, */*"
 
 
@@ -61,60 +69,38 @@ REASONS = {200: "OK", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allow
            502: "Bad Gateway"}
 
 
-class PackageCache:
+class PackageCache(SandboxListener):
+    max_per_source = MAX_PER_SOURCE
+    stream_limit = HEAD_MAX
+    what = "package cache"
+
     def __init__(self, lookup: Callable[[str], SandboxView | None], upstream: Upstream, address: str, port: int,
                  subnet: ipaddress.IPv4Network, store: BlobStore, *, pypi_url: str, npm_url: str,
                  index_ttl_s: float, ca_file: str = "") -> None:
+        super().__init__(address, port)
         self.lookup, self.upstream, self.store = lookup, upstream, store
-        self.address, self.port, self.subnet = address, port, subnet
+        self.subnet = subnet
         self.pypi_url = pypi_url.rstrip("/") + "/"
         self.npm_url = npm_url.rstrip("/") + "/"
         self.index_ttl_s, self.ca_file = index_ttl_s, ca_file
         self.base = f"http://{address}:{port}"
-        self._server: asyncio.Server | None = None
-        self._slots = SourceSlots(MAX_PER_SOURCE)
         self._inflight: dict[tuple[str, str], asyncio.Future] = {}
-        self._tasks: set[asyncio.Task] = set()
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, self.address, self.port, reuse_address=True,
-                                                  backlog=1024, limit=HEAD_MAX)
-
-    async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-        for t in list(self._tasks):
-            t.cancel()
+        self._apt_learned: set[tuple[str, str]] = set()   # (mirror, sha256) of Packages already read
 
     # -- HTTP ----------------------------------------------------------------------------------
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._tasks.add(task)
-        source = writer.get_extra_info("peername")[0]
-        if not self._slots.take(source):
-            writer.close()
-            return
+    async def _handle(self, source: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One request per connection (answers say Connection: close)."""
+        async with asyncio.timeout(HEAD_TIMEOUT_S):
+            head = await reader.readuntil(b"\r\n\r\n")
+        method, target, *_ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
         try:
-            async with asyncio.timeout(HEAD_TIMEOUT_S):
-                head = await reader.readuntil(b"\r\n\r\n")
-            method, target, *_ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
-            try:
+            if target.startswith("http://"):   # apt, with the cache as its proxy
+                await self._apt(source, method, target, writer)
+            else:
                 await self._route(source, method, urlsplit(target).path, writer)
-            except HttpError as e:
-                await self._send(writer, e.status, "text/plain; charset=utf-8",
-                                 f"dsec package cache: {e}\n".encode(), method == "HEAD")
-        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
-            pass
-        except Exception:   # one request, never the loop
-            log.warning("package cache request failed", exc_info=True, extra={"source": source})
-        finally:
-            self._slots.give_back(source)
-            if not writer.is_closing():
-                writer.close()
-            if task is not None:
-                self._tasks.discard(task)
+        except HttpError as e:
+            await self._send(writer, e.status, "text/plain; charset=utf-8",
+                             f"dsec package cache: {e}\n".encode(), method == "HEAD")
 
     async def _send(self, writer: asyncio.StreamWriter, status: int, ctype: str, body: bytes | Path,
                     head_only: bool = False) -> None:
@@ -129,13 +115,17 @@ class PackageCache:
                 writer.write(body)
         await writer.drain()
 
-    async def _route(self, source: str, method: str, path: str, writer: asyncio.StreamWriter) -> None:
+    def _view(self, source: str, method: str) -> SandboxView:
         if method not in ("GET", "HEAD"):
             raise HttpError(405, "the package cache is read-only (GET and HEAD only)")
         view = self.lookup(source)
         if view is None or not egress_allows(view.allows) or tunnel_of(view.allows) is not None:
             raise HttpError(403, "this sandbox has no egress (or sends it through its egress_proxy): "
                                  "the cache serves what its network policy could fetch itself")
+        return view
+
+    async def _route(self, source: str, method: str, path: str, writer: asyncio.StreamWriter) -> None:
+        view = self._view(source, method)
         head_only = method == "HEAD"
         parts = path.split("/")
         if path.startswith("/pypi/"):
@@ -249,7 +239,8 @@ class PackageCache:
         return dumps(merge_npm_seeds(doc, seeds))
 
     # -- files ---------------------------------------------------------------------------------
-    async def _file(self, view: SandboxView, algo: str, digest: str, filename: str) -> Path:
+    async def _file(self, view: SandboxView, algo: str, digest: str, filename: str,
+                    source: tuple[str, str] | None = None) -> Path:
         if not valid_digest(algo, digest) or not safe_filename(filename):
             raise HttpError(404, "a file is named by <algo>/<hex digest>/<filename>")
         held = self.store.get(algo, digest)
@@ -265,13 +256,14 @@ class PackageCache:
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self._inflight[key] = fut
         try:
-            return await self._download(view, algo, digest)
+            return await self._download(view, algo, digest, source)
         finally:
             self._inflight.pop(key, None)
             fut.set_result(None)
 
-    async def _download(self, view: SandboxView, algo: str, digest: str) -> Path:
-        src = self.store.source_of(algo, digest)
+    async def _download(self, view: SandboxView, algo: str, digest: str,
+                        source: tuple[str, str] | None = None) -> Path:
+        src = source or self.store.source_of(algo, digest)
         if src is None:
             raise HttpError(404, f"{algo} {digest} is in no index answer the cache has seen: ask for the "
                                  "project's index first (pip and npm do)")
@@ -289,3 +281,80 @@ class PackageCache:
             tmp.unlink(missing_ok=True)
         log.info("package file cached", extra={"file": src[1], "algo": algo, "sandbox": view.sandbox_id})
         return path
+
+    # -- apt -----------------------------------------------------------------------------------
+    async def _apt(self, source: str, method: str, url: str, writer: asyncio.StreamWriter) -> None:
+        view = self._view(source, method)
+        what = apt.kind(url)
+        if what is None:
+            raise HttpError(404, "the package cache serves apt only: files under an http:// mirror's dists/ and "
+                                 "its pool/ .debs; for anything else (apt-get source, changelogs) go direct: "
+                                 "apt-get -o Acquire::http::Proxy=DIRECT ...")
+        await self._may_use(view, url, "apt")
+        asked, url = url, apt.key(url)   # fetched as asked, named in the store unquoted (as Filenames are)
+        name = urlsplit(url).path.rsplit("/", 1)[-1]
+        if what == "meta":
+            f = await self._apt_meta(view, url, asked)
+        elif what == "by-hash":
+            digest = apt.by_hash_digest(url) or ""
+            f = await self._file(view, "sha256", digest, name, (asked, name))
+            base = apt.mirror_base(url)
+            # only a Packages this mirror's own Release named speaks for its pool (apt.release_packages)
+            if apt.is_packages(url) and self.store.apt_lookup(apt.index_key(base, digest)) is not None:
+                await self._apt_learn(url, digest, f)
+        else:
+            named = self.store.apt_lookup(url)
+            if named is None or named[1] != "deb":
+                raise HttpError(404, f"{name}: no Packages index of this mirror that the cache fetched names it "
+                                     "(run apt-get update first, with this cache as the proxy)")
+            f = await self._file(view, "sha256", named[0], name, (asked, name))
+        await self._send(writer, 200, "application/octet-stream", f, method == "HEAD")
+
+    async def _apt_meta(self, view: SandboxView, url: str, asked: str) -> Path:
+        """A mirror's metadata file as upstream gives it (apt checks the signature and hashes),
+        kept by content; asked again after DSEC_PKGCACHE_INDEX_TTL_S, the kept one served while
+        upstream fails (apt refuses it once its Release's Valid-Until has passed)."""
+        named = self.store.apt_lookup(url)
+        held = self.store.get("sha256", named[0]) if named is not None else None
+        if held is not None and named is not None and time.time() - named[2] < self.index_ttl_s:
+            return held
+        tmp = self.store.tmp_file()
+        try:
+            await fetch.get(asked, self._connect_to(view), sink=tmp, max_bytes=APT_META_MAX_BYTES, ca_file=self.ca_file)
+            digest = await asyncio.to_thread(_sha256_of, tmp)
+            path = await asyncio.to_thread(self.store.put_file, "sha256", digest, tmp)
+        except Exception as e:   # FetchError, OSError, timeouts, a name the node cannot resolve
+            if isinstance(e, fetch.FetchError) and e.status == 404:
+                raise HttpError(404, f"{fetch.redact(url)}: upstream has no such file") from None
+            log.info("apt upstream failed", extra={"url": fetch.redact(url), "error": repr(e)})
+            if held is not None:
+                return held
+            raise HttpError(502, f"{fetch.redact(url)}: upstream did not answer ({e}) and the cache holds "
+                                 "no copy (seed one: dsec cache seed DIR --apt-mirror URL)") from None
+        finally:
+            tmp.unlink(missing_ok=True)
+        named_now = [(url, digest, "meta")]
+        if apt.is_release(url):
+            base = apt.mirror_base(url)
+            named_now += [(apt.index_key(base, d), d, "index") for d in await asyncio.to_thread(apt.release_packages, path)]
+        self.store.apt_name(named_now)
+        if apt.is_packages(url):   # fetched from this very URL of the mirror
+            await self._apt_learn(url, digest, path)
+        return path
+
+    async def _apt_learn(self, url: str, digest: str, path: Path) -> None:
+        """The .debs a Packages index names, by SHA256, for URLs under its own mirror only."""
+        base = apt.mirror_base(url)
+        if (base, digest) in self._apt_learned:
+            return
+        entries = await asyncio.to_thread(lambda: [(u, d, "deb") for u, d in apt.packages_entries(path, base)])
+        await asyncio.to_thread(self.store.apt_name, entries)
+        self._apt_learned.add((base, digest))
+
+
+def _sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from dsec.backends.container import qos
 from dsec.backends.container.lxcfs import VIEW_FILES
+from dsec.pkgcache.apt import CONF_DIR_IN_SANDBOX as APT_CONF_DIR, CONF_NAME as APT_CONF_NAME
 from dsec.security.profile import CAPABILITIES, MASKED_PATHS, READONLY_PATHS
 from dsec.security.seccomp import seccomp_profile
 from dsec.security.egress_ca import BUNDLE_IN_SANDBOX
@@ -45,6 +46,7 @@ class ContainerSpec:
     cpu_class: str = "latency"      # CPU QoS class (qos.py): 'latency' or 'batch' (best effort)
     resolv_conf: str | None = None  # host file bound read-only on /etc/resolv.conf (network.py)
     ca_bundle: str | None = None    # host file bound read-only where SSL_CERT_FILE points (secrets)
+    apt_conf: str | None = None     # host file bound read-only in /etc/apt/apt.conf.d (package cache)
     cpus: str = ""                  # its cpuset ("0,1", cpusets.py); "": every CPU of the host
     snapshot: str | None = None     # the snapshot its filesystem starts from (snapshots.py)
     snap_lowers: tuple = ()         # [layer dir, disk id base] of that snapshot's chain, oldest first
@@ -233,6 +235,9 @@ def build_config(spec: ContainerSpec, agent_binary: Path, *, cgroup_v2: bool,
             # public roots + the node's egress CA, for sandboxes with secret rules (egress_ca.py)
             *([{"destination": BUNDLE_IN_SANDBOX, "type": "bind", "source": spec.ca_bundle,
                 "options": ["bind", "ro", "nosuid", "nodev", "noexec"]}] if spec.ca_bundle else []),
+            # apt's proxy: the node's package cache (pkgcache/apt.py), in Debian-based images
+            *([{"destination": f"{APT_CONF_DIR}/{APT_CONF_NAME}", "type": "bind", "source": spec.apt_conf,
+                "options": ["bind", "ro", "nosuid", "nodev", "noexec"]}] if spec.apt_conf else []),
             *view_mounts(view),
             *volume_mounts(spec, bundle),
         ],

@@ -21,7 +21,7 @@ from pathlib import Path
 from rich.console import Console
 
 from dsec.bench.server import BenchServer
-from dsec.bench.vmdensity import CONFIGS, Opts, _one, _pct, ksm_set
+from dsec.bench.vmdensity import CONFIGS, Opts, _one, _pct, ksm_set, smaps_breakdown
 from dsec.sdk.client import Client, Sandbox
 
 console = Console()
@@ -49,6 +49,7 @@ class Side:
     idle_pct: list[float] = field(default_factory=list)     # per window: mean % of a core per clone
     rtt_ms: list[float] = field(default_factory=list)
     clocksource: str = "?"
+    mem_kib: dict[str, float] = field(default_factory=dict)   # per clone, after the windows
 
 
 def side(key: str, baseline_src: str | None) -> Side:
@@ -60,6 +61,9 @@ def side(key: str, baseline_src: str | None) -> Side:
         return Side("baseline checkout", {"PYTHONPATH": baseline_src})
     if key == "this":
         return Side("this checkout", {})
+    if "=" in key:        # this code with settings of its own: A=1+B=2
+        env = dict(kv.split("=", 1) for kv in key.split("+"))
+        return Side(" ".join(f"{a}={b}" for a, b in env.items()), env, env.get("DSEC_VM_KSM", "all") != "0")
     cfg = CONFIGS[key]
     return Side(cfg.name, dict(cfg.env), cfg.ksmd)
 
@@ -120,6 +124,9 @@ async def _measure(sides: list[Side], o: Opts, k: int, windows: int, window_s: f
             await asyncio.sleep(5)                  # the clones' first-command work settles
             load = os.getloadavg()[0]
             await _windows(sides, windows, window_s)
+            for s in sides:
+                parts = [smaps_breakdown(p, o.memory_mb) for p in s.pids if Path(f"/proc/{p}").exists()]
+                s.mem_kib = {key: statistics.fmean(b.get(key, 0.0) for b in parts) for key in parts[0]} if parts else {}
             await _exec_alternating(sides)
         finally:
             for s in sides:
@@ -159,10 +166,14 @@ def run_idle_ab(o: Opts, keys: list[str], k: int, windows: int, window_s: float,
           f"{o.memory_mb} MiB per side, all {len(sides) * k} alive at once; load average (1 min) before / "
           f"while measuring / after {load_before:.2f} / {load_mid:.2f} / {os.getloadavg()[0]:.2f}).", "",
           "| side | guest clocksource | idle CPU per clone, % of a core (median of windows) | each window | "
-          "`run(\"true\")` p50 / p99 ms, sides alternating |",
-          "|---|---|---|---|---|"]
+          "`run(\"true\")` p50 / p99 ms, sides alternating | PSS per clone MiB (code cache / QEMU anon / KSM) |",
+          "|---|---|---|---|---|---|"]
+
+    def mib(s: Side, k: str) -> str:
+        return f"{s.mem_kib.get(k, 0.0) / 1024:.1f}"
     md += [f"| {s.name} | {s.clocksource} | {statistics.median(s.idle_pct):.3f} | "
-           f"{', '.join(f'{x:.3f}' for x in s.idle_pct)} | {_pct(s.rtt_ms, 50):.1f} / {_pct(s.rtt_ms, 99):.1f} |"
+           f"{', '.join(f'{x:.3f}' for x in s.idle_pct)} | {_pct(s.rtt_ms, 50):.1f} / {_pct(s.rtt_ms, 99):.1f} | "
+           f"{mib(s, 'pss')} ({mib(s, 'code_cache')} / {mib(s, 'qemu_anon')} / {mib(s, 'ksm')}) |"
            for s in sides]
     md += ["", "Settings per side: " + "; ".join(
         f"{s.name}: `{' '.join(f'{a}={b}' for a, b in s.env.items() if a != 'PYTHONPATH')}`" for s in sides)]

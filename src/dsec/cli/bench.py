@@ -118,7 +118,7 @@ def bench_vm_density(
                                                    "alternating rounds")] = False,
         rate_k: int = 40, rate_rounds: int = 4,
         idle_ab: Annotated[Optional[str], typer.Option(help="instead: idle CPU per clone of two sides at once, "
-                                                            "e.g. baseline,this or ksm-all,ksm-ram")] = None,
+                                                            "e.g. baseline,this; ksm-all,ksm-ram; this,DSEC_VM_TCG_TB_SIZE_MB=16")] = None,
         idle_k: Annotated[int, typer.Option(help="idle clones per side (--idle-ab)")] = 20,
         idle_windows: int = 6, idle_window_s: float = 20.0,
         out: Optional[Path] = Path("docs/benchmarks.md")) -> None:

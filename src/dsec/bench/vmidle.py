@@ -47,6 +47,7 @@ class Side:
     sbs: list[Sandbox] = field(default_factory=list)
     pids: list[int] = field(default_factory=list)
     idle_pct: list[float] = field(default_factory=list)     # per window: mean % of a core per clone
+    idle_max_pct: list[float] = field(default_factory=list)  # per window: the busiest clone's
     rtt_ms: list[float] = field(default_factory=list)
     clocksource: str = "?"
     mem_kib: dict[str, float] = field(default_factory=dict)   # per clone, after the windows
@@ -77,8 +78,11 @@ async def _fill(s: Side, c: Client, o: Opts, k: int) -> None:
         async with sem:
             s.sbs.append((await _one(c, o))[0])
     await asyncio.gather(*(go() for _ in range(k)))
-    r = await s.sbs[0].run(f"cat {CLOCKSOURCE}")
-    s.clocksource = r.stdout.strip() or "?"
+    seen: dict[str, int] = {}          # every clone's (a template's verdict is every clone's)
+    for sb in s.sbs:
+        cs = (await sb.run(f"cat {CLOCKSOURCE}")).stdout.strip() or "?"
+        seen[cs] = seen.get(cs, 0) + 1
+    s.clocksource = ", ".join(f"{cs} ×{n}" for cs, n in sorted(seen.items()))
     s.pids = [int((s.server.paths.vm_sandboxes / sb.id / "qemu.pid").read_text()) for sb in s.sbs]
 
 
@@ -91,6 +95,7 @@ async def _windows(sides: list[Side], windows: int, window_s: float) -> None:
         for s in sides:
             used = [qemu_cpu_s(p) - a for p, a in zip(s.pids, c0[id(s)])]
             s.idle_pct.append(100 * statistics.fmean(used) / dt)
+            s.idle_max_pct.append(100 * max(used) / dt)
         console.print("  ".join(f"{s.name}: {s.idle_pct[-1]:.3f}%" for s in sides))
 
 
@@ -165,14 +170,15 @@ def run_idle_ab(o: Opts, keys: list[str], k: int, windows: int, window_s: float,
           + (" --baseline-src OLD/src" if o.baseline_src else "") + f"` ({k} idle busybox clones of "
           f"{o.memory_mb} MiB per side, all {len(sides) * k} alive at once; load average (1 min) before / "
           f"while measuring / after {load_before:.2f} / {load_mid:.2f} / {os.getloadavg()[0]:.2f}).", "",
-          "| side | guest clocksource | idle CPU per clone, % of a core (median of windows) | each window | "
+          "| side | guest clocksource (clones) | idle CPU per clone, % of a core (median of windows) | each window | "
+          "busiest clone | "
           "`run(\"true\")` p50 / p99 ms, sides alternating | PSS per clone MiB (code cache / QEMU anon / KSM) |",
-          "|---|---|---|---|---|---|"]
+          "|---|---|---|---|---|---|---|"]
 
     def mib(s: Side, k: str) -> str:
         return f"{s.mem_kib.get(k, 0.0) / 1024:.1f}"
     md += [f"| {s.name} | {s.clocksource} | {statistics.median(s.idle_pct):.3f} | "
-           f"{', '.join(f'{x:.3f}' for x in s.idle_pct)} | {_pct(s.rtt_ms, 50):.1f} / {_pct(s.rtt_ms, 99):.1f} | "
+           f"{', '.join(f'{x:.3f}' for x in s.idle_pct)} | {statistics.median(s.idle_max_pct):.3f} | {_pct(s.rtt_ms, 50):.1f} / {_pct(s.rtt_ms, 99):.1f} | "
            f"{mib(s, 'pss')} ({mib(s, 'code_cache')} / {mib(s, 'qemu_anon')} / {mib(s, 'ksm')}) |"
            for s in sides]
     md += ["", "Settings per side: " + "; ".join(

@@ -143,6 +143,8 @@ async def _measure(sides: list[Side], o: Opts, k: int, windows: int, window_s: f
 
 
 def run_idle_ab(o: Opts, keys: list[str], k: int, windows: int, window_s: float, out: Path | None) -> list[Side]:
+    if k < 1 or windows < 1 or window_s <= 0:
+        raise ValueError("--idle-k and --idle-windows must be >= 1 and --idle-window-s > 0")
     sides = [side(key, o.baseline_src) for key in keys]
     load_before = os.getloadavg()[0]
     old_ksm: dict[str, int] = {}

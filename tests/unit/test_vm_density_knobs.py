@@ -56,3 +56,13 @@ def test_the_shim_makes_the_process_mergeable_only_with_the_switch(tmp_path: Pat
     assert merge_any({"LD_PRELOAD": str(shim), ramshim.KSM_ALL: "1"}) == "yes"
     assert merge_any({"LD_PRELOAD": str(shim)}) == "no"
     assert merge_any({"LD_PRELOAD": str(shim), ramshim.KSM_ALL: "0"}) == "no"
+
+
+def test_tcg_microvm_guests_keep_the_tsc_as_their_clock() -> None:
+    """With the TSC frequency given (microvm under TCG) the TSC is declared reliable, so the
+    guest keeps a clocksource it can go tickless on; the argument is part of a template's key."""
+    from dsec.backends.vm import guest
+    line = guest.kernel_cmdline(layers=1, tsc_khz=2_600_000).split()
+    assert "tsc_early_khz=2600000" in line and "tsc=reliable" in line
+    assert "tsc=reliable" not in guest.kernel_cmdline(layers=1).split()
+    assert "tsc=reliable" in guest.TCG_CLOCK_ARGS

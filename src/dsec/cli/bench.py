@@ -117,10 +117,20 @@ def bench_vm_density(
         rate_ab: Annotated[bool, typer.Option(help="instead: clones/s of --baseline-src and this code, "
                                                    "alternating rounds")] = False,
         rate_k: int = 40, rate_rounds: int = 4,
+        idle_ab: Annotated[Optional[str], typer.Option(help="instead: idle CPU per clone of two sides at once, "
+                                                            "e.g. baseline,this; ksm-all,ksm-ram; this,DSEC_VM_TCG_TB_SIZE_MB=16")] = None,
+        idle_k: Annotated[int, typer.Option(help="idle clones per side (--idle-ab)")] = 20,
+        idle_windows: int = 6, idle_window_s: float = 20.0,
         out: Optional[Path] = Path("docs/benchmarks.md")) -> None:
     """What an idle microVM clone costs the host and how fast clones come, per memory setting,
     side by side (toggles the host's ksmd for the KSM columns and puts it back)."""
     from dsec.bench.vmdensity import Opts as DensityOpts, run_rate_ab, run_vm_density
+    if idle_ab:
+        from dsec.bench.vmidle import run_idle_ab
+        run_idle_ab(DensityOpts(inflight=inflight, memory_mb=memory_mb, image=image, baseline_src=baseline_src,
+                                pages_to_scan=pages_to_scan), idle_ab.split(","), idle_k, idle_windows,
+                    idle_window_s, out)
+        return
     if rate_ab:
         run_rate_ab(DensityOpts(inflight=inflight, memory_mb=memory_mb, image=image, baseline_src=baseline_src),
                     rate_k, rate_rounds, out)

@@ -351,7 +351,9 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
 
     def guest_identity(self) -> dict[str, str]:
         """The guest kernel and initramfs every layered VM boots: part of a template's key."""
-        return {"kernel": str(self.kernel.vmlinuz), "initrd": str(self.initrd)}
+        # the clock arguments a clone's guest booted with stay in its restored state
+        return {"kernel": str(self.kernel.vmlinuz), "initrd": str(self.initrd),
+                "clock": " ".join(guest.TCG_CLOCK_ARGS)}
 
     async def cold_boot(self, spec: VMSpec, d: Path, *, ram_file: Path | None = None,
                         ram_shared: bool = False, name: str | None = None) -> int:

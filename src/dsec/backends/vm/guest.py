@@ -28,6 +28,7 @@ Kernel command line (`kernel_cmdline()` builds it):
   console=ttyS0 quiet panic=-1      console on the 16550 (q35, and microvm with isa-serial=on);
                                     panic=-1 + QEMU -no-reboot: a dead init stops the VM
   tsc_early_khz=<host kHz>          microvm under TCG: without it ~25% of boots hang
+  tsc=reliable                      (with it) the TSC stays the clocksource: a tickless idle guest
   dsec.layers=N                     number of layers (>= 1)                        (required)
   dsec.pmem=0|1                     layers on /dev/pmemI with DAX instead of virtio-blk (default 0)
   dsec.workdir=/path                agent -w (default /; no spaces)
@@ -360,6 +361,15 @@ def host_tsc_khz() -> int | None:
     return None
 
 
+# With tsc_early_khz (microvm under TCG): no clocksource watchdog on the TSC. Without it the
+# watchdog's reference there (jiffies: timer ticks a busy host delivers late) finds the TSC
+# "skewed" within seconds of boot, the guest falls back to refined-jiffies, which cannot run
+# tickless, and a periodic 250 Hz tick wakes every idle guest and its QEMU: ~1% of a host core
+# per idle clone (D85). TCG's TSC follows the host's monotonic clock, so it is the better clock.
+# Part of a template's key (driver.guest_identity): a template booted without it keeps ticking.
+TCG_CLOCK_ARGS = ("tsc=reliable",)
+
+
 def kernel_cmdline(*, layers: int, pmem: bool = False, workdir: str = "/", uid: int = 0,
                    gid: int = 0, nofile: int = 4096, fsize: int = 0, hostname: str = "sandbox",
                    tsc_khz: int | None = None, extra: Sequence[str] = ()) -> str:
@@ -371,7 +381,7 @@ def kernel_cmdline(*, layers: int, pmem: bool = False, workdir: str = "/", uid: 
             raise ValueError(f"{v!r}: kernel command line values cannot be empty or hold spaces")
     parts = ["console=ttyS0", "quiet", "panic=-1"]
     if tsc_khz:
-        parts.append(f"tsc_early_khz={tsc_khz}")
+        parts += [f"tsc_early_khz={tsc_khz}", *TCG_CLOCK_ARGS]
     parts += [f"dsec.layers={layers}", f"dsec.pmem={int(pmem)}", f"dsec.workdir={workdir}",
               f"dsec.uid={uid}", f"dsec.gid={gid}", f"dsec.nofile={nofile}", f"dsec.fsize={fsize}",
               f"dsec.hostname={hostname}", *extra]

@@ -27,6 +27,7 @@ from pydantic import BaseModel
 
 from dsec import tracing
 from dsec.config import DEFAULT_PORT, SERVER_INSTALL, Paths, server_installed
+from dsec.sdk import lean_http
 from dsec.sdk.iam_types import (KeyInfo, KeyList, NewKey, ProjectCreate, ProjectInfo, ProjectList, QuotaInfo,
                                 QuotaUpdate)
 from dsec.types import FnCallBatch, FnCallBatchItem, FnCallRequest, FnCallResult, FnCallStatus
@@ -146,9 +147,12 @@ class Client:
         self.autostart = autostart if autostart is not None else (url is None and "DSEC_URL" not in os.environ)
         self._api_key = api_key or os.environ.get("DSEC_API_KEY")
         self.busy_retry_s = _busy_retry_s(busy_retry_s)
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        transport: httpx.AsyncBaseTransport = httpx.AsyncHTTPTransport(limits=limits)
+        if lean_http.available() and os.environ.get("DSEC_SDK_HTTP", "lean") != "httpx":
+            transport = lean_http.LeanTransport(transport, max_connections)   # httpx's for TLS/uploads
         self._http = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=10.0),
-                                       limits=httpx.Limits(max_connections=max_connections,
-                                                           max_keepalive_connections=max_connections))
+                                       limits=limits, transport=transport)
         self._ready = False
         self._ready_lock = asyncio.Lock()
         self._urls: dict[str, httpx.URL] = {}

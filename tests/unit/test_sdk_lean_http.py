@@ -192,3 +192,19 @@ async def test_what_it_does_not_take_goes_to_httpx():
             await h.head(f"{s.url}/head")
             await h.get(f"{s.url}/mine")
     assert [r.url.path for r in seen] == ["/tls", "/upload", "/head"]
+
+
+async def test_the_sdk_still_keeps_a_cookie_the_server_sets():
+    async def sets(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _read_request(r)
+        w.write(_response(b'{"sandboxes": []}', b"set-cookie: s=1; Path=/"))
+        await w.drain()
+        await _echo_forever(r, w)
+    async with Server(sets) as s:
+        c = Client(s.url, "k", autostart=False)
+        c._ready = True
+        try:
+            await c.list()
+            assert c._http.cookies.get("s") == "1"
+        finally:
+            await c.close()

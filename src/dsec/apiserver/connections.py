@@ -13,7 +13,7 @@ A connection upgraded to a WebSocket leaves the per-address count (uvicorn's Web
 takes it over; the total still counts it).
 
 The server speaks through httptools (uvicorn's C parser: -0.15 ms of server CPU per request,
-D75) when it is installed (the `server` extra), else through h11: `server_protocol()`.
+D75) when it is installed (a dependency of dsec-sandbox), else through h11: `server_protocol()`.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ class GuardedH11Protocol(_Guard, H11Protocol):
 def _httptools_protocol() -> type[asyncio.Protocol] | None:
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-    except ImportError:                   # httptools not installed (it comes with the server extra)
+    except ImportError:                   # httptools not installed (a dependency: pip install -e .)
         return None
 
     class GuardedHttpToolsProtocol(_Guard, HttpToolsProtocol):
@@ -199,6 +199,6 @@ def server_protocol() -> type[asyncio.Protocol]:
     """The protocol class `dsec up` serves with: httptools when installed, else h11."""
     if GuardedHttpToolsProtocol is None:
         log.warning("httptools is not installed: serving HTTP with h11 (more CPU per request); "
-                    "pip install 'dsec-sandbox[server]'")
+                    "pip install httptools")
         return GuardedH11Protocol
     return GuardedHttpToolsProtocol

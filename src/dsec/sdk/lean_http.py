@@ -240,11 +240,13 @@ class LeanTransport(httpx.AsyncBaseTransport):
             try:
                 async with asyncio.timeout(timeouts.get("pool")):
                     await w
-            except TimeoutError:
-                raise httpx.PoolTimeout("no free connection in the SDK's pool") from None
-            finally:
-                if not w.done():
-                    w.cancel()
+            except BaseException as e:
+                if w.done() and not w.cancelled():
+                    self._wake_one()          # woken, then cancelled: the free slot goes to the next
+                w.cancel()
+                if isinstance(e, TimeoutError):
+                    raise httpx.PoolTimeout("no free connection in the SDK's pool") from None
+                raise
         self._active += 1
         idle = self._idle.get(key)
         now = time.monotonic()
@@ -278,7 +280,11 @@ class LeanTransport(httpx.AsyncBaseTransport):
             conn.idle_since = time.monotonic()
             self._idle.setdefault(conn.key, []).append(conn)
         self._active -= 1
-        while self._waiters:                 # wake one caller waiting for a free connection
+        self._wake_one()
+
+    def _wake_one(self) -> None:
+        """Wake one caller waiting for a free connection."""
+        while self._waiters:
             w = self._waiters.popleft()
             if not w.done():
                 w.set_result(None)

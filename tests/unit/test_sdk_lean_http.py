@@ -208,3 +208,13 @@ async def test_the_sdk_still_keeps_a_cookie_the_server_sets():
             assert c._http.cookies.get("s") == "1"
         finally:
             await c.close()
+
+
+def test_the_setting_picks_the_transport_and_a_bad_value_names_itself(monkeypatch):
+    from dsec.types import InvalidArgument
+    monkeypatch.setenv("DSEC_SDK_HTTP", "httpx")
+    assert not isinstance(Client("http://127.0.0.1:1", "k")._http._transport, lean_http.LeanTransport)
+    monkeypatch.setenv("DSEC_SDK_HTTP", "h2")
+    with pytest.raises(InvalidArgument) as e:
+        Client("http://127.0.0.1:1", "k")
+    assert e.value.field == "DSEC_SDK_HTTP" and "lean" in (e.value.fix or "")

@@ -105,6 +105,14 @@ def _busy_delay(resp: httpx.Response) -> float | None:
     return float(retry) if retry.isdigit() else None
 
 
+def _sdk_http() -> str:
+    mode = os.environ.get("DSEC_SDK_HTTP") or "lean"
+    if mode not in ("lean", "httpx"):
+        raise InvalidArgument(f"DSEC_SDK_HTTP={mode!r} is not an HTTP mode of the SDK", field="DSEC_SDK_HTTP",
+                              fix="set it to lean (its own HTTP/1.1) or httpx (httpx's transport), or unset it")
+    return mode
+
+
 def _extract_cookies(jar: httpx.Cookies, response: httpx.Response) -> None:
     if "set-cookie" in response.headers:
         httpx.Cookies.extract_cookies(jar, response)
@@ -155,7 +163,7 @@ class Client:
         self.busy_retry_s = _busy_retry_s(busy_retry_s)
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         transport: httpx.AsyncBaseTransport = httpx.AsyncHTTPTransport(limits=limits)
-        if lean_http.available() and os.environ.get("DSEC_SDK_HTTP", "lean") != "httpx":   # settings.py
+        if lean_http.available() and _sdk_http() == "lean":
             transport = lean_http.LeanTransport(transport, max_connections)   # httpx's for TLS/uploads
         self._http = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=10.0),
                                        limits=limits, transport=transport)

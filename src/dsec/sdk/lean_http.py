@@ -26,9 +26,9 @@ from typing import Any
 import httpx
 
 try:
-    import httptools
+    import httptools  # type: ignore[import-not-found, unused-ignore]
 except ImportError:          # the SDK then uses httpx's transport alone
-    httptools = None
+    httptools = None  # type: ignore[assignment, unused-ignore]
 
 KEEPALIVE_EXPIRY_S = 5.0      # httpx's default keepalive_expiry
 HIGH_WATER = 1 << 20          # buffered response body at which reading pauses (a stream's consumer is slow)

@@ -72,6 +72,9 @@ class ClientSettings(Group):
                               "local server", secret=True)
     busy_retry_s: float = env(30.0, "DSEC_BUSY_RETRY_S", "how long in all one idempotent SDK call waits out "
                               "503/429 answers carrying Retry-After (at most 8 tries); 0: the first is raised")
+    sdk_http: Literal["lean", "httpx"] = env("lean", "DSEC_SDK_HTTP", "the SDK's HTTP/1.1 under httpx: `lean` "
+                                             "(its own, responses parsed by httptools; issue 29) "
+                                             "for plain http://, `httpx` (httpcore/h11) for everything")
 
 
 class ServerSettings(Group):

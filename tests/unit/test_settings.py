@@ -18,7 +18,7 @@ CHILD_ENV = re.compile(r"dict\(os\.environ|\{\*\*os\.environ|os\.environ\.copy\(
 # (file, what the line holds): the reads allowed outside dsec.settings, and why
 ALLOWED = {
     ("sdk/client.py", "DSEC_URL"), ("sdk/client.py", "DSEC_API_KEY"),   # the SDK is a client: its own env
-    ("sdk/client.py", "DSEC_BUSY_RETRY_S"),
+    ("sdk/client.py", "DSEC_BUSY_RETRY_S"), ("sdk/client.py", "DSEC_SDK_HTTP"),
     ("config.py", "DSEC_HOME"),               # Paths.from_env: the SDK's DSEC_HOME (it may import only config)
     ("cli/main.py", 'os.environ["DSEC_URL"] = '),  # `dsec up --background` tells the SDK's autostart its URL
     ("images/layerstore.py", "env = os.environ"),   # AWS_*: botocore's names, not dsec's

@@ -229,8 +229,11 @@ async def serve(app: Starlette, sock: socket.socket, tls_file: str | None = None
     """Start serving `app` on `sock` in this event loop; returns the running server (its
     `should_exit = True` stops it). `tls_file`: key + certificate chain in one PEM: TLS only
     (a plain HTTP request fails its handshake and is never read)."""
+    # h11 by name: "auto" would pick httptools (installed with the server extra), which bounds no
+    # request head; the apiserver's guarded httptools protocol also caps connections per address,
+    # which the apiserver's own many connections to this edge must not meet
     config = uvicorn.Config(app, log_config=None, access_log=False, timeout_graceful_shutdown=2,
-                            ws_max_size=1 << 20, timeout_keep_alive=30, ssl_certfile=tls_file)
+                            ws_max_size=1 << 20, timeout_keep_alive=30, ssl_certfile=tls_file, http="h11")
     server = _Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]), name="edge-service")
     while not server.started:

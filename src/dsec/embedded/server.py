@@ -25,7 +25,7 @@ from dsec import log as dlog
 from dsec import tracing
 from dsec.agent.build import agent_binary
 from dsec.apiserver.app import create_app
-from dsec.apiserver.connections import GuardedH11Protocol
+from dsec.apiserver.connections import server_protocol
 from dsec.apiserver.context import ApiContext
 from dsec.backends.base import Backend
 from dsec.backends.container.driver import ContainerDriver
@@ -194,7 +194,7 @@ def https_server(settings: Settings, host: str, app: Any) -> uvicorn.Server | No
     from dsec.apiserver.tls import server_cert
     cert, key = server_cert(settings.paths.home, check_domain(domain), srv.tls_cert, srv.tls_key)
     config = uvicorn.Config(app, host=host, port=srv.https_port, log_config=None, access_log=False,
-                            timeout_graceful_shutdown=2, timeout_keep_alive=KEEP_ALIVE_S, http=GuardedH11Protocol,
+                            timeout_graceful_shutdown=2, timeout_keep_alive=KEEP_ALIVE_S, http=server_protocol(),
                             ssl_certfile=str(cert), ssl_keyfile=str(key))
     log.info("dsec serving HTTPS", extra={"url": f"https://*.{domain}:{srv.https_port}", "certificate": str(cert)})
     return uvicorn.Server(config)
@@ -214,7 +214,7 @@ def serve(settings: Settings, opts: ServerOptions) -> None:
             app = create_app(ctx)
             config = uvicorn.Config(app, host=opts.host, port=opts.port, log_config=None,
                                     access_log=False, timeout_graceful_shutdown=2,
-                                    timeout_keep_alive=KEEP_ALIVE_S, http=GuardedH11Protocol)
+                                    timeout_keep_alive=KEEP_ALIVE_S, http=server_protocol())
             server = uvicorn.Server(config)
             https = https_server(settings, opts.host, app)
             log.info("dsec serving", extra={"url": f"http://{opts.host}:{opts.port}", "home": str(paths.home)})

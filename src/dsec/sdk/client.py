@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import builtins
+import functools
 import json
 import os
 import secrets
@@ -27,6 +28,7 @@ from pydantic import BaseModel
 
 from dsec import tracing
 from dsec.config import DEFAULT_PORT, SERVER_INSTALL, Paths, server_installed
+from dsec.sdk import lean_http
 from dsec.sdk.iam_types import (KeyInfo, KeyList, NewKey, ProjectCreate, ProjectInfo, ProjectList, QuotaInfo,
                                 QuotaUpdate)
 from dsec.types import FnCallBatch, FnCallBatchItem, FnCallRequest, FnCallResult, FnCallStatus
@@ -103,6 +105,19 @@ def _busy_delay(resp: httpx.Response) -> float | None:
     return float(retry) if retry.isdigit() else None
 
 
+def _sdk_http() -> str:
+    mode = os.environ.get("DSEC_SDK_HTTP") or "lean"
+    if mode not in ("lean", "httpx"):
+        raise InvalidArgument(f"DSEC_SDK_HTTP={mode!r} is not an HTTP mode of the SDK", field="DSEC_SDK_HTTP",
+                              fix="set it to lean (its own HTTP/1.1) or httpx (httpx's transport), or unset it")
+    return mode
+
+
+def _extract_cookies(jar: httpx.Cookies, response: httpx.Response) -> None:
+    if "set-cookie" in response.headers:
+        httpx.Cookies.extract_cookies(jar, response)
+
+
 def _sdk_key() -> str:
     """An idempotency key the SDK makes for a request the caller gave none (so it may be resent;
     the server keeps what such keys name only for a short while)."""
@@ -146,9 +161,16 @@ class Client:
         self.autostart = autostart if autostart is not None else (url is None and "DSEC_URL" not in os.environ)
         self._api_key = api_key or os.environ.get("DSEC_API_KEY")
         self.busy_retry_s = _busy_retry_s(busy_retry_s)
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        transport: httpx.AsyncBaseTransport = httpx.AsyncHTTPTransport(limits=limits)
+        if lean_http.available() and _sdk_http() == "lean":
+            transport = lean_http.LeanTransport(transport, max_connections)   # httpx's for TLS/uploads
         self._http = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=10.0),
-                                       limits=httpx.Limits(max_connections=max_connections,
-                                                           max_keepalive_connections=max_connections))
+                                       limits=limits, transport=transport)
+        # httpx hands every response to http.cookiejar (an email.message of its headers, a urllib
+        # request: a fifth of the client's CPU per call, issue 29); only one that sets a cookie now
+        jar = self._http.cookies
+        jar.extract_cookies = functools.partial(_extract_cookies, jar)    # type: ignore[method-assign]
         self._ready = False
         self._ready_lock = asyncio.Lock()
         self._urls: dict[str, httpx.URL] = {}

@@ -57,6 +57,44 @@ USAGE_SAMPLES = Counter("dsec_usage_samples", "per-sandbox usage samples taken (
 USAGE_SAMPLE_SECONDS = Histogram("dsec_usage_sample_seconds", "seconds one sandbox's usage sample takes",
                                  buckets=SAMPLE_BUCKETS)
 
+_RECORDED = ("CREATES", "CREATE_SECONDS", "REFUSED", "EXECS", "EXEC_SECONDS", "ENDS", "PLACEMENTS",
+             "USAGE_SAMPLES", "USAGE_SAMPLE_SECONDS")
+_REAL: dict[str, Any] = {name: globals()[name] for name in _RECORDED}
+OFF_TEXT = "# dsec metrics are off on this server (DSEC_OBSERVABILITY=0): unset it to record them\n"
+
+
+class _Off:
+    """A metric that records nothing: what every name above is while metrics are off."""
+
+    def labels(self, *_: Any, **__: Any) -> "_Off":
+        return self
+
+    def inc(self, *_: Any) -> None:
+        pass
+
+    def observe(self, *_: Any) -> None:
+        pass
+
+
+_OFF = _Off()
+_on = True
+
+
+def set_enabled(on: bool) -> None:
+    """Record (the default) or not (DSEC_OBSERVABILITY=0), for the whole process: callers read
+    `metrics.NAME` at each use, so swapping the module's names reaches them all; nothing is
+    checked on the hot path."""
+    global _on
+    _on = on
+    for name, real in _REAL.items():
+        globals()[name] = real if on else _OFF
+    if not on:
+        EDGES.edges.clear()      # no gauges computed at scrape time either
+
+
+def enabled() -> bool:
+    return _on
+
 
 def refusal_reason(e: DsecError) -> str:
     """What an admission refusal was short of (edge/admission.py's errors), one of REFUSALS."""
@@ -144,7 +182,8 @@ REGISTRY.register(EDGES)
 
 
 def add_edge(edge: "EdgeCore") -> None:
-    EDGES.edges[id(edge)] = edge
+    if _on:
+        EDGES.edges[id(edge)] = edge
 
 
 def remove_edge(edge: "EdgeCore") -> None:
@@ -169,6 +208,8 @@ class _OneProject(Collector):
 def exposition(project: str | None = None) -> str:
     """The process's metrics in Prometheus' text format; with `project`, only that project's
     series (what a project key may see)."""
+    if not _on:
+        return OFF_TEXT
     if project is None:
         return generate_latest(REGISTRY).decode()
     reg = CollectorRegistry(auto_describe=False)

@@ -132,7 +132,11 @@ class EventSettings(Group):
 
 
 class ObservabilitySettings(Group):
-    title = "Audit log and traces (apiserver/audit.py, dsec/tracing.py)"
+    title = "Observability as a whole; audit log and traces (apiserver/audit.py, dsec/tracing.py)"
+    enabled: bool = env(True, "DSEC_OBSERVABILITY", "0: no Prometheus metric updates (/metrics says they are "
+                        "off), no background usage sampling (a sandbox's usage is read only when asked for), no "
+                        "lifecycle events, webhooks or audit log (their routes answer 409); to measure what they "
+                        "cost (docs/benchmarks.md) or to run without them")
     audit_retention_s: float = env(90 * 86400.0, "DSEC_AUDIT_RETENTION_S", "how long audit log entries are "
                                    "kept (pruned hourly)", gt=0)
     otlp_endpoint: str | None = env(None, "DSEC_OTLP_ENDPOINT", "send OpenTelemetry traces of creates and execs "

@@ -25,7 +25,9 @@ from dsec.apiserver.context import ApiContext
 from dsec.apiserver.guard import QUERY_KEY_PATHS, BodyTooLarge, RequestGuard
 from dsec.apiserver.events import pump
 from dsec.apiserver.index import keeper
+from dsec.apiserver.observability_off import ObservabilityOff
 from dsec.apiserver.webhooks import worker
+from dsec import metrics
 from dsec.apiserver.ui_routes import UI_PATHS, add_ui_routes
 from dsec.apiserver.routes import audit as audit_routes
 from dsec.apiserver.routes import events, execs, files, nodes, policy, sandboxes, snapshots, volume_files, volumes
@@ -127,22 +129,30 @@ def create_app(ctx: ApiContext) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         from dsec.apiserver.rulesets import push_at_start
         await push_at_start(ctx)     # operators' network rule sets, to every edge
-        pump(ctx).start()            # lifecycle events from the edges into the control store
-        worker(ctx).start()          # ... and their webhook deliveries (apiserver/webhooks.py)
-        audit_log(ctx).start()       # the audit log's batched writes (apiserver/audit.py)
+        if observed:
+            pump(ctx).start()            # lifecycle events from the edges into the control store
+            worker(ctx).start()          # ... and their webhook deliveries (apiserver/webhooks.py)
+            audit_log(ctx).start()       # the audit log's batched writes (apiserver/audit.py)
         yield
-        await audit_log(ctx).stop()
-        await worker(ctx).stop()
-        await pump(ctx).stop()
+        if observed:
+            await audit_log(ctx).stop()
+            await worker(ctx).stop()
+            await pump(ctx).stop()
         await keeper(ctx).stop()     # the sandbox index's queued writes (apiserver/index.py)
 
+    # DSEC_OBSERVABILITY=0: no metric updates, events, webhooks or audit log (observability_off.py)
+    observed = ctx.settings.observability.enabled
+    metrics.set_enabled(observed)
     app = FastAPI(title="dsec", version="0.1.0", lifespan=lifespan,
                   description="Elastic sandboxes for agent training and evaluation")
     app.state.ctx = ctx
     public = frozenset(p for p in ("/healthz", app.openapi_url, app.docs_url, app.redoc_url,
                                    app.swagger_ui_oauth2_redirect_url) if p) | UI_PATHS
     # who did what (audit.py): inside the guard, which authenticated the key
-    app.add_middleware(AuditRecorder, ctx=ctx)
+    if observed:
+        app.add_middleware(AuditRecorder, ctx=ctx)
+    else:
+        app.add_middleware(ObservabilityOff)
     # authenticate from the headers, then bound the body per route (guard.py)
     app.add_middleware(RequestGuard, authenticate=ctx.iam.authenticate, public_paths=public,
                        image_body_bytes=ctx.settings.server.image_upload_max_bytes,

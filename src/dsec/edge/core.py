@@ -95,6 +95,7 @@ class EdgeCore:
     _pools: WarmPools
     _usage: "UsageBook"            # per-sandbox usage rings (usage.py)
     events: EventLog               # lifecycle events, pulled by the apiserver (event_log.py)
+    observed: bool                 # DSEC_OBSERVABILITY: metrics, usage sampling, events on
 
     @property
     def backends(self) -> builtins.list[str]:

@@ -71,7 +71,9 @@ class Edge(Lifecycle, WarmHooks, ParkingVerbs, CapabilityVerbs, AgentChannel, Ex
         self.node_id = settings.node_id
         self.admission = admission or Admission.for_this_host(paths.home, conf=self.conf)   # + its disks' reserves
         self.records = EdgeRecords(paths.edge_db)
-        self.events = EventLog(paths.edge_db, self.node_id)
+        self.observed = self.conf.observability.enabled    # DSEC_OBSERVABILITY: events, sampling, metrics
+        metrics.set_enabled(self.observed)
+        self.events = EventLog(paths.edge_db, self.node_id, enabled=self.observed)
         self._live: dict[str, LiveSandbox] = {}
         self._dirty: set[str] = set()          # activity and output counters to flush
         self._create_slots = asyncio.Semaphore(settings.max_parallel_creates or self.conf.edge.create_parallel)
@@ -97,7 +99,8 @@ class Edge(Lifecycle, WarmHooks, ParkingVerbs, CapabilityVerbs, AgentChannel, Ex
         await self._recover()
         self._reaper = asyncio.create_task(self._reap_loop(), name="edge-reaper")
         self._pools.start()     # after recovery: the pool containers of an edge that died are gone
-        self._sampler = asyncio.create_task(self._sample_loop(), name="edge-usage-sampler")
+        if self.observed:       # off: a sandbox's usage is read only when asked for (usage.py)
+            self._sampler = asyncio.create_task(self._sample_loop(), name="edge-usage-sampler")
         metrics.add_edge(self)     # its gauges in the process's /metrics
         log.info("edge started", extra={"node": self.node_id, "sandboxes": len(self._live)})
 

@@ -35,8 +35,9 @@ MAX_BATCH = 1000
 
 
 class EventLog:
-    def __init__(self, path: Path, node: str):
+    def __init__(self, path: Path, node: str, *, enabled: bool = True):
         self.node = node
+        self.enabled = enabled      # DSEC_OBSERVABILITY=0: append writes nothing
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=10.0)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
@@ -50,6 +51,8 @@ class EventLog:
                message: str | None = None, details: dict[str, Any] | None = None) -> None:
         """One event (a few dozen µs: one WAL append, no fsync). Never raises: an event that
         cannot be written is logged, the lifecycle step it describes goes on."""
+        if not self.enabled:
+            return
         try:
             with self._lock:
                 self._db.execute("INSERT INTO events (at, type, sandbox_id, project, reason, message, details) "

@@ -42,7 +42,9 @@ from dsec.types import ContainerArgs  # noqa: E402
 NO_PSI = {f"DSEC_ADMIT_PSI_{k}": "100" for k in ("CPU_SOME", "MEMORY_SOME", "MEMORY_FULL", "IO_FULL")}
 TICKS = os.sysconf("SC_CLK_TCK")
 ARGS = dict(image="busybox", cpu_cores=0.1, memory_mb=16, ttl_idle_s=86400)
-MIN_AVAILABLE_MB = 3072     # stop filling below this (the box is shared)
+MIN_AVAILABLE_MB = 3072     # stop filling below this (the box is shared) ...
+START_MB = 0                # ... or when both fleets took more than --budget-mb since the start
+o_budget_mb = 8192
 
 
 def cpu_s(pid: int) -> float:
@@ -56,6 +58,10 @@ def mem_available_mb() -> int:
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) // 1024
     return 0
+
+
+def processes() -> int:
+    return sum(1 for p in os.listdir("/proc") if p.isdigit())
 
 
 def load1() -> float:
@@ -77,11 +83,12 @@ async def fill(name: str, srv: ServerProcess, n: int) -> int:
             if not r.ok:
                 raise SystemExit(f"{name}: creation {r.index} failed after {done}: {r.error}")
             done += 1
-            if done % 400 == 0:
+            if done % 200 == 0:
                 print(f"  {name}: {done} sandboxes ({time.monotonic() - t0:.0f} s, MemAvailable "
-                      f"{mem_available_mb()} MiB, load {load1():.1f})", flush=True)
-                if mem_available_mb() < MIN_AVAILABLE_MB:
-                    print(f"  {name}: MemAvailable below {MIN_AVAILABLE_MB} MiB: stopping at {done}", flush=True)
+                      f"{mem_available_mb()} MiB, {processes()} processes, load {load1():.1f})", flush=True)
+                if (mem_available_mb() < MIN_AVAILABLE_MB or START_MB - mem_available_mb() > o_budget_mb
+                        or processes() > 0.75 * int(Path("/proc/sys/kernel/pid_max").read_text())):
+                    print(f"  {name}: short of memory or pids ({processes()} processes): stopping at {done}", flush=True)
                     break
     return done
 
@@ -216,7 +223,10 @@ def main() -> None:
     ap.add_argument("--idle-s", type=float, default=60)
     ap.add_argument("--ui-rounds", type=int, default=0, help="dashboard loads on the 'on' server (0: none)")
     ap.add_argument("--json", type=Path, help="write the figures here too")
+    ap.add_argument("--budget-mb", type=int, default=8192, help="stop filling when MemAvailable fell this much")
     o = ap.parse_args()
+    global START_MB, o_budget_mb
+    START_MB, o_budget_mb = mem_available_mb(), o.budget_mb
     homes = {k: Path(tempfile.mkdtemp(prefix=f"dsec-bench-obs-{k}-", dir="/var/tmp")) for k in ("on", "off")}
     servers: dict[str, ServerProcess] = {}
     res: dict = {"sandboxes": o.sandboxes, "load_start": os.getloadavg(), "mem_available_mb_start": mem_available_mb()}

@@ -84,15 +84,18 @@ def pct(xs: list[float], q: float) -> float:
 async def fill(name: str, srv: ServerProcess, n: int, strict: bool = True) -> int:
     """Create n idle sandboxes; stops early (and says so) if the box runs short of memory."""
     from dsec import Client
-    t0, done = time.monotonic(), 0
+    t0, done, failed = time.monotonic(), 0, 0
     async with Client(srv.url, srv.key) as c:
         args = ContainerArgs(**ARGS, labels={"bench": "obs"})
         async for r in c.create_many(n, args, concurrency=8):
             if not r.ok:
-                if strict:
-                    raise SystemExit(f"{name}: creation {r.index} failed after {done}: {r.error}")
-                print(f"  {name}: creation failed after {done}, going on with those: {r.error}", flush=True)
-                break
+                # a busy shared box may fail one (an agent slow to answer): counted, not fatal
+                failed += 1
+                print(f"  {name}: creation {r.index} failed ({failed} so far): {r.error}", flush=True)
+                if failed > max(5, n // 50) or not strict:
+                    print(f"  {name}: going on with {done}", flush=True)
+                    break
+                continue
             done += 1
             if done % 200 == 0:
                 print(f"  {name}: {done} sandboxes ({time.monotonic() - t0:.0f} s, MemAvailable "
@@ -118,7 +121,11 @@ async def create_block(c, pid: int, n: int) -> tuple[list[float], float]:
     c0 = cpu_s(pid)
     for _ in range(n):
         t = time.perf_counter()
-        sb = await c.create_container(**ARGS)
+        try:
+            sb = await c.create_container(**ARGS)
+        except Exception as e:      # under load: reported, not fatal (its time is not a latency)
+            print(f"  a block's create failed: {e}", flush=True)
+            continue
         await sb.run("true")
         lat.append((time.perf_counter() - t) * 1000)
         await sb.stop()

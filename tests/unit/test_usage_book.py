@@ -43,3 +43,19 @@ def test_ring_is_bounded_and_cpu_percent_of_the_limit() -> None:
     # 0.25 s of CPU over 1 s with half a core: 50% of its share
     s1 = to_sample(RawUsage(cpu_ns=250_000_000, mem_bytes=0, mem_cache=0, disk_bytes=None), first, 1.0, 0.5, 256, None)
     assert s1.cpu_used_pct == 50.0 and s1.disk_used == 0 and s1.disk_total == 0
+
+
+def test_only_watched_sandboxes_are_looked_at_between_full_scans() -> None:
+    """The sampler looks at every sandbox only every scan_every_s (10 s, at most the idle
+    interval); between, at the watched ones alone (O(watched), not O(sandboxes) a second)."""
+    book = UsageBook(5.0, 60.0)
+    for i in range(100):
+        _sampled(book, f"s{i}", 100.0)
+    book.watch("s7", 101.0)
+    assert book.watched_ids(102.0) == ["s7"]
+    assert book.watched_ids(101.0 + WATCH_FOR_S + 1) == [] and book.watched_count() == 0   # lapsed: dropped
+    book.watch("s8", 200.0)
+    book.forget("s8")
+    assert book.watched_ids(201.0) == []
+    assert book.scan_every_s == 10.0
+    assert UsageBook(5.0, 1.0).scan_every_s == 1.0 and UsageBook(5.0, 0.0).scan_every_s == 10.0

@@ -72,14 +72,22 @@ class UsageVerbs(EdgeCore):
             track.last_raw, track.last_at = raw, at
 
     async def _sample_loop(self) -> None:
-        """Once a second: sample the sandboxes that are due, forget the ones that ended."""
+        """Once a second: sample the watched sandboxes that are due; every scan_every_s, look at
+        all of them (idle ones due, new ones) and forget the ones that ended."""
+        next_scan = 0.0
         while True:
             await asyncio.sleep(TICK_S)
             try:
                 now = time.monotonic()
-                for gone in set(self._usage.ids()) - set(self._live):
-                    self._usage.forget(gone)
-                due = [sid for sid, live in list(self._live.items())
+                if now >= next_scan:
+                    next_scan = now + self._usage.scan_every_s - TICK_S / 2
+                    for gone in set(self._usage.ids()) - set(self._live):
+                        self._usage.forget(gone)
+                    look = list(self._live.items())
+                else:
+                    look = [(sid, live) for sid in self._usage.watched_ids(now)
+                            if (live := self._live.get(sid)) is not None]
+                due = [sid for sid, live in look
                        if live.rec.state == SandboxState.running and self._usage.due(sid, now)]
                 if due:
                     await self._sample(*due)

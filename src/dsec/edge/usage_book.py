@@ -17,6 +17,10 @@ WATCHED_EVERY_S = 5.0     # defaults of DSEC_USAGE_WATCHED_S / DSEC_USAGE_IDLE_S
 IDLE_EVERY_S = 60.0
 WATCH_FOR_S = 60.0
 TICK_S = 1.0
+# every sandbox is looked at this often (at most its idle interval); between, only the watched
+# ones: a scan of 3,200 every second was ~1.7% of the server's CPU in a create storm (py-spy,
+# docs/benchmarks.md), while an idle sample is due once a minute
+FULL_SCAN_S = 10.0
 FRESH_S = 1.0            # an ask answers with a sample at most this old (one read per ask at most)
 FIRST_INTERVAL_S = 0.25   # a sandbox never sampled: two samples this far apart
 KEEP = 720            # samples kept per sandbox: an hour at 5 s, 12 hours at 60 s
@@ -35,6 +39,7 @@ class UsageBook:
 
     def __init__(self, watched_every_s: float = WATCHED_EVERY_S, idle_every_s: float = IDLE_EVERY_S) -> None:
         self._tracks: dict[str, _Track] = {}
+        self._watched: set[str] = set()       # asked for within WATCH_FOR_S (some may have lapsed)
         self.watched_every_s = watched_every_s
         self.idle_every_s = idle_every_s      # 0: not sampled unless watched
 
@@ -46,9 +51,27 @@ class UsageBook:
 
     def forget(self, sandbox_id: str) -> None:
         self._tracks.pop(sandbox_id, None)
+        self._watched.discard(sandbox_id)
 
     def watch(self, sandbox_id: str, now: float) -> None:
         self.track(sandbox_id).watched_until = now + WATCH_FOR_S
+        self._watched.add(sandbox_id)
+
+    def watched_ids(self, now: float) -> builtins.list[str]:
+        """The sandboxes watched now (O(watched): lapsed ones are dropped here)."""
+        out = []
+        for sid in list(self._watched):
+            t = self._tracks.get(sid)
+            if t is not None and t.watched_until > now:
+                out.append(sid)
+            else:
+                self._watched.discard(sid)
+        return out
+
+    @property
+    def scan_every_s(self) -> float:
+        """How often every sandbox is looked at (not only the watched ones)."""
+        return min(FULL_SCAN_S, self.idle_every_s) if self.idle_every_s else FULL_SCAN_S
 
     def due(self, sandbox_id: str, now: float) -> bool:
         t = self._tracks.get(sandbox_id)
@@ -60,8 +83,7 @@ class UsageBook:
         return now - t.last_at >= (self.watched_every_s if watched else self.idle_every_s)
 
     def watched_count(self) -> int:
-        now = time.monotonic()
-        return sum(1 for t in self._tracks.values() if t.watched_until > now)
+        return len(self.watched_ids(time.monotonic()))
 
     def ids(self) -> builtins.list[str]:
         return list(self._tracks)

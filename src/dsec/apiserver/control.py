@@ -5,6 +5,7 @@ policy changes). Routes decide nothing themselves."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -17,6 +18,7 @@ from dsec.apiserver.index import keeper
 from dsec.apiserver.node_states import node_states
 from dsec.apiserver.tenancy import check_usable, check_usable_on
 from dsec.iam import Principal
+from dsec.store.sandboxes import SandboxIndex
 from dsec.iam.policy import check_create, check_network, check_root, is_root
 from dsec.types import (CapacityExceeded, DsecError, ExecRequest, NetworkPolicy, NodeUnreachable, NotFound, SandboxArgs,
                         SandboxInfo, Unavailable, node_of_snapshot)
@@ -49,14 +51,34 @@ async def owned_snapshot(ctx: ApiContext, snapshot_id: str, who: Principal, fiel
     missing = NotFound(f"no snapshot {snapshot_id!r}", field=field,
                        fix="use an id returned by Sandbox.snapshot(); list them with `dsec vm snapshot ls`")
     if edge is None:
+        if await _known_node(ctx, node):
+            raise _node_gone(snapshot_id, node, field)
         raise missing
     try:
         info = await edge.get_snapshot(snapshot_id)
     except NotFound:
         raise missing from None
+    except NodeUnreachable:
+        raise _node_gone(snapshot_id, node, field) from None
     if not ctx.iam.can_access(who, info.project):
         raise missing          # a snapshot holds a guest's memory: other projects never reach it
     return edge
+
+
+async def _known_node(ctx: ApiContext, node: str) -> bool:
+    """A node the cluster has seen (an operator state or a sandbox in the index), now gone."""
+    if node in await node_states(ctx).rows():
+        return True
+    return bool(await asyncio.to_thread(SandboxIndex(ctx.iam.db).list, None, node=node, limit=1))
+
+
+def _node_gone(snapshot_id: str, node: str, field: str) -> Unavailable:
+    """A snapshot lives on its node alone: while that node does not answer it cannot be read
+    or restored (503, the node's fault, not the caller's)."""
+    return Unavailable(f"snapshot {snapshot_id} lives on node {node}, which does not answer (its files are "
+                       "only there)", field=field,
+                       fix=f"restore it when node {node} is back; if it is gone for good, its snapshots went "
+                           f"with it: `dsec nodes forget {node}` and snapshot a sandbox on another node")
 
 
 async def create_sandbox(ctx: ApiContext, who: Principal, args: SandboxArgs,

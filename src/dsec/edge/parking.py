@@ -17,6 +17,8 @@ from dsec.types import (EventType, BulkItem, DsecError, NotFound, SandboxInfo, S
                         make_snapshot_id)
 from dsec.edge.core import BULK_PARALLEL, EdgeCore, log
 
+_HOLDING = (SandboxState.creating, SandboxState.running, SandboxState.suspended)
+
 
 class ParkingVerbs(EdgeCore):
     async def snapshot(self, sandbox_id: str, measure: bool = True, name: str | None = None) -> SnapshotInfo:
@@ -110,6 +112,42 @@ class ParkingVerbs(EdgeCore):
         owner, _ = await asyncio.to_thread(self._find_snapshot, snapshot_id)
         await owner.delete_snapshot(snapshot_id)
         log.info("snapshot deleted", extra={"snapshot": snapshot_id})
+
+    async def drop_export(self, snapshot_id: str, unpublish: bool = False) -> builtins.list[str] | None:
+        """After its snapshot's delete: this node's sandboxes (created, running, parked) and
+        snapshots made from the export `<snapshot id>@export`. None of them: the export leaves
+        this node's registry (layer files in use by a mount stay readable until it goes), and
+        with `unpublish` the shared layer store (asked of the snapshot's node once no node uses
+        it). None: this node knows no such export."""
+        name = f"{snapshot_id}@export"
+        users = await asyncio.to_thread(self._export_users, name)
+        known = await asyncio.to_thread(self.images.registry.get_image, name) is not None
+        if not users:
+            if known:
+                try:
+                    await asyncio.to_thread(self.images.remove, name)
+                except NotFound:
+                    pass
+                self.stacks.forget(name)
+            if unpublish and self.images.shared is not None:
+                known = bool(await asyncio.to_thread(self.images.shared.unpublish, name)) or known
+            if known:
+                log.info("snapshot export dropped", extra={"snapshot": snapshot_id, "unpublished": unpublish})
+        return users if users or known else None
+
+    def _export_users(self, name: str) -> builtins.list[str]:
+        """(file reads: call in a thread)"""
+        users = [live.id for live in self._live.values()
+                 if live.rec.state in _HOLDING and getattr(live.rec.args, "workspace", None) == name]
+        for b in self._snapshot_backends():
+            if isinstance(b, SnapshotLayers):
+                for r in b.snapshot_records():
+                    try:
+                        if (b.snapshot_layers(r["id"])[1].get("args") or {}).get("workspace") == name:
+                            users.append(r["id"])
+                    except NotFound:
+                        continue
+        return sorted(users)
 
     async def suspend(self, sandbox_id: str) -> SandboxInfo:
         """Park a sandbox: off the CPU, its memory freed, its state kept. Its next request (or

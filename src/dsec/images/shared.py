@@ -178,6 +178,39 @@ class SharedStore:
         log.info("pulled layer %s from %s (%d bytes)", digest[:19], self.url, n)
         return final
 
+    def unpublish(self, name: str) -> list[str]:
+        """Delete image `name`'s record, then the objects of its layers that no other record
+        names (a parent's layers stay with the image that brought them). Returns the layer
+        digests deleted. Nodes that pulled a layer whole keep their copy; a node reading one
+        lazily needs the objects: the caller deletes only what no node uses (D82's exports).
+        A publish of the same layer racing this delete is not excluded (no store-wide lock)."""
+        got = self.fetch_record(name)
+        if got is None:
+            return []
+        _, layers, _ = got
+        try:
+            self.store.delete(image_key(name))       # first: no node can fetch it any more
+        except StoreError as e:
+            raise self._error(e, f"deleting image {name!r}") from e
+        named: set[str] = set()
+        for other in self.image_names():
+            try:
+                rec = self.fetch_record(other)
+            except DsecError:             # a corrupt record: keep what it may name
+                return []
+            if rec is not None:
+                named |= {lay.digest for lay in rec[1]}
+        dead = [lay.digest for lay in layers if lay.digest not in named]
+        for d in dead:
+            hexd = d.split(":", 1)[1]
+            try:               # manifest first: without it the layer reads as incomplete
+                for suffix in ("chunks.json", "meta", "erofs"):
+                    self.store.delete(layer_key(f"{hexd}.{suffix}"))
+            except StoreError as e:
+                raise self._error(e, f"deleting layer {d[:19]} of image {name!r}") from e
+        log.info("unpublished image %s from %s (%d layers deleted)", name, self.url, len(dead))
+        return dead
+
     def image_names(self) -> list[str]:
         try:
             keys = self.store.list("images/")

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 from fastapi import Body, FastAPI, Query, Request, Response
 
-from dsec.apiserver import forks
+from dsec.apiserver import forks, snapshot_export
 from dsec.apiserver.context import ApiContext
 from dsec.apiserver.control import owned_snapshot
 from dsec.apiserver.e2b import control, mapping, snapshot_names
@@ -146,6 +146,6 @@ def add_snapshot_routes(app: FastAPI, ctx: ApiContext, tokens: AccessTokens, dom
                                     field="path", fix="delete images with `dsec images rm`; see docs/e2b.md")
         who = _who(request)
         edge = await owned_snapshot(ctx, template_id, who, field="templateID")
-        await edge.delete_snapshot(template_id)
+        await snapshot_export.delete_snapshot(ctx, edge, template_id)
         return Response(status_code=204)
 

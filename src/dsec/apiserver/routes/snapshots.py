@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import Response
 
-from dsec.apiserver import control
+from dsec.apiserver import control, snapshot_export
 from dsec.apiserver.deps import Ctx, Who, owned
 from dsec.types import SnapshotInfo, SnapshotList
 
@@ -42,5 +42,5 @@ async def delete_snapshot(snapshot_id: str, who: Who, ctx: Ctx) -> Response:
     """Free a snapshot's disk. Sandboxes restored from it, and snapshots of those, are not
     affected (they keep their own links to the disk it shares with them)."""
     edge = await control.owned_snapshot(ctx, snapshot_id, who)
-    await edge.delete_snapshot(snapshot_id)
+    await snapshot_export.delete_snapshot(ctx, edge, snapshot_id)
     return Response(status_code=204)

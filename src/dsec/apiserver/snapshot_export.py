@@ -10,7 +10,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from dsec.types import NodeUnreachable, NotFound, SandboxArgs, SnapshotImage
+from dsec.types import DsecError, NodeUnreachable, NotFound, SandboxArgs, SnapshotImage
 
 if TYPE_CHECKING:
     from dsec.apiserver.context import ApiContext, EdgeHandle
@@ -40,6 +40,13 @@ async def delete_snapshot(ctx: ApiContext, edge: EdgeHandle, snapshot_id: str) -
     made from it keep running either way: a node whose sandbox uses it keeps it, and layers a
     mount holds stay readable. An export still in use stays in the store (logged)."""
     await edge.delete_snapshot(snapshot_id)
+    try:
+        await _drop_export(ctx, edge, snapshot_id)
+    except DsecError as e:      # the snapshot is deleted: its export stays (logged), the delete succeeds
+        log.warning("snapshot export not dropped", extra={"snapshot": snapshot_id, "error": e.message})
+
+
+async def _drop_export(ctx: ApiContext, edge: EdgeHandle, snapshot_id: str) -> None:
     try:
         mine = await edge.drop_export(snapshot_id)
     except NotFound:        # an edge of a release without the verb

@@ -120,8 +120,10 @@ class ParkingVerbs(EdgeCore):
         with `unpublish` the shared layer store (asked of the snapshot's node once no node uses
         it). None: this node knows no such export."""
         name = f"{snapshot_id}@export"
-        users = await asyncio.to_thread(self._export_users, name)
         known = await asyncio.to_thread(self.images.registry.get_image, name) is not None
+        if not known and not unpublish:
+            return None       # never fetched here: nothing of this node can use it (no scan)
+        users = await asyncio.to_thread(self._export_users, name) if known else []
         if not users:
             if known:
                 try:

@@ -18,8 +18,8 @@ from dsec.apiserver.index import keeper
 from dsec.apiserver.node_states import node_states
 from dsec.apiserver.tenancy import check_usable, check_usable_on
 from dsec.iam import Principal
-from dsec.store.sandboxes import SandboxIndex
 from dsec.iam.policy import check_create, check_network, check_root, is_root
+from dsec.store.sandboxes import SandboxIndex
 from dsec.types import (CapacityExceeded, DsecError, ExecRequest, NetworkPolicy, NodeUnreachable, NotFound, SandboxArgs,
                         SandboxInfo, Unavailable, node_of_snapshot)
 

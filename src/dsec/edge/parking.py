@@ -123,7 +123,11 @@ class ParkingVerbs(EdgeCore):
         known = await asyncio.to_thread(self.images.registry.get_image, name) is not None
         if not known and not unpublish:
             return None       # never fetched here: nothing of this node can use it (no scan)
-        users = await asyncio.to_thread(self._export_users, name) if known else []
+        users = []
+        if known:      # the live table in the loop's thread; snapshot records in a thread (file reads)
+            users = sorted([live.id for live in self._live.values() if live.rec.state in _HOLDING
+                            and getattr(live.rec.args, "workspace", None) == name]
+                           + await asyncio.to_thread(self._export_snapshots, name))
         if not users:
             if known:
                 try:
@@ -137,19 +141,18 @@ class ParkingVerbs(EdgeCore):
                 log.info("snapshot export dropped", extra={"snapshot": snapshot_id, "unpublished": unpublish})
         return users if users or known else None
 
-    def _export_users(self, name: str) -> builtins.list[str]:
-        """(file reads: call in a thread)"""
-        users = [live.id for live in self._live.values()
-                 if live.rec.state in _HOLDING and getattr(live.rec.args, "workspace", None) == name]
+    def _export_snapshots(self, name: str) -> builtins.list[str]:
+        """This node's snapshots whose workspace is the export (file reads: call in a thread)."""
+        out = []
         for b in self._snapshot_backends():
             if isinstance(b, SnapshotLayers):
                 for r in b.snapshot_records():
                     try:
                         if (b.snapshot_layers(r["id"])[1].get("args") or {}).get("workspace") == name:
-                            users.append(r["id"])
+                            out.append(r["id"])
                     except NotFound:
                         continue
-        return sorted(users)
+        return out
 
     async def suspend(self, sandbox_id: str) -> SandboxInfo:
         """Park a sandbox: off the CPU, its memory freed, its state kept. Its next request (or

@@ -32,7 +32,6 @@ from dsec.backends.container.driver import ContainerDriver
 from dsec.config import DEFAULT_PORT, Paths
 from dsec.edge.edge import Edge, EdgeSettings
 from dsec.embedded.serverlock import hold_server_lock
-from dsec.gc_heap import freeze_startup_heap
 from dsec.fncall.pool import FnCallSettings
 from dsec.fncall.service import FnCallService
 from dsec.iam import IAM
@@ -219,7 +218,6 @@ def serve(settings: Settings, opts: ServerOptions) -> None:
             server = uvicorn.Server(config)
             https = https_server(settings, opts.host, app)
             log.info("dsec serving", extra={"url": f"http://{opts.host}:{opts.port}", "home": str(paths.home)})
-            freeze_startup_heap()
             if https is None:
                 await server.serve()
                 return

@@ -143,7 +143,9 @@ async def test_an_idle_clone_keeps_the_tsc_and_goes_tickless(vm_client, server):
         # the host's load at that boot: on a quiet or busy box alike it mostly fell back)
         assert "tsc=reliable" in (await sb.run("cat /proc/cmdline")).stdout.split()
         cs = await sb.run("cat /sys/devices/system/clocksource/clocksource0/current_clocksource")
-        assert cs.stdout.strip() == "tsc", cs
+        # tsc-early until the guest's refinement work registers tsc (a restore may come before it):
+        # both are continuous and, unverified under tsc=reliable, valid for a tickless idle
+        assert cs.stdout.strip() in ("tsc", "tsc-early"), cs
         # one command: a 3 s guest sleep between two reads (a periodic tick: ~750 interrupts)
         r = await sb.run("cat /proc/interrupts; echo ==; sleep 3; cat /proc/interrupts")
         before, _, after = r.stdout.partition("==")

@@ -150,13 +150,13 @@ class AuditLog:
         self.retention_s = retention_s
         # hourly; a short retention (tests) is pruned within a quarter of it
         self.prune_every_s = min(PRUNE_EVERY_S, retention_s / 4)
-        self.pending: list[Record] = []
+        self.pending: list["Record | Noted"] = []
         self.dropped = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._pruned = 0.0
 
-    def note(self, record: Record) -> None:
+    def note(self, record: "Record | Noted") -> None:
         self.pending.append(record)
         if len(self.pending) > MAX_PENDING:
             over = len(self.pending) - MAX_PENDING
@@ -186,10 +186,15 @@ class AuditLog:
         if not batch:
             return 0
         try:
-            return await asyncio.to_thread(self.store.add, batch)
+            return await asyncio.to_thread(self._write, batch)
         except BaseException:
             self.pending[:0] = batch      # kept for the next pass (the store may be restarting)
             raise
+
+    def _write(self, batch: list["Record | Noted"]) -> int:
+        """In the writer's thread: make the requests' entries, then write them in one transaction."""
+        records = [r if isinstance(r, Record) else r.record() for r in batch]
+        return self.store.add([r for r in records if r is not None])
 
     async def prune(self, now: float | None = None) -> int:
         return await asyncio.to_thread(self.store.prune, (now or time.time()) - self.retention_s)
@@ -211,9 +216,9 @@ class AuditLog:
                                                                        "entries": len(self.pending)})
 
 
-def _token_actor(scope: Scope) -> Principal | None:
-    """Who E2B sandbox traffic acts as: the holder of the sandbox's access token, in its project."""
-    t = scope.get("state", {}).get(E2B_TARGET_KEY)
+def _token_actor(t: Any) -> Principal | None:
+    """Who E2B sandbox traffic acts as: the holder of the sandbox's access token, in its project
+    (t: the E2B dispatcher's resolved target)."""
     project = getattr(getattr(t, "info", None), "project", None)
     if not project:
         return None
@@ -243,50 +248,64 @@ class AuditRecorder:
             return
         holder: dict[str, Any] = {}
         token = _current.set(holder)
-        done = False
+        noted = False
 
-        def record(status: int) -> None:
-            nonlocal done
-            if done:
-                return
-            done = True
-            actor = principal if isinstance(principal, Principal) else _token_actor(scope)
-            if actor is not None:      # envd traffic refused before its sandbox was known: nobody to name
-                self._record(scope, found, actor, status, holder)
+        def note(status: int) -> None:
+            # only what the request leaves behind is kept here; the writer builds the entry
+            # off the request path (Noted.record)
+            nonlocal noted
+            if not noted:
+                noted = True
+                audit_log(self.ctx).note(Noted(time.time(), found, principal, scope, status, holder))
 
         async def noting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
-                record(int(message["status"]))
+                note(int(message["status"]))     # when the answer starts: a long stream is logged at once
             await send(message)
         try:
             await self.app(scope, receive, noting_send)
-        except BaseException:
-            record(500)
-            raise
         finally:
             _current.reset(token)
-            record(500)     # no answer started (a dropped connection)
+            note(500)     # no answer started (an error, a dropped connection)
 
-    def _record(self, scope: Scope, found: tuple[Rule, re.Match[str]], who: Principal, status: int,
-                holder: dict[str, Any]) -> None:
-        rule, m = found
+
+class Noted:
+    """An audited request as the middleware keeps it: the writer makes its Record in its
+    thread, so a request pays an append (docs/decisions.md, "Audit log")."""
+
+    __slots__ = ("at", "rule", "m", "principal", "path", "query", "e2b_target", "status", "holder")
+
+    def __init__(self, at: float, found: tuple[Rule, re.Match[str]], principal: Any, scope: Scope, status: int,
+                 holder: dict[str, Any]):
+        self.at, self.principal, self.status, self.holder = at, principal, status, holder
+        self.rule, self.m = found
+        rule = self.rule
+        # what of the scope the entry needs, not the scope (it holds the request's state)
+        self.path: str = scope["path"]
+        self.query: bytes = scope.get("query_string") or b""
+        self.e2b_target = scope.get("state", {}).get(E2B_TARGET_KEY) if rule.envd else None
+
+    def record(self) -> Record | None:
+        who = self.principal if isinstance(self.principal, Principal) else _token_actor(self.e2b_target)
+        if who is None:      # envd traffic refused before its sandbox was known: nobody to name
+            return None
+        rule, m, holder = self.rule, self.m, self.holder
         groups = m.groupdict()
         action = rule.action.format(**{k: (v or "").lower() for k, v in groups.items()}) if "{" in rule.action \
             else rule.action
         details: dict[str, Any] = {}
-        if rule.query and scope.get("query_string"):
-            q = parse_qs(scope["query_string"].decode("latin-1"))
+        if rule.query and self.query:
+            q = parse_qs(self.query.decode("latin-1"))
             details.update({k: q[k][0][:4096] for k in rule.query if k in q})
         if groups.get("exec"):
             details["exec_id"] = groups["exec"]
         if groups.get("project"):
             details["project"] = groups["project"]
-        if scope["path"].startswith("/e2b/"):
+        if self.path.startswith("/e2b/"):
             details["via"] = "e2b"
-        if rule.envd:
-            holder.setdefault("target", getattr(scope.get("state", {}).get(E2B_TARGET_KEY), "sandbox_id", ""))
-        target = holder.get("target") or groups.get("target") or groups.get("project") or ""
+        target = holder.get("target") or (getattr(self.e2b_target, "sandbox_id", "") if rule.envd else "") \
+            or groups.get("target") or groups.get("project") or ""
         if details.get("via") == "e2b" and (m2 := E2B_ID.match(target)):
             target = f"sb-{m2['node']}.{m2['rand']}"     # E2B's id of a sandbox (e2b/ids.py) as dsec's
-        audit_log(self.ctx).note(Record(at=time.time(), project_id=who.project_id, key_id=who.key_id,
-                                        action=action, target=target, status=status, details=details))
+        return Record(at=self.at, project_id=who.project_id, key_id=who.key_id, action=action, target=target,
+                      status=self.status, details=details)

@@ -71,6 +71,11 @@ class Tx:
         self._cur.execute(self.dialect.sql(sql), tuple(params))
         return int(self._cur.rowcount)
 
+    def execute_many(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+        """One statement over many rows (a batch of inserts: one call into the driver, not one per row)."""
+        if rows:
+            self._cur.executemany(self.dialect.sql(sql), rows)
+
     def one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
         self._cur.execute(self.dialect.sql(sql), tuple(params))
         r = self._cur.fetchone()

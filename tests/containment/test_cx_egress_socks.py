@@ -28,7 +28,13 @@ import socket
 s = socket.create_connection(("{p.ip}", 80), timeout=10)   # TCP: its UDP is denied (tunnelled)
 OUT["ip"] = s.getsockname()[0]
 """)
+            # the proxy logs a connection once its SOCKS handshake is done, which under load can
+            # come after the sandbox's command returned: wait for both of the holder's (probe, mine)
+            deadline = time.monotonic() + 30
+            while len([s for s in socks.seen() if s["user"] == "u1"]) < 2 and time.monotonic() < deadline:
+                time.sleep(0.1)
             u1_before = [s for s in socks.seen() if s["user"] == "u1"]
+            assert len(u1_before) == 2, u1_before
             # the neighbour goes direct (no proxy of its own), never through the holder's
             r = await probe(neighbour, [["ip80", "http", p.ip, 80, "n.test"],
                                         ["socks", "tcp", p.ip2, 1080, ""]])

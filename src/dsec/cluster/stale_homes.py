@@ -33,7 +33,6 @@ import ipaddress
 import json
 import logging
 import os
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -41,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dsec.home_qemus import kill_qemus_of
 from dsec.cluster.names import bridge_name, name_of
 from dsec.config import Paths
 from dsec.types import NODE_ID_RE, Conflict, DsecError
@@ -107,7 +107,7 @@ def clear(root: str, name: str, subnet_prefix: int, env: dict[str, str]) -> dict
                 log.error("clearing a stale home failed", extra={"home": str(home), "stderr": p.stderr[-2000:]})
                 return {"node": name, "error": f"exit {p.returncode}: {p.stderr.strip()[-500:]}"}
             out: dict[str, Any] = json.loads(lines[-1])
-            out["killed_qemu"] = _kill_qemus(home)   # VMs of a home whose node had no VM backend now
+            out["killed_qemu"] = kill_qemus_of(home)   # VMs of a home whose node had no VM backend now
             _detach(home)
             if ns.exists() or netns.leftovers([name]):
                 netns.remove(name)
@@ -118,24 +118,6 @@ def clear(root: str, name: str, subnet_prefix: int, env: dict[str, str]) -> dict
             return out
     except Conflict:
         return {"node": name, "skipped": "a process serves it (its server lock is held)"}
-
-
-def _kill_qemus(home: Path) -> list[int]:
-    pids = []
-    for p in Path("/proc").iterdir():
-        if not p.name.isdigit():
-            continue
-        try:
-            argv = (p / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if argv and argv[0].endswith(b"qemu-system-x86_64") and any(str(home).encode() + b"/" in a for a in argv):
-            try:
-                os.kill(int(p.name), signal.SIGKILL)
-                pids.append(int(p.name))
-            except ProcessLookupError:
-                pass
-    return pids
 
 
 def _detach(home: Path) -> None:

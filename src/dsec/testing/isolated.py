@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 
+from dsec.home_qemus import qemu_pids_of
 from dsec.config import Paths
 
 
@@ -98,22 +99,6 @@ class ServerProcess:
             return (self.home / "server.log").read_text(errors="replace")[-n:]
         except OSError:
             return ""
-
-
-def qemu_pids_of(home: Path) -> list[int]:
-    """QEMU processes started from `home` (their argv names files under it): sandboxes and
-    templates alike, whatever state the server that started them left."""
-    pids = []
-    for p in Path("/proc").iterdir():
-        if not p.name.isdigit():
-            continue
-        try:
-            argv = (p / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if argv and argv[0].endswith(b"qemu-system-x86_64") and any(str(home).encode() in a for a in argv):
-            pids.append(int(p.name))
-    return pids
 
 
 def cleanup_home(home: Path) -> list[int]:

@@ -283,13 +283,7 @@ class SandboxNetworks:
                 return path
         except FileNotFoundError:
             pass
-        text = f"nameserver {self.settings.gateway}\noptions timeout:2 attempts:2\n"
-        if not path.exists() or path.read_text() != text:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(text)
-            tmp.chmod(0o644)
-            tmp.replace(path)
+        _write_if_changed(path, f"nameserver {self.settings.gateway}\noptions timeout:2 attempts:2\n")
         st = os.stat(path)
         self._resolv_seen = (st.st_ino, st.st_mtime_ns, st.st_size)
         return path
@@ -317,12 +311,7 @@ class SandboxNetworks:
         path = self.paths.home / "net" / f"apt-{s.bridge}.conf"
         text = apt_conf(str(s.gateway), s.pkgcache_port)
         if self._apt_conf_seen != text or not path.exists():   # a stat per create, a write once
-            if not path.exists() or path.read_text() != text:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(".tmp")
-                tmp.write_text(text)
-                tmp.chmod(0o644)
-                tmp.replace(path)
+            _write_if_changed(path, text)
             self._apt_conf_seen = text
         return path
 
@@ -697,3 +686,15 @@ table inet {t} {{
         if self._prog is not None:
             self._prog.close()
         self._db.close()
+
+
+def _write_if_changed(path: Path, text: str) -> None:
+    """A node file sandboxes bind read-only (resolv.conf, apt's proxy): replaced whole (a
+    sandbox never reads half a file), world-readable, and not rewritten when it already says it."""
+    if path.exists() and path.read_text() == text:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.chmod(0o644)
+    tmp.replace(path)

@@ -15,11 +15,10 @@ import ipaddress
 from pathlib import Path
 
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from dsec.security.pki import key_pem as _key_pem, load_or_make_ca, write_file as _write
+from dsec.security.pki import key_pem as _key_pem, load_or_make_ca, server_leaf, write_file as _write
 from dsec.types import InvalidArgument
 
 CA_DAYS = 3650
@@ -91,20 +90,11 @@ def _fresh(leaf: Path, domain: str) -> bool:
 
 def _sign_leaf(ca_cert: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, domain: str,
                cert_path: Path, key_path: Path) -> None:
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = dt.datetime.now(dt.timezone.utc)
     names: list[x509.GeneralName] = [x509.DNSName(f"*.{domain}"), x509.DNSName(domain)]
     try:   # a domain that is an address (tests, a bare IP set-up) also gets an IP entry
         names.append(x509.IPAddress(ipaddress.ip_address(domain)))
     except ValueError:
         pass
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"*.{domain}")]))
-            .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(hours=1)).not_valid_after(now + dt.timedelta(days=LEAF_DAYS))
-            .add_extension(x509.SubjectAlternativeName(names), critical=False)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
-            .sign(ca_key, hashes.SHA256()))
+    key, cert = server_leaf(ca_cert, ca_key, f"*.{domain}", names, LEAF_DAYS)
     _write(key_path, _key_pem(key), 0o600)
     _write(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)

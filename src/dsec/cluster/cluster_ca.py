@@ -12,17 +12,15 @@ sent (secret_file.py). EC P-256 keys: made in milliseconds.
 
 from __future__ import annotations
 
-import datetime as dt
 import ipaddress
 import ssl
 from pathlib import Path
 
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from dsec.security.pki import key_pem as _key_pem, load_or_make_ca, write_file as _write
+from dsec.security.pki import key_pem as _key_pem, load_or_make_ca, server_leaf, write_file as _write
 from dsec.types import Unavailable
 
 CA_CERT = "cluster-ca.pem"       # in the cluster home, and in <node-homes> on every node
@@ -45,7 +43,6 @@ def issue(home: Path, node: str, addresses: list[str]) -> bytes:
     """A server certificate for `node`'s edge (its name, and the addresses given), signed by the
     CA in `home`: key + certificate + CA, one PEM (what uvicorn's ssl_certfile loads alone)."""
     ca_cert, ca_key = ensure_ca(home)
-    key = ec.generate_private_key(ec.SECP256R1())
     names: list[x509.GeneralName] = [x509.DNSName(node)]
     for a in dict.fromkeys(addresses):
         try:
@@ -53,15 +50,7 @@ def issue(home: Path, node: str, addresses: list[str]) -> bytes:
         except ValueError:
             if a and a != node:
                 names.append(x509.DNSName(a))
-    now = dt.datetime.now(dt.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node)]))
-            .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(hours=1)).not_valid_after(now + dt.timedelta(days=LEAF_DAYS))
-            .add_extension(x509.SubjectAlternativeName(names), critical=False)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
-            .sign(ca_key, hashes.SHA256()))
+    key, cert = server_leaf(ca_cert, ca_key, node, names, LEAF_DAYS)
     return _key_pem(key) + cert.public_bytes(serialization.Encoding.PEM) + \
         ca_cert.public_bytes(serialization.Encoding.PEM)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 
 def write_file(path: Path, data: bytes, mode: int) -> None:
@@ -57,3 +57,19 @@ def load_or_make_ca(cert_path: Path, key_path: Path, common_name: str, days: int
     write_file(key_path, key_pem(key), 0o600)
     write_file(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
     return cert, key
+
+
+def server_leaf(ca_cert: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, common_name: str,
+                names: list[x509.GeneralName], days: int) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    """A fresh P-256 key and a TLS server certificate for it, signed by the CA, valid for `names`."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = dt.datetime.now(dt.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
+            .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(hours=1)).not_valid_after(now + dt.timedelta(days=days))
+            .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    return key, cert

@@ -51,6 +51,15 @@ def spans(path: Path) -> list[dict]:
     return out
 
 
+def run_client(script: str, srv: ServerProc, spans_file: Path) -> subprocess.CompletedProcess:
+    """Run a traced client script against the server (its spans go to spans_file); it must succeed."""
+    p = subprocess.run([sys.executable, "-c", script, srv.url, srv.key, str(spans_file), MARK],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")})
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p
+
+
 def attrs(span: dict) -> dict:
     """Attribute values as Python values (OTLP-JSON writes 64-bit ints as strings)."""
     return {a["key"]: int(a["value"]["intValue"]) if "intValue" in a["value"] else next(iter(a["value"].values()))
@@ -77,10 +86,7 @@ def traced(dsec_home, images, tmp_path_factory):
 def test_one_create_is_one_trace_across_processes(traced, tmp_path):
     srv, server_file = traced
     client_file = tmp_path / "client-spans.jsonl"
-    p = subprocess.run([sys.executable, "-c", CLIENT, srv.url, srv.key, str(client_file), MARK],
-                       capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")})
-    assert p.returncode == 0, p.stdout + p.stderr
+    p = run_client(CLIENT, srv, client_file)
     sandbox_id = p.stdout.strip().splitlines()[-1]
     client, server = spans(client_file), spans(server_file)
     by_id = {s["spanId"]: s for s in client + server}
@@ -207,10 +213,7 @@ def test_streamed_execs_are_one_trace_with_the_agent_round_trip(traced, tmp_path
     from dsec.testing.waiting import wait_until_sync
     srv, server_file = traced
     client_file = tmp_path / "streamed-spans.jsonl"
-    p = subprocess.run([sys.executable, "-c", STREAMED, srv.url, srv.key, str(client_file), MARK],
-                       capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")})
-    assert p.returncode == 0, p.stdout + p.stderr
+    run_client(STREAMED, srv, client_file)
     client = spans(client_file)
     by_name = {s["name"]: s for s in client}
     stream, follow, attach = (by_name[n] for n in ("dsec.sandbox.exec_stream", "dsec.sandbox.exec_follow",

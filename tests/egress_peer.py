@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -298,3 +299,17 @@ for name, kind, *args in json.loads(sys.argv[1]):
     out[name + ".s"] = round(time.monotonic() - t, 2)
 print(json.dumps(out))
 '''
+
+
+async def probe(sb, checks: list[list], timeout_s: float = 240) -> dict:
+    """Run PROBE's checks inside the sandbox as root; its JSON answer."""
+    await sb.files.write("/tmp/eprobe.py", PROBE)
+    r = await sb.run(f"python3 /tmp/eprobe.py '{json.dumps(checks)}'", user="root", timeout_s=timeout_s)
+    assert r.exit_code == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def sandbox_ip(server, sandbox_id: str) -> str:
+    """The sandbox's address on the node's bridge, from the edge's own record."""
+    with sqlite3.connect(server.paths.edge_db) as db:
+        return db.execute("SELECT ip FROM net_sandboxes WHERE sandbox_id=?", (sandbox_id,)).fetchone()[0]

@@ -19,14 +19,7 @@ from pydantic import ValidationError
 from dsec import NetworkPolicy
 from dsec.types import ContainerArgs
 
-from egress_peer import PROBE, dserver, peer  # noqa: F401 (fixtures)
-
-
-async def probe(sb, checks: list[list]) -> dict:
-    await sb.files.write("/tmp/eprobe.py", PROBE)
-    r = await sb.run(f"python3 /tmp/eprobe.py '{json.dumps(checks)}'", user="root", timeout_s=90)
-    assert r.exit_code == 0, r.stderr
-    return json.loads(r.stdout)
+from egress_peer import dserver, peer, probe  # noqa: F401 (fixtures)
 
 
 DOMAINS = {"domains": ["allowed.test", "*.wild.test"]}

@@ -18,7 +18,7 @@ import pytest
 
 from dsec.types import DsecError
 
-from egress_peer import PROBE, egress_peer, side_server
+from egress_peer import PROBE, egress_peer, probe, side_server
 
 
 @pytest.fixture(scope="module")
@@ -36,13 +36,6 @@ def vserver(images, dsec_home, tmp_path_factory, vpeer):
     """A server with VM backends on a bridge of its own, its forwarder asking the peer."""
     with side_server(dsec_home, tmp_path_factory, "vmegress", vpeer, vm=True) as srv:
         yield srv
-
-
-async def probe(sb, checks: list[list]) -> dict:
-    await sb.files.write("/tmp/eprobe.py", PROBE)
-    r = await sb.run(f"python3 /tmp/eprobe.py '{json.dumps(checks)}'", user="root", timeout_s=240)
-    assert r.exit_code == 0, r.stderr
-    return json.loads(r.stdout)
 
 
 async def _vm_backends(c) -> None:

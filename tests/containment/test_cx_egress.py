@@ -4,13 +4,11 @@ the proxy into a way in; its ports are reachable only through the redirect."""
 
 from __future__ import annotations
 
-import json
 import socket
-import sqlite3
 import threading
 
 from containment._util import py
-from egress_peer import PROBE, dserver, peer  # noqa: F401 (fixtures)
+from egress_peer import probe, sandbox_ip, dserver, peer  # noqa: F401 (fixtures)
 
 
 class _Listener:
@@ -38,18 +36,6 @@ class _Listener:
         self.sock.close()
 
 
-async def probe(sb, checks: list[list]) -> dict:
-    await sb.files.write("/tmp/eprobe.py", PROBE)
-    r = await sb.run(f"python3 /tmp/eprobe.py '{json.dumps(checks)}'", user="root", timeout_s=120)
-    assert r.exit_code == 0, r.stderr
-    return json.loads(r.stdout)
-
-
-def _ip_of(server, sandbox_id: str) -> str:
-    with sqlite3.connect(server.paths.edge_db) as db:
-        return db.execute("SELECT ip FROM net_sandboxes WHERE sandbox_id=?", (sandbox_id,)).fetchone()[0]
-
-
 async def test_proxy_never_connects_to_the_host_or_other_sandboxes(dserver, peer):
     """Allowed names that resolve to the host's own address, loopback, the gateway, link-local
     metadata or another sandbox: every HTTP/HTTPS attempt fails and no listener sees a connection."""
@@ -59,7 +45,7 @@ async def test_proxy_never_connects_to_the_host_or_other_sandboxes(dserver, peer
         attacker = None
         try:
             await victim.run("nohup python3 -m http.server 80 >/tmp/victim.log 2>&1 &", user="root")
-            vip = _ip_of(dserver, victim.id)
+            vip = sandbox_ip(dserver, victim.id)
             gw = vip.rsplit(".", 1)[0] + ".1"
             names = {"host.test": peer.host_ip, "loop.test": "127.0.0.1", "gw.test": gw,
                      "meta.test": "169.254.169.254", "victim.test": vip, "zero.test": "0.0.0.0"}

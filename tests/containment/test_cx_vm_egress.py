@@ -5,14 +5,12 @@ resolve to those are refused by the node proxy as for containers."""
 
 from __future__ import annotations
 
-import json
 import socket
-import sqlite3
 import threading
 
 import pytest
 
-from egress_peer import PROBE, egress_peer, side_server
+from egress_peer import probe, sandbox_ip, egress_peer, side_server
 
 
 class _Listener:
@@ -55,18 +53,6 @@ def cserver(images, dsec_home, tmp_path_factory, cpeer):
         yield srv
 
 
-async def probe(sb, checks: list[list]) -> dict:
-    await sb.files.write("/tmp/eprobe.py", PROBE)
-    r = await sb.run(f"python3 /tmp/eprobe.py '{json.dumps(checks)}'", user="root", timeout_s=240)
-    assert r.exit_code == 0, r.stderr
-    return json.loads(r.stdout)
-
-
-def _ip_of(server, sandbox_id: str) -> str:
-    with sqlite3.connect(server.paths.edge_db) as db:
-        return db.execute("SELECT ip FROM net_sandboxes WHERE sandbox_id=?", (sandbox_id,)).fetchone()[0]
-
-
 async def test_vm_guest_reaches_neither_the_host_nor_another_sandbox(cserver, cpeer):
     async with cserver.client() as c:
         if "microvm" not in (await c.nodes())[0].backends:
@@ -76,7 +62,7 @@ async def test_vm_guest_reaches_neither_the_host_nor_another_sandbox(cserver, cp
         vm = None
         try:
             await victim.run("nohup python3 -m http.server 8000 >/tmp/victim.log 2>&1 &", user="root")
-            vip = _ip_of(cserver, victim.id)
+            vip = sandbox_ip(cserver, victim.id)
             gw = vip.rsplit(".", 1)[0] + ".1"
             for _ in range(60):      # the victim does listen (on every address; its own loopback here)
                 r = await probe(victim, [["self", "tcp", "127.0.0.1", 8000]])
@@ -84,7 +70,7 @@ async def test_vm_guest_reaches_neither_the_host_nor_another_sandbox(cserver, cp
                     break
             assert r["self"] == "ok:connected", r
             vm = await c.create_microvm(image="debian-python", network={"rules": [{"cidr": "0.0.0.0/0"}]})
-            vm_ip = _ip_of(cserver, vm.id)
+            vm_ip = sandbox_ip(cserver, vm.id)
             lp = listener.port
             # every address allowed: the direct path (QEMU's sockets leaving its veth)
             r = await probe(vm, [

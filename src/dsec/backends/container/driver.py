@@ -955,12 +955,14 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _remove_cgroups(sandbox_id: str, tries: int = 20) -> None:
+def _remove_cgroups(sandbox_id: str, wait_s: float = 10.0) -> None:
     """rmdir the sandbox's cgroup directories in every hierarchy; processes still in one (a
-    half-started init) are killed first. Retried briefly: a killed process leaves its cgroups
-    a moment after it is gone."""
+    half-started init) are killed first. Retried until wait_s: a killed process leaves its
+    cgroups a moment after it is gone, and a killed pid namespace's init waits for all of its
+    namespace to exit first (more than a second on a loaded node: 1 s left cgroups behind)."""
     left: list[Path] = []
-    for attempt in range(tries):
+    deadline = time.monotonic() + wait_s
+    while True:
         left = []
         for cg in cgroups.leftover_dirs(cgroup_path(sandbox_id)):
             try:
@@ -976,6 +978,8 @@ def _remove_cgroups(sandbox_id: str, tries: int = 20) -> None:
                     pass
         if not left:
             return
+        if time.monotonic() >= deadline:
+            break
         time.sleep(0.05)
     log.warning("cgroups left behind", extra={"sandbox": sandbox_id, "paths": [str(c) for c in left]})
 

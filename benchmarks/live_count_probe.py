@@ -3,10 +3,10 @@
 
 An isolated server; at 0 live and again at N live (debian-python, 0.005 cores / 48 MiB, the
 density bench's shape): 250 creates at 8 in flight with py-spy on the server and `perf record -a
--g` over the window, the server's and the host's mount counts, the server's and its children's CPU
+-g` over a second window of 100 (their rate is not the figure: the profilers slow it), the server's and the host's mount counts, the server's and its children's CPU
 per create, 100 raw `crun run -d` beside; then 20 s idle with per-process CPU and 20 `exec true`.
 Everything is stopped at the end."""
-import asyncio, os, subprocess, sys, time, json, resource
+import asyncio, os, subprocess, sys, time, json
 from pathlib import Path
 from dsec.bench.server import BenchServer
 from dsec.bench.density import Raw

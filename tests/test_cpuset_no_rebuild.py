@@ -8,13 +8,17 @@ what the sandbox still sees: its own CPU, through a start, a park to disk and it
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from dsec.backends.container import cgroups
 from dsec.backends.container.hibernate import on_disk
 from dsec.backends.container.spec import cgroup_path
 
-ROOT = cgroups.cpuset_v1_root()
+# found here, not by the driver's helper, so that the test also runs (and fails) on the old code
+_V1 = cgroups.CGROUP_ROOT / "cpuset"
+ROOT: Path | None = None if cgroups.is_unified() or not (_V1 / "cpuset.sched_load_balance").exists() else _V1
 pytestmark = pytest.mark.skipif(ROOT is None, reason="no cgroup v1 cpuset hierarchy on this host")
 
 
@@ -48,6 +52,10 @@ async def test_sandbox_cpuset_is_made_without_balancing(client, server):
     finally:
         await sb.stop()
     assert not _cpuset(sb.id).exists()         # destroy still removes the directory it made
+
+
+def test_the_driver_finds_the_same_hierarchy():
+    assert cgroups.cpuset_v1_root() == ROOT
 
 
 def test_precreate_keeps_an_existing_directory(tmp_path):

@@ -123,7 +123,7 @@ def cpuset_v1_root() -> Path | None:
 
 
 def precreate_cpuset_v1(root: Path, rel: str) -> None:
-    """Make a sandbox's v1 cpuset before crun does, with sched_load_balance 0 (issue 29, D9x).
+    """Make a sandbox's v1 cpuset before crun does, with sched_load_balance 0 (issue 29, D9?).
 
     Why: a v1 cpuset is born with sched_load_balance 1 and empty CPUs, and crun then writes its
     cpuset.cpus twice (the parent's CPUs, then the sandbox's pick). A CPU change of a balancing
@@ -135,7 +135,7 @@ def precreate_cpuset_v1(root: Path, rel: str) -> None:
     existing directory as it is; destroy's rmdir in every hierarchy removes it as before."""
     d = root / rel.lstrip("/")
     try:
-        d.mkdir(parents=True)
-    except FileExistsError:
-        pass
-    (d / "cpuset.sched_load_balance").write_text("0")
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "cpuset.sched_load_balance").write_text("0")
+    except OSError:
+        pass   # only a cost: crun makes the directory (or reports why it cannot) as before

@@ -105,6 +105,7 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
         self.crun = shutil.which(crun) or crun
         self.nsexec = compile_static(NSEXEC_SOURCE, paths.bin, "dsec-nsexec")
         self.cgroup_v2 = cgroups.is_unified()
+        self.cpuset_v1 = cgroups.cpuset_v1_root()   # made before crun, balancing off (cgroups.py)
         problem = cgroups.check_host()
         if problem:
             raise Unavailable(problem, fix=problem)
@@ -257,7 +258,13 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
         cfg = build_config(spec, self.agent_binary, cgroup_v2=self.cgroup_v2, quota_floor=self.quota_floor,
                                view=self.view, bundle=d)
         (d / "config.json").write_text(json.dumps(cfg))
+        self._precreate_cgroups(spec.sandbox_id)
         return spec
+
+    def _precreate_cgroups(self, sandbox_id: str) -> None:
+        """What crun's cgroup set-up would do in O(live sandboxes) done first in O(1) (cgroups.py)."""
+        if self.cpuset_v1 is not None:
+            cgroups.precreate_cpuset_v1(self.cpuset_v1, cgroup_path(sandbox_id))
 
     @staticmethod
     def _listen(path: Path) -> socket.socket:
@@ -704,6 +711,7 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
             cfg = build_config(spec, self.agent_binary, cgroup_v2=self.cgroup_v2, quota_floor=self.quota_floor,
                                view=self.view, bundle=d)      # volumes: the idmapped clones again
             await asyncio.to_thread((d / "config.json").write_text, json.dumps(cfg))
+            await asyncio.to_thread(self._precreate_cgroups, sandbox_id)
             listener = self._listen(self.agent_socket(sandbox_id))
             try:
                 pid = await self._run_crun(sandbox_id, d, spec, listener)

@@ -123,7 +123,7 @@ def cpuset_v1_root() -> Path | None:
 
 
 def precreate_cpuset_v1(root: Path, rel: str) -> None:
-    """Make a sandbox's v1 cpuset before crun does, with sched_load_balance 0 (issue 29, D9?).
+    """Make a sandbox's v1 cpuset before crun does, with sched_load_balance 0 (issue 29, D90).
 
     Why: a v1 cpuset is born with sched_load_balance 1 and empty CPUs, and crun then writes its
     cpuset.cpus twice (the parent's CPUs, then the sandbox's pick). A CPU change of a balancing

@@ -578,10 +578,12 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
             except BaseException:
                 self._dozing.discard(sandbox_id)
                 raise
-        if not self.settings.idle_pageout:
-            return 0
+        t0 = time.monotonic()
         # outside the lock: a wake meanwhile only faults back what it touches
-        return await asyncio.to_thread(doze.pageout, pid)
+        out = await asyncio.to_thread(doze.pageout, pid) if self.settings.idle_pageout else 0
+        log.info("vm dozing", extra={"sandbox": sandbox_id, "busy_pct": round(busy, 2), "paged_out": out,
+                                     "pageout_ms": round((time.monotonic() - t0) * 1000, 1)})
+        return out
 
     async def wake(self, sandbox_id: str) -> bool:
         if sandbox_id not in self._dozing:

@@ -293,7 +293,7 @@ async def _config(server: BenchServer, cfg: Config, o: Opts) -> dict:
                     pass
             c0, t0 = sum(qemu_cpu_ns(p) for p in pids), time.monotonic()
             await asyncio.sleep(o.idle_cpu_window_s)
-            res["idle_cpu_pct_per_vm"] = (100 * (sum(qemu_cpu_ns(p) for p in pids) - c0)
+            res["idle_cpu_pct_per_vm"] = max(0.0, 100 * (sum(qemu_cpu_ns(p) for p in pids) - c0)
                                           / ((time.monotonic() - t0) * 1e9) / max(1, len(pids)))
             rtt, rtt2 = [], []
             for sb in sbs:

@@ -592,6 +592,10 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
         async with lock:
             if sandbox_id not in self._dozing:
                 return False
+            pid = self._pid(sandbox_id)
+            if pid is None or not pid_alive(pid, sandbox_id):     # died dozing: the caller's use fails it
+                self._dozing.discard(sandbox_id)
+                return False
             try:
                 async with Qmp(self.sandbox_dir(sandbox_id) / "qmp.sock", sandbox_id) as q:
                     await q.run("cont")
@@ -642,6 +646,8 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
         try:
             spec = json.loads((d / "spec.json").read_text())
             (tmp / "spec.json").write_text(json.dumps({**spec, **meta, "source": sandbox_id}))
+            # no longer dozing: a request meanwhile must not run it during the save (it runs on after)
+            self._undoze(sandbox_id)
             async with Qmp(d / "qmp.sock", sandbox_id) as q:
                 await q.run("stop")
                 paused = time.monotonic()
@@ -657,7 +663,6 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
                         shutil.copyfile(d / "console.log", tmp / "console.log")
                 finally:
                     await q.run("cont")
-                    self._undoze(sandbox_id)
                     log.info("vm snapshot pause", extra={"sandbox": sandbox_id,
                                                          "paused_s": round(time.monotonic() - paused, 3)})
             # its RAM as a file every restore maps copy-on-write (snapram.py); a failure
@@ -685,6 +690,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
         (the host memory is free), the writable disk stays where it is. Returns bytes saved."""
         d = self.sandbox_dir(sandbox_id)
         tmp, out = d / "saved.state.tmp", d / "saved.state"
+        self._undoze(sandbox_id)      # stopped for the save; the resumed QEMU (or a failed save) runs
         async with Qmp(d / "qmp.sock", sandbox_id) as q:
             await q.run("stop")
             try:
@@ -704,7 +710,6 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
         for f in ("agent.sock", "qmp.sock", "qemu.pid"):
             (d / f).unlink(missing_ok=True)
         self.started.pop(sandbox_id, None)
-        self._undoze(sandbox_id)      # the resumed QEMU runs
         return out.stat().st_blocks * 512
 
     def is_saved(self, sandbox_id: str) -> bool:

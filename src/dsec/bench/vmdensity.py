@@ -85,6 +85,7 @@ class Opts:
     kind: str = "microvm"                # or "vm" (q35 full VMs)
     doze_idle_s: float = 60.0            # DSEC_RECLAIM_IDLE_S of the dozing configurations
     doze_wait_s: float = 900.0           # longest wait for every clone to doze
+    doze_per_tick: int = 4               # DSEC_RECLAIM_PER_TICK of the dozing configurations
 
     def command(self) -> str:
         tb = f" --tb-size-mb {self.tb_size_mb}" if self.tb_size_mb is not None else ""
@@ -92,7 +93,8 @@ class Opts:
                 f"--ksm-wait-s {self.ksm_wait_s:g} --memory-mb {self.memory_mb} --image {self.image} "
                 f"--pages-to-scan {self.pages_to_scan}{tb} --configs {','.join(self.configs)}"
                 + (f" --kind {self.kind}" if self.kind != "microvm" else "")
-                + (f" --doze-idle-s {self.doze_idle_s:g}" if any(CONFIGS[c].doze for c in self.configs) else "")
+                + (f" --doze-idle-s {self.doze_idle_s:g} --doze-per-tick {self.doze_per_tick}"
+                   if any(CONFIGS[c].doze for c in self.configs) else "")
                 + (" --baseline-src OLD/src" if self.baseline_src else ""))
 
 
@@ -236,15 +238,24 @@ async def _config(server: BenchServer, cfg: Config, o: Opts) -> dict:
             sem = asyncio.Semaphore(o.inflight)
             lat: list[float] = []
 
+            refusals: list[str] = []
+
             async def go() -> None:
                 async with sem:
-                    sb, s = await _one(c, o)
+                    try:
+                        sb, s = await _one(c, o)
+                    except Exception as e:      # a refusal (admission) or a failed clone: counted, named
+                        refusals.append(f"{e.__class__.__name__}: {e}"[:300])
+                        return
                     sbs.append(sb)
                     lat.append(s)
             t0 = time.perf_counter()
             await asyncio.gather(*(go() for _ in range(o.n)))
+            res["refused"], res["refusals"] = len(refusals), sorted(set(refusals))[:5]
+            if not sbs:
+                raise RuntimeError(f"no clone was created: {refusals[:3]}")
             wall = time.perf_counter() - t0
-            res.update(create_wall_s=wall, clones_per_s=o.n / wall, create_p50_ms=_pct(lat, 50) * 1000,
+            res.update(create_wall_s=wall, clones_per_s=len(sbs) / wall, create_p50_ms=_pct(lat, 50) * 1000,
                        create_p95_ms=_pct(lat, 95) * 1000)
             cpu0, t_idle = ksmd_cpu_s(), time.monotonic()
             await asyncio.sleep(o.idle_s)
@@ -269,10 +280,11 @@ async def _config(server: BenchServer, cfg: Config, o: Opts) -> dict:
             res["ksmd_cpu_pct_idle"] = 100 * (ksmd_cpu_s() - cpu0) / res["idle_s"]
             cpu1, t1 = ksmd_cpu_s(), time.monotonic()
             after = await asyncio.to_thread(settled_mem_available_mib, 5)
-            res["zram_mib_per_vm"] = (zram_used_mib() - zram0) / o.n
+            alive = len(sbs)
+            res["zram_mib_per_vm"] = (zram_used_mib() - zram0) / alive
             res["ksmd_cpu_pct_steady"] = 100 * (ksmd_cpu_s() - cpu1) / (time.monotonic() - t1)
-            res["memavail_per_vm_mib"] = (base - after) / o.n
-            res["ksm_saved_mib_per_vm"] = ksm_saved_mib() / o.n if cfg.ksmd else 0.0
+            res["memavail_per_vm_mib"] = (base - after) / alive
+            res["ksm_saved_mib_per_vm"] = ksm_saved_mib() / alive if cfg.ksmd else 0.0
             parts: list[dict[str, float]] = []
             lost = []
             for sb in sbs:
@@ -337,6 +349,7 @@ def run_vm_density(o: Opts, out: Path | None) -> list[dict]:
             env["DSEC_VM_TCG_TB_SIZE_MB"] = str(o.tb_size_mb)
         if cfg.doze:
             env["DSEC_RECLAIM_IDLE_S"] = env["DSEC_RECLAIM_PRESSED_IDLE_S"] = f"{o.doze_idle_s:g}"
+            env["DSEC_RECLAIM_PER_TICK"] = str(o.doze_per_tick)
         server = BenchServer("dsec-bench-vmd-")
         server.env.update(env)
         old_ksm: dict[str, int] = {}
@@ -392,6 +405,7 @@ def _report(rs: list[dict], o: Opts, load_before: float) -> list[str]:
         ("`run(\"true\")` again right after, p50 / p99 ms", lambda r: f"{r.get('exec2_p50_ms', float('nan')):.1f} / "
                                                                    f"{r.get('exec2_p99_ms', float('nan')):.1f}"),
         ("clones lost while idle (failed liveness pings)", lambda r: str(r.get("lost", 0))),
+        ("creations refused or failed", lambda r: str(r.get("refused", 0))),
     ]
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     md = [f"\n## vm-density — {when}\n",

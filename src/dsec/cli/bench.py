@@ -123,6 +123,7 @@ def bench_vm_density(
         idle_windows: int = 6, idle_window_s: float = 20.0,
         kind: Annotated[str, typer.Option(help="microvm (clones) or vm (q35 full VMs)")] = "microvm",
         doze_idle_s: Annotated[float, typer.Option(help="DSEC_RECLAIM_IDLE_S of the doze configurations")] = 60.0,
+        doze_per_tick: Annotated[int, typer.Option(help="DSEC_RECLAIM_PER_TICK of the doze configurations")] = 4,
         out: Optional[Path] = Path("docs/benchmarks.md")) -> None:
     """What an idle microVM clone costs the host and how fast clones come, per memory setting,
     side by side (toggles the host's ksmd for the KSM columns and puts it back)."""
@@ -141,7 +142,7 @@ def bench_vm_density(
                                image=image, configs=configs.split(","), tb_size_mb=tb_size_mb,
                                pages_to_scan=pages_to_scan, baseline_src=baseline_src,
                                min_mem_available_mib=min_available_gib * 1024, kind=kind,
-                               doze_idle_s=doze_idle_s), out=out)
+                               doze_idle_s=doze_idle_s, doze_per_tick=doze_per_tick), out=out)
 
 
 @bench_app.command("qos")

@@ -1,4 +1,4 @@
-"""A create must not cost O(live sandboxes) in the kernel's cpuset code (issue 29 item 1, D9x).
+"""A create must not cost O(live sandboxes) in the kernel's cpuset code (issue 29 item 1, D90).
 
 crun writes a new v1 cpuset's CPUs twice; a CPU change of a cpuset with sched_load_balance 1
 (what the kernel gives a new one) rebuilds the scheduler domains, walking every cpuset of the

@@ -315,6 +315,11 @@ class VMSettings(Group):
     tcg_tb_size_mb: int = env(32, "DSEC_VM_TCG_TB_SIZE_MB", "TCG translation cache in MiB of VMs started from "
                               "saved state (clones, resumes; `-accel tcg,tb-size=`; 0: QEMU's default of 1 GiB); "
                               "cold boots keep the default; no effect under KVM", ge=0)
+    idle_stop: bool = env(True, "DSEC_VM_IDLE_STOP", "a VM without a NIC idle for DSEC_RECLAIM_IDLE_S "
+                          "whose QEMU uses no CPU has its vCPUs stopped until its next request (QMP "
+                          "stop/cont; the guest clock is set again on wake)")
+    idle_pageout: bool = env(True, "DSEC_VM_IDLE_PAGEOUT", "a VM whose vCPUs were stopped idle has its "
+                             "QEMU's private memory pushed to swap (zram): MADV_PAGEOUT")
     ksm: Literal["all", "ram", "0"] = env("all", "DSEC_VM_KSM", "mark guest RAM mergeable (`-machine mem-merge=on`) so the host's KSM "
                     "(scripts/host-setup.sh turns it on) merges identical pages across VMs; 0 closes the "
                     "cross-VM timing side channel of merged pages (docs/security.md)")

@@ -213,6 +213,26 @@ class Reclaim(ABC):
         """Returns the bytes that left RAM (what its tasks touch again comes back)."""
 
 
+class Doze(ABC):
+    """Stop an idle sandbox's CPU (and push its memory out) while nobody uses it; the edge
+    wakes it before every use. The edge's idle reclaim asks (edge/reclaim.py) once a sandbox
+    is idle and nothing is in flight; `doze` must mark the sandbox dozing before its first
+    await, so a request that arrives meanwhile finds it so and its `wake` waits for the doze."""
+
+    @abstractmethod
+    async def doze(self, sandbox_id: str) -> int:
+        """Returns the bytes that left RAM, or -1 when it did not doze (busy, not eligible)."""
+
+    @abstractmethod
+    async def wake(self, sandbox_id: str) -> bool:
+        """Run it again if it dozes (a set lookup when not). True: it dozed (the guest's
+        clock stood still: the caller sets it)."""
+
+    @abstractmethod
+    def dozing(self, sandbox_id: str) -> bool:
+        """Whether it dozes now (its agent does not answer until woken: no liveness pings)."""
+
+
 @dataclass(frozen=True)
 class UpperView:
     """A frozen sandbox's writable layer, as the host sees it."""

@@ -10,6 +10,10 @@ own isolated server (own DSEC_HOME, template built first and not timed), then:
      page tables), and the KSM savings the kernel counts;
   4. `run("true")` round trip on every clone with all alive (p50/p99);
   5. ksmd's CPU time over the idle phase.
+Dozing configurations (idle clones' vCPUs stopped and their memory paged out to zram,
+backends/vm/doze.py) wait in step 2 until every clone dozes, count what went to swap (each
+QEMU's `Swap:` and the zram pool's growth) and run `true` twice per clone in step 4: the first
+wakes it (and swaps in what it touches), the second is the steady state.
 The host's KSM settings are put back as they were after each configuration.
 """
 
@@ -43,16 +47,24 @@ class Config:
     name: str
     env: dict[str, str]
     ksmd: bool = False          # the host's ksmd runs during this configuration
+    doze: bool = False          # idle clones doze (DSEC_VM_IDLE_STOP): wait for all of them
+
+
+NO_DOZE = {"DSEC_VM_IDLE_STOP": "0"}       # columns that measure something else keep clones awake
 
 
 CONFIGS = {
     # the code of another checkout (--baseline-src: e.g. the main branch before issue 31) with
     # its own defaults: today's clone path (qemu-img, `exec:cat`) and QEMU flags
     "baseline": Config("baseline checkout", {}),
-    "before": Config("before (tb-size unset, no KSM)", {"DSEC_VM_TCG_TB_SIZE_MB": "0", "DSEC_VM_KSM": "0"}),
-    "tb": Config("tb-size bounded, no KSM", {"DSEC_VM_KSM": "0"}),
-    "ksm-ram": Config("tb-size bounded, KSM on guest RAM", {"DSEC_VM_KSM": "ram"}, ksmd=True),
-    "ksm-all": Config("tb-size bounded, KSM on all of QEMU", {"DSEC_VM_KSM": "all"}, ksmd=True),
+    "before": Config("before (tb-size unset, no KSM)", {"DSEC_VM_TCG_TB_SIZE_MB": "0", "DSEC_VM_KSM": "0", **NO_DOZE}),
+    "tb": Config("tb-size bounded, no KSM", {"DSEC_VM_KSM": "0", **NO_DOZE}),
+    "ksm-ram": Config("tb-size bounded, KSM on guest RAM", {"DSEC_VM_KSM": "ram", **NO_DOZE}, ksmd=True),
+    "ksm-all": Config("tb-size bounded, KSM on all of QEMU", {"DSEC_VM_KSM": "all", **NO_DOZE}, ksmd=True),
+    # + idle clones doze (their idle threshold: --doze-idle-s, after KSM's first merges)
+    "doze": Config("KSM all + idle clones doze, paged out", {"DSEC_VM_KSM": "all"}, ksmd=True, doze=True),
+    "doze-stop": Config("KSM all + idle clones doze, not paged out",
+                        {"DSEC_VM_KSM": "all", "DSEC_VM_IDLE_PAGEOUT": "0"}, ksmd=True, doze=True),
 }
 
 
@@ -68,13 +80,21 @@ class Opts:
     tb_size_mb: int | None = None        # the bounded configurations' DSEC_VM_TCG_TB_SIZE_MB
     pages_to_scan: int = 2000
     min_mem_available_mib: float = 12 << 10
+    idle_cpu_window_s: float = 20.0
     baseline_src: str | None = None      # PYTHONPATH of the "baseline" configuration's server
+    kind: str = "microvm"                # or "vm" (q35 full VMs)
+    doze_idle_s: float = 60.0            # DSEC_RECLAIM_IDLE_S of the dozing configurations
+    doze_wait_s: float = 900.0           # longest wait for every clone to doze
+    doze_per_tick: int = 4               # DSEC_RECLAIM_PER_TICK of the dozing configurations
 
     def command(self) -> str:
         tb = f" --tb-size-mb {self.tb_size_mb}" if self.tb_size_mb is not None else ""
         return (f"dsec bench vm-density --n {self.n} --inflight {self.inflight} --idle-s {self.idle_s:g} "
                 f"--ksm-wait-s {self.ksm_wait_s:g} --memory-mb {self.memory_mb} --image {self.image} "
                 f"--pages-to-scan {self.pages_to_scan}{tb} --configs {','.join(self.configs)}"
+                + (f" --kind {self.kind}" if self.kind != "microvm" else "")
+                + (f" --doze-idle-s {self.doze_idle_s:g} --doze-per-tick {self.doze_per_tick}"
+                   if any(CONFIGS[c].doze for c in self.configs) else "")
                 + (" --baseline-src OLD/src" if self.baseline_src else ""))
 
 
@@ -88,7 +108,8 @@ def smaps_breakdown(pid: int, ram_mib: int) -> dict[str, float]:
     """KiB of one QEMU's memory by kind (guest RAM: its anonymous pages; the rest: private
     pages), plus KSM-merged KiB, PSS and page tables. Guest RAM is the mapping of the guest's size; the TCG code cache is the one
     anonymous executable mapping."""
-    out = {"guest_ram": 0.0, "code_cache": 0.0, "qemu_anon": 0.0, "files": 0.0, "ksm": 0.0, "pss": 0.0}
+    out = {"guest_ram": 0.0, "code_cache": 0.0, "qemu_anon": 0.0, "files": 0.0, "ksm": 0.0, "pss": 0.0,
+           "swap": 0.0}
     kind, size = "qemu_anon", 0
     with open(f"/proc/{pid}/smaps") as f:
         for line in f:
@@ -112,6 +133,8 @@ def smaps_breakdown(pid: int, ram_mib: int) -> dict[str, float]:
                 out[kind] += int(rest.split()[0])
             elif key == "KSM":
                 out["ksm"] += int(rest.split()[0])
+            elif key == "Swap":
+                out["swap"] += int(rest.split()[0])
             elif key == "Pss":
                 out["pss"] += int(rest.split()[0])
     with open(f"/proc/{pid}/status") as f:
@@ -156,10 +179,46 @@ def ksm_saved_mib() -> float:
     return (ksm_read("pages_sharing") + zero) * _PAGE_KIB / 1024
 
 
+def zram_used_mib() -> float:
+    """Memory the host's zram devices use now (compressed pages and their metadata)."""
+    total = 0
+    for dev in Path("/sys/block").glob("zram*"):
+        try:
+            total += int((dev / "mm_stat").read_text().split()[2])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total / (1 << 20)
+
+
+def qemu_cpu_ns(pid: int) -> int:
+    total = 0
+    for t in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((t / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+def dozed_ids(server: BenchServer) -> set[str]:
+    """The sandboxes whose QEMU dozed (the driver logs each)."""
+    out = set()
+    for line in server.log_tail(10 ** 9).splitlines():
+        if '"vm dozing"' in line:
+            try:
+                out.add(json.loads(line)["sandbox"])
+            except (ValueError, KeyError):
+                pass
+    return out
+
+
 # -- one configuration ---------------------------------------------------------------------
 async def _one(c: Client, o: Opts) -> tuple[Sandbox, float]:
     t0 = time.perf_counter()
-    sb = await c.create_microvm(image=o.image, memory_mb=o.memory_mb, vcpus=1)
+    if o.kind == "vm":
+        sb = await c.create_vm(image=o.image, memory_mb=o.memory_mb, vcpus=1)
+    else:
+        sb = await c.create_microvm(image=o.image, memory_mb=o.memory_mb, vcpus=1)
     r = await sb.run("true")
     if r.exit_code != 0:
         raise RuntimeError(f"`true` failed in {sb.id}: {r}")
@@ -175,18 +234,28 @@ async def _config(server: BenchServer, cfg: Config, o: Opts) -> dict:
             res["template_first_clone_s"] = first
             await sb.stop()
             base = await asyncio.to_thread(settled_mem_available_mib)
+            zram0 = zram_used_mib()
             sem = asyncio.Semaphore(o.inflight)
             lat: list[float] = []
 
+            refusals: list[str] = []
+
             async def go() -> None:
                 async with sem:
-                    sb, s = await _one(c, o)
+                    try:
+                        sb, s = await _one(c, o)
+                    except Exception as e:      # a refusal (admission) or a failed clone: counted, named
+                        refusals.append(f"{e.__class__.__name__}: {e}"[:300])
+                        return
                     sbs.append(sb)
                     lat.append(s)
             t0 = time.perf_counter()
             await asyncio.gather(*(go() for _ in range(o.n)))
+            res["refused"], res["refusals"] = len(refusals), sorted(set(refusals))[:5]
+            if not sbs:
+                raise RuntimeError(f"no clone was created: {refusals[:3]}")
             wall = time.perf_counter() - t0
-            res.update(create_wall_s=wall, clones_per_s=o.n / wall, create_p50_ms=_pct(lat, 50) * 1000,
+            res.update(create_wall_s=wall, clones_per_s=len(sbs) / wall, create_p50_ms=_pct(lat, 50) * 1000,
                        create_p95_ms=_pct(lat, 95) * 1000)
             cpu0, t_idle = ksmd_cpu_s(), time.monotonic()
             await asyncio.sleep(o.idle_s)
@@ -201,13 +270,21 @@ async def _config(server: BenchServer, cfg: Config, o: Opts) -> dict:
                     last = now
                     await asyncio.sleep(10)
                 res["ksm_full_scans"] = ksm_read("full_scans") - scans0
+            if cfg.doze:           # every clone dozed (the idle reclaim does a few per tick)
+                want, deadline = {sb.id for sb in sbs}, time.monotonic() + o.doze_wait_s
+                while not want <= (got := await asyncio.to_thread(dozed_ids, server)) and time.monotonic() < deadline:
+                    await asyncio.sleep(5)
+                res["dozed"] = len(want & got)
+                await asyncio.sleep(5)       # the last pageouts' zram writes
             res["idle_s"] = time.monotonic() - t_idle
             res["ksmd_cpu_pct_idle"] = 100 * (ksmd_cpu_s() - cpu0) / res["idle_s"]
             cpu1, t1 = ksmd_cpu_s(), time.monotonic()
             after = await asyncio.to_thread(settled_mem_available_mib, 5)
+            alive = len(sbs)
+            res["zram_mib_per_vm"] = (zram_used_mib() - zram0) / alive
             res["ksmd_cpu_pct_steady"] = 100 * (ksmd_cpu_s() - cpu1) / (time.monotonic() - t1)
-            res["memavail_per_vm_mib"] = (base - after) / o.n
-            res["ksm_saved_mib_per_vm"] = ksm_saved_mib() / o.n if cfg.ksmd else 0.0
+            res["memavail_per_vm_mib"] = (base - after) / alive
+            res["ksm_saved_mib_per_vm"] = ksm_saved_mib() / alive if cfg.ksmd else 0.0
             parts: list[dict[str, float]] = []
             lost = []
             for sb in sbs:
@@ -219,16 +296,31 @@ async def _config(server: BenchServer, cfg: Config, o: Opts) -> dict:
             res["lost"] = len(lost)
             sbs = [sb for sb in sbs if sb not in lost]
             res["per_vm_kib"] = {k: statistics.fmean(p.get(k, 0.0) for p in parts) for k in parts[0]}
-            rtt = []
+            # idle CPU of every QEMU over one window (dozing ones: their main loop only)
+            pids = []
             for sb in sbs:
-                t = time.perf_counter()
                 try:
-                    await sb.run("true")
+                    pids.append(int((server.paths.vm_sandboxes / sb.id / "qemu.pid").read_text()))
+                except (OSError, ValueError):
+                    pass
+            c0, t0 = sum(qemu_cpu_ns(p) for p in pids), time.monotonic()
+            await asyncio.sleep(o.idle_cpu_window_s)
+            res["idle_cpu_pct_per_vm"] = max(0.0, 100 * (sum(qemu_cpu_ns(p) for p in pids) - c0)
+                                          / ((time.monotonic() - t0) * 1e9) / max(1, len(pids)))
+            rtt, rtt2 = [], []
+            for sb in sbs:
+                try:
+                    t = time.perf_counter()
+                    await sb.run("true")        # a dozing clone: wakes, swaps in
+                    rtt.append((time.perf_counter() - t) * 1000)
+                    t = time.perf_counter()
+                    await sb.run("true")        # awake
+                    rtt2.append((time.perf_counter() - t) * 1000)
                 except Exception:
                     res["lost"] += 1
                     continue
-                rtt.append((time.perf_counter() - t) * 1000)
-            res.update(exec_p50_ms=_pct(rtt, 50), exec_p99_ms=_pct(rtt, 99))
+            res.update(exec_p50_ms=_pct(rtt, 50), exec_p99_ms=_pct(rtt, 99),
+                       exec2_p50_ms=_pct(rtt2, 50), exec2_p99_ms=_pct(rtt2, 99))
         finally:
             sem2 = asyncio.Semaphore(8)
 
@@ -255,6 +347,9 @@ def run_vm_density(o: Opts, out: Path | None) -> list[dict]:
             env["PYTHONPATH"] = o.baseline_src
         elif o.tb_size_mb is not None and "DSEC_VM_TCG_TB_SIZE_MB" not in env:
             env["DSEC_VM_TCG_TB_SIZE_MB"] = str(o.tb_size_mb)
+        if cfg.doze:
+            env["DSEC_RECLAIM_IDLE_S"] = env["DSEC_RECLAIM_PRESSED_IDLE_S"] = f"{o.doze_idle_s:g}"
+            env["DSEC_RECLAIM_PER_TICK"] = str(o.doze_per_tick)
         server = BenchServer("dsec-bench-vmd-")
         server.env.update(env)
         old_ksm: dict[str, int] = {}
@@ -296,17 +391,26 @@ def _report(rs: list[dict], o: Opts, load_before: float) -> list[str]:
         ("  private: QEMU's own anonymous memory (heap, TLBs, stacks)", lambda r: mib(r, "qemu_anon")),
         ("  private: file pages (relocations of QEMU and its libraries)", lambda r: mib(r, "files")),
         ("  page tables", lambda r: mib(r, "page_tables")),
+        ("  in swap (QEMU's `Swap:`, uncompressed)", lambda r: mib(r, "swap")),
+        ("zram pool growth per clone, MiB (compressed; in MemAvailable)", lambda r: f"{r.get('zram_mib_per_vm', 0.0):.1f}"),
         ("  KSM pages mapped (shared between clones, not in the private rows)", lambda r: mib(r, "ksm")),
         ("KSM saving host-wide per clone, MiB", lambda r: f"{r['ksm_saved_mib_per_vm']:.1f}"),
         ("ksmd CPU % of a core: while merging / steady", lambda r: f"{r['ksmd_cpu_pct_idle']:.0f} / "
                                                                    f"{r['ksmd_cpu_pct_steady']:.0f}"),
-        (f"`run(\"true\")` p50 / p99 ms, all {o.n} alive", lambda r: f"{r['exec_p50_ms']:.1f} / {r['exec_p99_ms']:.1f}"),
+        ("idle CPU per clone, % of a core (all QEMU threads, one window)",
+         lambda r: f"{r.get('idle_cpu_pct_per_vm', float('nan')):.3f}"),
+        ("clones dozed", lambda r: str(r.get("dozed", "-"))),
+        (f"`run(\"true\")` p50 / p99 ms, all {o.n} alive (a dozing clone: wakes it)",
+         lambda r: f"{r['exec_p50_ms']:.1f} / {r['exec_p99_ms']:.1f}"),
+        ("`run(\"true\")` again right after, p50 / p99 ms", lambda r: f"{r.get('exec2_p50_ms', float('nan')):.1f} / "
+                                                                   f"{r.get('exec2_p99_ms', float('nan')):.1f}"),
         ("clones lost while idle (failed liveness pings)", lambda r: str(r.get("lost", 0))),
+        ("creations refused or failed", lambda r: str(r.get("refused", 0))),
     ]
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     md = [f"\n## vm-density — {when}\n",
           f"Command: `{o.command()}` on {os.cpu_count()} cores, kernel {platform.release()}, TCG, image "
-          f"`{o.image}`, {o.n} clones of {o.memory_mb} MiB alive per configuration, each configuration its own "
+          f"`{o.image}`, {o.n} {'q35 VMs' if o.kind == 'vm' else 'clones'} of {o.memory_mb} MiB alive per configuration, each configuration its own "
           f"isolated server, one after the other in this run. MemAvailable lost = before the {o.n} creations "
           f"minus after the idle phase (median of 5 reads). Load average (1 min) before / after: "
           f"{load_before:.2f} / {os.getloadavg()[0]:.2f}.\n",

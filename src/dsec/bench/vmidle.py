@@ -21,7 +21,7 @@ from pathlib import Path
 from rich.console import Console
 
 from dsec.bench.server import BenchServer
-from dsec.bench.vmdensity import CONFIGS, Opts, _one, _pct, ksm_set, smaps_breakdown
+from dsec.bench.vmdensity import CONFIGS, NO_DOZE, Opts, _one, _pct, ksm_set, smaps_breakdown
 from dsec.sdk.client import Client, Sandbox
 
 console = Console()
@@ -60,8 +60,8 @@ def side(key: str, baseline_src: str | None) -> Side:
         if not baseline_src:
             raise RuntimeError("the baseline side needs --baseline-src (the src dir of the old checkout)")
         return Side("baseline checkout", {"PYTHONPATH": baseline_src})
-    if key == "this":
-        return Side("this checkout", {})
+    if key == "this":     # awake: an idle clone that dozes (DSEC_VM_IDLE_STOP) uses no CPU to measure
+        return Side("this checkout", dict(NO_DOZE))
     if "=" in key:        # this code with settings of its own: A=1+B=2
         env = dict(kv.split("=", 1) for kv in key.split("+"))
         return Side(" ".join(f"{a}={b}" for a, b in env.items()), env, env.get("DSEC_VM_KSM", "all") != "0")

@@ -107,7 +107,7 @@ def bench_vm_density(
         idle_s: float = 20.0,
         ksm_wait_s: Annotated[float, typer.Option(help="longest wait for KSM merging to settle")] = 240.0,
         memory_mb: int = 256, image: str = "busybox",
-        configs: Annotated[str, typer.Option(help="comma-separated: baseline, before, tb, ksm-ram, ksm-all")]
+        configs: Annotated[str, typer.Option(help="comma-separated: baseline, before, tb, ksm-ram, ksm-all, doze, doze-stop")]
         = "before,tb,ksm-ram,ksm-all",
         tb_size_mb: Annotated[Optional[int], typer.Option(help="DSEC_VM_TCG_TB_SIZE_MB of the bounded ones "
                                                                 "(default: the setting's)")] = None,
@@ -121,6 +121,9 @@ def bench_vm_density(
                                                             "e.g. baseline,this; ksm-all,ksm-ram; this,DSEC_VM_TCG_TB_SIZE_MB=16")] = None,
         idle_k: Annotated[int, typer.Option(help="idle clones per side (--idle-ab)")] = 20,
         idle_windows: int = 6, idle_window_s: float = 20.0,
+        kind: Annotated[str, typer.Option(help="microvm (clones) or vm (q35 full VMs)")] = "microvm",
+        doze_idle_s: Annotated[float, typer.Option(help="DSEC_RECLAIM_IDLE_S of the doze configurations")] = 60.0,
+        doze_per_tick: Annotated[int, typer.Option(help="DSEC_RECLAIM_PER_TICK of the doze configurations")] = 4,
         out: Optional[Path] = Path("docs/benchmarks.md")) -> None:
     """What an idle microVM clone costs the host and how fast clones come, per memory setting,
     side by side (toggles the host's ksmd for the KSM columns and puts it back)."""
@@ -138,7 +141,8 @@ def bench_vm_density(
     run_vm_density(DensityOpts(n=n, inflight=inflight, idle_s=idle_s, ksm_wait_s=ksm_wait_s, memory_mb=memory_mb,
                                image=image, configs=configs.split(","), tb_size_mb=tb_size_mb,
                                pages_to_scan=pages_to_scan, baseline_src=baseline_src,
-                               min_mem_available_mib=min_available_gib * 1024), out=out)
+                               min_mem_available_mib=min_available_gib * 1024, kind=kind,
+                               doze_idle_s=doze_idle_s, doze_per_tick=doze_per_tick), out=out)
 
 
 @bench_app.command("qos")

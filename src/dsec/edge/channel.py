@@ -5,11 +5,13 @@ sandbox first), and marking activity.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 
 from dsec.agent.client import AgentClient, AgentDisconnected
+from dsec.backends.base import Doze
 from dsec.edge.live import LiveSandbox
 from dsec.edge.records import SandboxRecord
 from dsec.types import SandboxFailed, SandboxState
@@ -43,12 +45,16 @@ class AgentChannel(EdgeCore):
     @asynccontextmanager
     async def _use(self, sandbox_id: str) -> AsyncIterator[tuple[LiveSandbox, AgentClient]]:
         """An agent for a running sandbox; marks activity; turns a dead channel into a failure.
-        A parked sandbox is resumed first: callers never see `suspended`."""
+        A parked sandbox is resumed first: callers never see `suspended`; a dozing one (Doze)
+        is woken."""
         live = await self._live_resumed(sandbox_id)
         with self._busy(live.rec):
             try:
                 try:
+                    woke = isinstance(live.backend, Doze) and await live.backend.wake(live.id)
                     agent = await live.connect()
+                    if woke:     # its clock stood still while it dozed
+                        await agent.refresh(seed=secrets.token_bytes(32), time_ns=time.time_ns())
                 except (OSError, AgentDisconnected, asyncio.TimeoutError) as e:
                     await self._check_alive(live, e)
                     raise

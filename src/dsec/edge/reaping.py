@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from dsec.agent.client import AgentError
-from dsec.backends.base import LivenessWatched
+from dsec.backends.base import Doze, LivenessWatched
 from dsec.edge.live import LiveSandbox
 from dsec.edge.records import SandboxRecord
 from dsec.types import DsecError, SandboxState
@@ -62,8 +62,10 @@ class Reaping(EdgeCore):
         # A guest that stopped scheduling (hung kernel, stuck vCPU, a reboot that spins)
         # keeps its runtime alive: only its agent's silence tells. Busy ones too: a request in
         # flight to a dead guest would otherwise wait forever; failing the sandbox ends it.
+        # a dozing VM (Doze) answers nothing until woken; is_running above still watches it
         await asyncio.gather(*(self._ping(x) for x in watched
-                               if x.backend in due and x.rec.state == SandboxState.running))
+                               if x.backend in due and x.rec.state == SandboxState.running
+                               and not (isinstance(x.backend, Doze) and x.backend.dozing(x.id))))
 
     async def _ping(self, live: LiveSandbox) -> None:
         b = live.backend

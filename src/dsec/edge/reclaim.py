@@ -13,7 +13,9 @@ Cost: a reclaim is CPU and I/O (~2.5-3.5 ms per MiB), so at most `per_tick`
 event loop); a tick that finds the previous batch still running starts none. Skipped: sandboxes
 with a request in flight (a followed detached exec counts), parked or parking ones (the
 reclaim holds the sandbox's park lock, so a suspend waits for it), backends without the
-capability (never even queued).
+capability (never even queued). A backend that can also doze (Doze: VMs stop their vCPUs and
+push their memory to zram, backends/vm/doze.py) is asked to right after its reclaim; the
+channel (channel.py) wakes it before the next use.
 
 Like the reaper (deadlines.py), a tick costs O(due), not O(sandboxes): a heap keyed on each
 sandbox's last activity pops the ones idle past the threshold in force now (a threshold that
@@ -31,7 +33,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from dsec.backends.base import Reclaim
+from dsec.backends.base import Doze, Reclaim
 from dsec.edge.deadlines import Deadlines
 from dsec.types import SandboxState
 
@@ -154,6 +156,11 @@ class Reclaimer:
                 t0 = time.monotonic()
                 try:
                     n = await backend.reclaim(rec.id)
+                    # a backend that can stop an idle sandbox's CPU (Doze) does now, if still
+                    # untouched (checked with no await between the check and the doze's mark)
+                    if (isinstance(backend, Doze) and n >= 0 and not rec.in_flight
+                            and rec.last_active_at == mark and rec.state == SandboxState.running):
+                        n += max(0, await backend.doze(rec.id))
                 except Exception as e:   # its cgroup went, a kernel refusal: not again this idle period
                     log.warning("idle reclaim failed", extra={"sandbox": rec.id, "error": str(e) or repr(e)})
                     n = -1

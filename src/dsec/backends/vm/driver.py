@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Literal
 
 from dsec.agent.client import AgentClient
-from dsec.backends.base import (PARKED, RUNNING, Backend, Console, Egress, ImageStacks, LivenessWatched, MemoryUsage,
-                                Parking, Prepared, RawUsage, Reclaim, Snapshots, UsageStats)
-from dsec.backends.vm import balloon, chain, console as vmconsole, disks, guest, ramshim, snapram
+from dsec.backends.base import (PARKED, RUNNING, Backend, Console, Doze, Egress, ImageStacks, LivenessWatched,
+                                MemoryUsage, Parking, Prepared, RawUsage, Reclaim, Snapshots, UsageStats)
+from dsec.backends.vm import balloon, chain, console as vmconsole, disks, doze, guest, ramshim, snapram
 from dsec.backends.vm.accel import AccelChooser
 from dsec.backends.vm.network import NET_FILE, VMNetwork, saved_allows
 from dsec.backends.vm.qemu import (Disk, Kind, Machine, Pmem, Qmp, kill, launch, pid_alive, pss_bytes, qemu_binary,
@@ -113,7 +113,7 @@ class VMPlan:
     net: bool = False                   # a NIC: asked for, or the snapshot's VM had one
 
 
-class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, LivenessWatched, Reclaim, Egress):
+class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, LivenessWatched, Reclaim, Doze, Egress):
     """Both QEMU backends ('microvm' and 'vm'); one instance serves both."""
 
     kinds = ("microvm", "vm")
@@ -151,6 +151,8 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
         self._pmem_lock = asyncio.Lock()
         self.network = network        # the node's sandbox networks (None: VMs cannot have a NIC here)
         self._net_cgroups: dict[str, Path] = {}   # sandbox id -> the cgroup its next QEMU starts in
+        self._dozing: set[str] = set()            # vCPUs stopped while idle (doze.py)
+        self._doze_locks: dict[str, asyncio.Lock] = {}
         if network is not None:       # their rows survive the container backend's recover()
             network.node.add_live_source(self._networked_live)
 
@@ -465,6 +467,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
             await kill(pid, sandbox_id)
         vmconsole.detach(d)      # the last lines QEMU wrote, then stop reading
         self.started.pop(sandbox_id, None)
+        self._undoze(sandbox_id)
         if self.network is not None:   # cheap when it had no NIC: no row, no cgroup
             self._net_cgroups.pop(sandbox_id, None)
             await self.network.detach(sandbox_id)
@@ -510,6 +513,16 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
                 # an edge that died during a reclaim left the balloon target low
                 memory_mb = int(json.loads((d / "spec.json").read_text())["memory_mb"])
                 await balloon.release(d, sandbox_id, memory_mb)
+            if await self.is_running(sandbox_id) and await self._stopped(d, sandbox_id):
+                self._dozing.add(sandbox_id)   # ... or dozing: its next request wakes it (and sets its clock)
+
+    async def _stopped(self, d: Path, sandbox_id: str) -> bool:
+        try:
+            async with Qmp(d / "qmp.sock", sandbox_id) as q:
+                return (await q.run("query-status")).get("status") == "paused"
+        except Exception as e:    # the reaper fails a VM that is gone
+            log.warning("could not ask a VM whether it runs", extra={"sandbox": sandbox_id, "error": repr(e)})
+            return False
 
     async def reclaim(self, sandbox_id: str) -> int:
         """Idle reclaim, the VM way: a brief balloon squeeze (balloon.py), where it is cheap
@@ -523,12 +536,72 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
                                      self.settings.reclaim_squeeze_s)
 
     async def pause(self, sandbox_id: str) -> None:
+        self._undoze(sandbox_id)      # paused on purpose: a request must not run it again
         async with Qmp(self.sandbox_dir(sandbox_id) / "qmp.sock", sandbox_id) as q:
             await q.run("stop")
 
     async def resume(self, sandbox_id: str) -> None:
+        self._undoze(sandbox_id)
         async with Qmp(self.sandbox_dir(sandbox_id) / "qmp.sock", sandbox_id) as q:
             await q.run("cont")
+
+    # -- dozing (Doze: doze.py) ----------------------------------------------------------------
+    def dozing(self, sandbox_id: str) -> bool:
+        return sandbox_id in self._dozing
+
+    def _undoze(self, sandbox_id: str) -> None:
+        self._dozing.discard(sandbox_id)
+        self._doze_locks.pop(sandbox_id, None)
+
+    async def doze(self, sandbox_id: str) -> int:
+        """Stop an idle VM's vCPUs and push its QEMU's private memory out (doze.py). Not VMs
+        with a NIC (a server in the guest must answer its connections), nor a guest that used
+        CPU over a short look (something of its own runs). Returns the bytes that left RAM, -1
+        when it did not doze."""
+        d = self.sandbox_dir(sandbox_id)
+        pid = self._pid(sandbox_id)
+        if (not self.settings.idle_stop or pid is None or sandbox_id in self._dozing
+                or json.loads((d / "spec.json").read_text()).get("net") is not None):
+            return -1
+        # dozing from here on (before any await): a request arriving now waits in wake() for
+        # the lock and runs the VM again once it is stopped
+        lock = self._doze_locks.setdefault(sandbox_id, asyncio.Lock())
+        self._dozing.add(sandbox_id)
+        async with lock:
+            try:
+                busy = await asyncio.to_thread(doze.busy_pct, pid)
+                if busy > doze.QUIET_PCT or sandbox_id not in self._dozing:
+                    self._dozing.discard(sandbox_id)
+                    return -1
+                async with Qmp(d / "qmp.sock", sandbox_id) as q:
+                    await q.run("stop")
+            except BaseException:
+                self._dozing.discard(sandbox_id)
+                raise
+        t0 = time.monotonic()
+        # outside the lock: a wake meanwhile only faults back what it touches
+        out = await asyncio.to_thread(doze.pageout, pid) if self.settings.idle_pageout else 0
+        log.info("vm dozing", extra={"sandbox": sandbox_id, "busy_pct": round(busy, 2), "paged_out": out,
+                                     "pageout_ms": round((time.monotonic() - t0) * 1000, 1)})
+        return out
+
+    async def wake(self, sandbox_id: str) -> bool:
+        if sandbox_id not in self._dozing:
+            return False
+        lock = self._doze_locks.setdefault(sandbox_id, asyncio.Lock())
+        async with lock:
+            if sandbox_id not in self._dozing:
+                return False
+            pid = self._pid(sandbox_id)
+            if pid is None or not pid_alive(pid, sandbox_id):     # died dozing: the caller's use fails it
+                self._dozing.discard(sandbox_id)
+                return False
+            try:
+                async with Qmp(self.sandbox_dir(sandbox_id) / "qmp.sock", sandbox_id) as q:
+                    await q.run("cont")
+            finally:
+                self._dozing.discard(sandbox_id)   # QEMU gone: the caller's agent use fails it
+            return True
 
     # -- network (Egress) ------------------------------------------------------------------------
     async def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> None:
@@ -573,6 +646,8 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
         try:
             spec = json.loads((d / "spec.json").read_text())
             (tmp / "spec.json").write_text(json.dumps({**spec, **meta, "source": sandbox_id}))
+            # no longer dozing: a request meanwhile must not run it during the save (it runs on after)
+            self._undoze(sandbox_id)
             async with Qmp(d / "qmp.sock", sandbox_id) as q:
                 await q.run("stop")
                 paused = time.monotonic()
@@ -615,6 +690,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
         (the host memory is free), the writable disk stays where it is. Returns bytes saved."""
         d = self.sandbox_dir(sandbox_id)
         tmp, out = d / "saved.state.tmp", d / "saved.state"
+        self._undoze(sandbox_id)      # stopped for the save; the resumed QEMU (or a failed save) runs
         async with Qmp(d / "qmp.sock", sandbox_id) as q:
             await q.run("stop")
             try:

@@ -125,3 +125,20 @@ async def test_dozing_is_switched_off_by_the_setting(awake_server):
             assert (await sb.run("echo awake")).stdout == "awake\n"
         finally:
             await sb.stop()
+
+
+
+async def test_a_clone_with_a_running_command_does_not_doze(doze_server):
+    """A background job (`start`) goes on while nobody talks to the sandbox: the edge follows it
+    (the sandbox counts as in use), so the clone is neither reclaimed nor dozed meanwhile."""
+    async with doze_server.client() as c:
+        sb = await _microvm(c)
+        try:
+            job = await sb.start("sleep 600")
+            await asyncio.sleep(4 * float(IDLE_S) + 2)       # idle by requests for several periods
+            assert qmp_status(doze_server, sb.id) == "running"
+            assert not any(sb.id in ln and "vm dozing" in ln for ln in doze_server.log_tail(10 ** 6).splitlines())
+            assert (await sb.run("echo awake")).stdout == "awake\n"
+            await sb.signal(job.exec_id, 9)
+        finally:
+            await sb.stop()

@@ -17,7 +17,6 @@ import functools
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import struct

@@ -93,8 +93,11 @@ def test_a_starts_cgroup_writes_do_not_wait_for_a_grace_period():
 
 
 async def test_a_sandbox_starts_and_is_confined_with_it_on(client):
+    """(A mount of cgroup2 in the host's cgroup namespace re-applies the root's options: raw
+    `crun run` of `crun spec`'s default config, which mounts /sys/fs/cgroup, clears the flag on the
+    mount while 6.18 keeps the per-process lock; so the flag is set again here, not asserted.)"""
     requires_root()
-    assert cgroups.favors_dynmods()
+    subprocess.run(["bash", str(ROOT / "scripts" / "host-setup.sh")], check=True, capture_output=True)
     async with await client.create_container(image="debian-python") as sb:
         r = await sb.run("cat /proc/self/cgroup; echo x > /proc/sys/kernel/hostname; echo rc=$?")
         assert f"/{sb.id}" in r.stdout, r.stdout           # in its own cgroups

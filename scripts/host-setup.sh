@@ -8,6 +8,47 @@ if [ ! -e /sys/fs/cgroup/cgroup.controllers ] && [ -e /sys/fs/cgroup/unified/cgr
     mountpoint -q /sys/fs/cgroup/hugetlb || mount -t cgroup -o hugetlb cgroup /sys/fs/cgroup/hugetlb
   fi
 fi
+# favordynmods (docs/decisions.md D9x): cgroup.procs writes (crun makes one per hierarchy per
+# sandbox start) otherwise take a host-wide lock whose first write after a quiet spell waits an RCU
+# grace period (10-23 ms a start measured) and stalls every fork/exit meanwhile; 6.18 gives each
+# process its own lock instead. The switch is host-wide, so one mount carries it: the cgroup v2 one
+# (pure or hybrid), remounted with its own options kept. Never turned off: on 6.18 that leaves the
+# kernel half switched. Kernels without it (< 6.1) or hosts without cgroup2 start as before.
+setup_favordynmods() {
+  local m="" opts
+  grep -qw favordynmods /sys/kernel/cgroup/features 2>/dev/null || return 0
+  if [ -e /sys/fs/cgroup/cgroup.controllers ]; then m=/sys/fs/cgroup
+  elif [ -e /sys/fs/cgroup/unified/cgroup.controllers ]; then m=/sys/fs/cgroup/unified
+  else return 0; fi
+  # super options of that mount (mountinfo: "... - cgroup2 cgroup2 rw,nsdelegate,...")
+  opts=$(awk -v m="$m" '$5 == m { for (i = 7; i <= NF; i++) if ($i == "-") { print $(i + 3); exit } }' /proc/self/mountinfo)
+  case ",$opts," in *,favordynmods,*) return 0;; esac
+  opts=$(printf '%s' "$opts" | tr ',' '\n' | { grep -vx -e rw -e ro || true; } | paste -sd, -)
+  mount -o "remount${opts:+,$opts},favordynmods" "$m" || \
+    echo "warning: could not remount $m with favordynmods: each sandbox start waits for the kernel's cgroup lock" >&2
+}
+setup_favordynmods
+# crun from a read-only bind (D9x, backends/container/crun_bin.py): crun re-executes itself from
+# a read-only copy before every command (CVE-2019-5736) unless its binary is on a read-only mount
+# already; this bind is that mount, made once per boot, so a start skips a tmp file, two mounts
+# and a second exec. Rebound when crun was upgraded (a new file); the driver checks it is the same
+# file and read-only before it uses it, and runs crun itself otherwise.
+setup_crun_ro() {
+  local crun ro=/run/dsec/crun
+  crun=$(command -v crun) || return 0
+  crun=$(readlink -f "$crun")
+  mkdir -p /run/dsec
+  if mountpoint -q "$ro" 2>/dev/null; then
+    [ "$(stat -c %d:%i "$ro")" = "$(stat -c %d:%i "$crun")" ] && return 0
+    umount -l "$ro"                            # a former crun: bind the one installed now
+  fi
+  [ -e "$ro" ] || install -m 0755 /dev/null "$ro"
+  if ! { mount --bind "$crun" "$ro" && mount -o remount,bind,ro "$ro"; }; then
+    echo "warning: could not bind $crun read-only at $ro: crun copies itself at every start" >&2
+    umount "$ro" 2>/dev/null || true
+  fi
+}
+setup_crun_ro
 modprobe erofs 2>/dev/null || true
 modprobe overlay 2>/dev/null || true
 grep -qw erofs /proc/filesystems || { echo "kernel has no EROFS support" >&2; exit 1; }

@@ -139,3 +139,44 @@ def precreate_cpuset_v1(root: Path, rel: str) -> None:
         (d / "cpuset.sched_load_balance").write_text("0")
     except OSError:
         pass   # only a cost: crun makes the directory (or reports why it cannot) as before
+
+
+# favordynmods (kernel >= 6.1; 6.18: a per-process rwsem for cgroup.procs writes, D9x). Without it
+# every cgroup.procs write takes the host-wide cgroup_threadgroup_rwsem for writing: the first
+# after a quiet spell waits an RCU grace period (10-23 ms measured here, once per create, raw crun
+# alike) and each one stalls every fork/exec/exit on the host meanwhile. Turned on by
+# scripts/host-setup.sh (one mount has it: the switch is host-wide); never turned off again (on
+# 6.18 turning it off leaves the kernel half switched, fixed upstream in 2026).
+FEATURES = Path("/sys/kernel/cgroup/features")
+MOUNTINFO = Path("/proc/self/mountinfo")
+
+
+def cgroup_mount_options(mountinfo: str) -> dict[str, list[str]]:
+    """mountpoint -> super options of each cgroup/cgroup2 mount in a mountinfo text."""
+    out: dict[str, list[str]] = {}
+    for line in mountinfo.splitlines():
+        head, sep, tail = line.partition(" - ")
+        f, t = head.split(), tail.split()
+        if sep and len(f) >= 5 and len(t) >= 3 and t[0] in ("cgroup", "cgroup2"):
+            out[f[4]] = t[2].split(",")
+    return out
+
+
+def favors_dynmods(mountinfo: str | None = None) -> bool:
+    """Whether any cgroup hierarchy is mounted with favordynmods (the switch is host-wide)."""
+    text = MOUNTINFO.read_text() if mountinfo is None else mountinfo
+    return any("favordynmods" in opts for opts in cgroup_mount_options(text).values())
+
+
+def dynmods_problem(features: str | None = None, mountinfo: str | None = None) -> str | None:
+    """A warning for a kernel that has favordynmods while no hierarchy has it on; None if on or
+    the kernel lacks it (then every create waits as before: slower, nothing else changes)."""
+    if features is None:
+        try:
+            features = FEATURES.read_text()
+        except OSError:
+            return None
+    if "favordynmods" not in features.split() or favors_dynmods(mountinfo):
+        return None
+    return ("no cgroup hierarchy is mounted with favordynmods: each sandbox start waits an RCU grace "
+            "period (~10-20 ms) in its first cgroup.procs write and stalls the host's forks meanwhile")

@@ -17,7 +17,6 @@ import functools
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import struct
@@ -33,6 +32,7 @@ from dsec.backends.base import (PARKED, RUNNING, Backend, Egress, EgressSecrets,
                                 Parking, PortIngress, Prepared, RawUsage, Reclaim, SnapshotLayers, Snapshots, UpperView,
                                 UsageStats)
 from dsec.backends.container import cgroups, hibernate, qos
+from dsec.backends.container.crun_bin import crun_binary
 from dsec.backends.container import usage as usage_reader
 from dsec.backends.container import claim as warm_claim
 from dsec.backends.container.cpusets import CpuSets
@@ -102,13 +102,15 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
         self.agent_binary = agent_binary
         _make_mask_dir(mask_dir(agent_binary))
         _make_dsec_dir(dsec_dir(agent_binary))
-        self.crun = shutil.which(crun) or crun
+        self.crun = crun_binary(crun)      # the node's read-only bind of crun if any (crun_bin.py)
         self.nsexec = compile_static(NSEXEC_SOURCE, paths.bin, "dsec-nsexec")
         self.cgroup_v2 = cgroups.is_unified()
         self.cpuset_v1 = cgroups.cpuset_v1_root()   # made before crun, balancing off (cgroups.py)
         problem = cgroups.check_host()
         if problem:
             raise Unavailable(problem, fix=problem)
+        if (slow := cgroups.dynmods_problem()) is not None:
+            log.warning(slow, extra={"fix": "run scripts/host-setup.sh (remounts the cgroup v2 hierarchy with favordynmods)"})
         ensure_node_file_max()   # node-wide: sandboxes' files are bounded by their memory instead
         # per-sandbox egress policy (cgroup-BPF) and, when a policy allows anything, a veth
         self.net = SandboxNetworks(paths, lambda sid: cgroups.v2_dir(cgroup_path(sid)),

@@ -3,7 +3,8 @@ BURST concurrent create -> `echo hi` -> first stdout on several isolated servers
 their environment, alternating server by server each round, with one raw burst of BURST
 `crun run echo hi` (the same rootfs) per round. VARIANTs: `slots=N` (DSEC_CREATE_PARALLEL=N),
 `pool` (DSEC_WARM_POOL=debian-python:BURST, waited full and settled before each of its bursts),
-`src=PATH` (the server and this process's client from another checkout's src: old code).
+`src=PATH` (the server from another checkout's src: old code), any `K=V` of the server's
+environment; parts joined by '+' (e.g. `pool+DSEC_CREATE_CONCURRENCY=4`).
 Per variant and round: p50/p99 of create -> first output, the create call's p50, the first
 command's part (first output - create returned) p50, and the edge's stages (mean of the
 dsec_sandbox_create_seconds histogram over the burst: prepare, admission, slot, start, agent).
@@ -40,16 +41,22 @@ PY_SPY = "/work/main/.venv-verl/bin/py-spy"
 STAGE_RE = re.compile(r'^dsec_sandbox_create_seconds_(sum|count)\{backend="container",stage="(\w+)"\} (\S+)$', re.M)
 
 
-def env_of(v: str) -> dict[str, str]:
-    if v.startswith("slots="):
-        return {"DSEC_CREATE_PARALLEL": v.split("=", 1)[1]}
-    if v == "pool":
-        return {"DSEC_WARM_POOL": f"{IMAGE}:{BURST}"}
-    if v.startswith("src="):
-        return {"PYTHONPATH": v.split("=", 1)[1]}
-    if v == "main":
-        return {}
-    raise SystemExit(f"unknown variant {v!r}: slots=N, pool, src=PATH or main")
+def env_of(variant: str) -> dict[str, str]:
+    """A variant is parts joined by '+': slots=N, pool, src=PATH, main (nothing), or any K=V."""
+    env: dict[str, str] = {}
+    for v in variant.split("+"):
+        if v.startswith("slots="):
+            env["DSEC_CREATE_PARALLEL"] = v.split("=", 1)[1]
+        elif v == "pool":
+            env["DSEC_WARM_POOL"] = f"{IMAGE}:{BURST}"
+        elif v.startswith("src="):
+            env["PYTHONPATH"] = v.split("=", 1)[1]
+        elif "=" in v:
+            k, val = v.split("=", 1)
+            env[k] = val
+        elif v != "main":
+            raise SystemExit(f"unknown variant part {v!r}: slots=N, pool, src=PATH, main or K=V")
+    return env
 
 
 def stages(srv: BenchServer) -> dict[str, tuple[float, float]]:
@@ -138,7 +145,7 @@ async def main() -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)
         print(f"lock taken, load1 {os.getloadavg()[0]:.2f}", flush=True)
         for v, s in servers.items():           # warm-up: image mounts, first-time paths
-            if v == "pool":
+            if "pool" in v.split("+"):
                 await pool_full(s, BURST)
             await burst(s)
         rootfs = ImageService(next(iter(servers.values())).paths).mount_image(IMAGE)[0]
@@ -147,7 +154,7 @@ async def main() -> None:
         for r in range(ROUNDS):
             order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
             for v in order:
-                if v == "pool":
+                if "pool" in v.split("+"):
                     await pool_full(servers[v], BURST)
                     await asyncio.sleep(3)     # the fill's starts settle, as a pool that waited
                 await asyncio.sleep(1)

@@ -572,19 +572,23 @@ class Bench:
 
     async def _pooled_burst(self, args: ContainerArgs) -> dict:
         """The same burst answered by a warm pool of its size: the pool is set, waited full (at
-        most 300 s) and left to settle, as a node configured for bursts of this shape would be;
+        most 120 s, or until it reports a failed start: a full node) and left to settle, as a node configured for bursts of this shape would be;
         then set back to none (before the burst's sandboxes stop: no refill meanwhile). `claimed`
         says how many of the burst's creates the pool answered."""
         o = self.o
         self.phase(f"5b. burst from a warm pool of {o.burst}")
         fill_s: float | None = None
+        fill_error: str | None = None
         try:
             await self._warm_pool(f"{o.image}:{o.burst}")
             t0 = time.perf_counter()
-            while time.perf_counter() - t0 < 300:
+            while time.perf_counter() - t0 < 120:
                 st = (await self._warm_pool())["pools"].get(o.image) or {}
                 if st.get("idle", 0) >= o.burst and not st.get("starting"):
                     fill_s = time.perf_counter() - t0
+                    break
+                if st.get("error"):      # e.g. admission refused a pool start: burst from what is there
+                    fill_error = str(st["error"])
                     break
                 await asyncio.sleep(0.5)
             await asyncio.sleep(self.o.settle_s)     # the fill's starts done: the pool has waited
@@ -597,7 +601,7 @@ class Bench:
             res = await self._dsec_burst(args, f"dsec: {o.burst} x create + echo hi, warm pool", empty_pool)
         finally:
             await self._warm_pool("")
-        return {**res, "claimed": claimed[0] if claimed else None, "pool_fill_s": fill_s}
+        return {**res, "claimed": claimed[0] if claimed else None, "pool_fill_s": fill_s, "pool_error": fill_error}
 
     async def _raw_burst(self) -> dict:
         o = self.o

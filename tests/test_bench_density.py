@@ -16,7 +16,7 @@ from dsec.config import Paths
 def test_help_lists_the_options() -> None:
     out = subprocess.run([sys.executable, "-m", "dsec", "bench", "density", "--help"], capture_output=True,
                          text=True, check=True).stdout
-    for opt in ("--n", "--image", "--cpu", "--memory-mb", "--park", "--concurrency", "--json"):
+    for opt in ("--n", "--image", "--cpu", "--memory-mb", "--park", "--concurrency", "--json", "--no-burst-pool"):
         assert opt in out
 
 
@@ -56,6 +56,11 @@ async def test_density_bench_tiny(server, client) -> None:
 
     assert burst["dsec"]["n"] == 3 and burst["dsec"]["failed"] == 0, burst["dsec"]
     assert burst["raw"]["n"] == 3 and burst["raw"]["failed"] == 0, burst["raw"]
+    # the same burst from a warm pool of its size: every create answered by the pool (issue 29)
+    pooled = burst["pooled"]
+    assert pooled["n"] == 3 and pooled["failed"] == 0 and pooled["claimed"] == 3, pooled
+    assert pooled["pool_fill_s"] is not None
+    assert (await client._request("GET", "/v1/nodes/local/warm-pool")).json()["pools"] == {}   # set back
 
     assert td["n"] == 5 and td["failed"] == 0
     assert td["leaks"] == {"crun_containers": [], "sandbox_cgroups": [], "raw_cgroups": []}
@@ -65,4 +70,5 @@ async def test_density_bench_tiny(server, client) -> None:
     assert all(len(r) == 6 for r in table)
     md = markdown(res, o)
     assert "dsec bench density --n 5 --park 3" in md
+    assert "from a warm pool of 3 (3 claimed)" in md and "p50 <= 1.3x raw" in md
     assert all(line.count("|") == 7 for line in md.splitlines() if line.startswith("|"))

@@ -68,7 +68,7 @@ async def test_metrics_admin_only_and_counters_move(server, client):
     assert total(after, "dsec_admission_refusals_total", reason="quota") == \
         total(b, "dsec_admission_refusals_total", reason="quota") + 1
     # histogram buckets of every create stage
-    for stage in ("prepare", "admission", "start", "agent", "total"):
+    for stage in ("prepare", "admission", "slot", "start", "agent", "total"):   # slot: the start-slot wait
         assert total(after, "dsec_sandbox_create_seconds_bucket", stage=stage, le="+Inf") >= 1, stage
     assert total(after, "dsec_sandbox_create_seconds_bucket", stage="total", le="0.05") <= \
         total(after, "dsec_sandbox_create_seconds_bucket", stage="total", le="120.0")

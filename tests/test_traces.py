@@ -96,7 +96,7 @@ def test_one_create_is_one_trace_across_processes(traced, tmp_path):
     trace = [s for s in server if s["traceId"] == create["traceId"]]
     names = {s["name"] for s in trace}
     assert {"POST /v1/sandboxes", "dsec.edge.create", "dsec.create.image", "dsec.create.admission",
-            "dsec.create.start", "dsec.create.agent_ready"} <= names, names
+            "dsec.create.slot_wait", "dsec.create.start", "dsec.create.agent_ready"} <= names, names
     assert {s["service"] for s in trace} == {"dsec"} and create["service"] == "test-client"
     # the server's span continues the client's across the process hop (FastAPI, when tracing is on, adds
     # its own HTTP span beside dsec's: one of the two is the child of the client's span)
@@ -114,7 +114,8 @@ def test_one_create_is_one_trace_across_processes(traced, tmp_path):
             chain.append(s["spanId"])
         return chain
     assert http["spanId"] in ancestors(edge), edge
-    for stage in ("dsec.create.image", "dsec.create.admission", "dsec.create.start", "dsec.create.agent_ready"):
+    for stage in ("dsec.create.image", "dsec.create.admission", "dsec.create.slot_wait", "dsec.create.start",
+                  "dsec.create.agent_ready"):
         st = next(s for s in trace if s["name"] == stage)
         assert st["parentSpanId"] == edge["spanId"], st
         assert int(edge["startTimeUnixNano"]) <= int(st["startTimeUnixNano"]) <= int(st["endTimeUnixNano"]) \

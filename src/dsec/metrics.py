@@ -39,8 +39,8 @@ SAMPLE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.01, 0.05)
 CREATES = Counter("dsec_sandbox_creates", "sandbox creations by outcome (ok, refused, failed)",
                   ["project", "backend", "outcome"])
 CREATE_SECONDS = Histogram("dsec_sandbox_create_seconds", "seconds of each stage of a sandbox creation on its "
-                           "node (prepare: validation and image; admission; start: the runtime; agent: "
-                           "until the agent answers; total)", ["backend", "stage"], buckets=CREATE_BUCKETS)
+                           "node (prepare: validation and image; admission; slot: waiting for a start slot; "
+                           "start: the runtime; agent: until the agent answers; total)", ["backend", "stage"], buckets=CREATE_BUCKETS)
 REFUSED = Counter("dsec_admission_refusals", "creations refused for want of something, by what",
                   ["reason"])
 EXECS = Counter("dsec_execs", "commands started, by how (run: wait for the result; stream; start: detached)",

@@ -58,6 +58,8 @@ def bench_density(
                                                       "runs in parallel)")] = 8,
         raw_n: Annotated[int, typer.Option(help="raw crun containers of the baseline")] = 200,
         burst: Annotated[int, typer.Option(help="concurrent create -> first output, of each")] = 50,
+        burst_pool: Annotated[bool, typer.Option(help="also the burst answered by a warm pool of its size, "
+                                                      "beside the cold one")] = True,
         exec_sample: Annotated[int, typer.Option(help="sandboxes sampled for `exec true` latency")] = 200,
         pressure_retries: Annotated[int, typer.Option(help="PSI pressure refusals waited out (10 s each) before "
                                                            "the node counts as full")] = 0,
@@ -69,7 +71,8 @@ def bench_density(
     from dsec.bench.density import Opts
     from dsec.bench.density_report import run_density_bench
     run_density_bench(Opts(n=n, image=image, cpu=cpu, memory_mb=memory_mb, park=park, concurrency=concurrency,
-                           raw_n=raw_n, burst=burst, exec_sample=exec_sample, pressure_retries=pressure_retries),
+                           raw_n=raw_n, burst=burst, burst_pool=burst_pool, exec_sample=exec_sample,
+                           pressure_retries=pressure_retries),
                       out=out if record else None, json_path=json_path)
 
 

@@ -170,6 +170,7 @@ class Lifecycle(EdgeCore):
         try:
             if warm is None:
                 async with self._create_slots:   # a burst starts a few at a time
+                    stages.lap("slot")           # the wait for a start slot, apart from the start
                     await backend.create(rec.id, prepared, self.stacks)
                 stages.lap("start")
                 await self._adopt_agent(live, fresh=backend.fresh_agent_at_create)   # ready: the agent answers

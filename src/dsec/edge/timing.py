@@ -9,9 +9,10 @@ from dsec.types import DsecError
 
 
 # the stages' span names: prepare resolves the image (and volumes), start is the backend's
-# create (runtime, mounts, network), agent waits for the in-sandbox agent to answer
+# create (runtime, mounts, network) after slot, the wait for one of the node's start slots
+# (DSEC_CREATE_PARALLEL), agent waits for the in-sandbox agent to answer
 STAGE_SPANS = {"prepare": "dsec.create.image", "admission": "dsec.create.admission",
-               "start": "dsec.create.start", "agent": "dsec.create.agent_ready"}
+               "slot": "dsec.create.slot_wait", "start": "dsec.create.start", "agent": "dsec.create.agent_ready"}
 
 
 class CreateTimer:

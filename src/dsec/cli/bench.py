@@ -121,6 +121,9 @@ def bench_vm_density(
                                                             "e.g. baseline,this; ksm-all,ksm-ram; this,DSEC_VM_TCG_TB_SIZE_MB=16")] = None,
         idle_k: Annotated[int, typer.Option(help="idle clones per side (--idle-ab)")] = 20,
         idle_windows: int = 6, idle_window_s: float = 20.0,
+        burst: Annotated[int, typer.Option(help="instead: this many clones created at once and kept alive, "
+                                                 "then stopped together")] = 0,
+        burst_floor_gib: Annotated[float, typer.Option(help="--burst stops creating below this MemAvailable")] = 3.0,
         out: Optional[Path] = Path("docs/benchmarks.md")) -> None:
     """What an idle microVM clone costs the host and how fast clones come, per memory setting,
     side by side (toggles the host's ksmd for the KSM columns and puts it back)."""
@@ -130,6 +133,10 @@ def bench_vm_density(
         run_idle_ab(DensityOpts(inflight=inflight, memory_mb=memory_mb, image=image, baseline_src=baseline_src,
                                 pages_to_scan=pages_to_scan), idle_ab.split(","), idle_k, idle_windows,
                     idle_window_s, out)
+        return
+    if burst:
+        from dsec.bench.vmburst import run_burst
+        run_burst(DensityOpts(inflight=inflight, memory_mb=memory_mb, image=image), burst, burst_floor_gib * 1024, out)
         return
     if rate_ab:
         run_rate_ab(DensityOpts(inflight=inflight, memory_mb=memory_mb, image=image, baseline_src=baseline_src),

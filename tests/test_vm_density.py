@@ -49,6 +49,15 @@ def _merge_any(pid: int) -> str | None:
     return next(ln.split(":")[1].strip() for ln in p.read_text().splitlines() if ln.startswith("ksm_merge_any"))
 
 
+def _thp(pid: int) -> tuple[str | None, int]:
+    """(THP_enabled from /proc/PID/status (None on kernels without it), AnonHugePages KiB)."""
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    enabled = next((ln.split()[1] for ln in status if ln.startswith("THP_enabled:")), None)
+    huge = sum(int(ln.split()[1]) for ln in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+               if ln.startswith("AnonHugePages:"))
+    return enabled, huge
+
+
 def _code_cache_kib(pid: int) -> int:
     """Size of QEMU's anonymous executable mapping: the TCG translation buffer."""
     for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
@@ -64,7 +73,7 @@ def plain_server(images, dsec_home, tmp_path_factory):
     """A node with merging and the cache bound turned off."""
     home = side_home(dsec_home, tmp_path_factory, "vm-plain")
     link_downloads(home)          # the guest kernel: without it the node offers no VM backends
-    srv = ServerProc(home, env={"DSEC_VM_KSM": "0", "DSEC_VM_TCG_TB_SIZE_MB": "0"})
+    srv = ServerProc(home, env={"DSEC_VM_KSM": "0", "DSEC_VM_TCG_TB_SIZE_MB": "0", "DSEC_VM_QEMU_THP": "1"})
     srv.start()
     yield srv
     srv.kill(signal.SIGTERM)
@@ -83,6 +92,11 @@ async def test_clone_starts_bounded_and_mergeable(vm_client, server):
             assert _code_cache_kib(pid) <= 32 << 10
         if (merge_any := _merge_any(pid)) is not None:
             assert merge_any == "yes"     # DSEC_VM_KSM=all: QEMU's own memory too (the shim)
+        # no huge pages for a restored VM's QEMU (the code cache asks for them): cheaper faults
+        enabled, huge = _thp(pid)
+        assert enabled in (None, "0") and huge == 0, (enabled, huge)
+        env = (Path(f"/proc/{pid}/environ").read_bytes()).split(b"\0")
+        assert b"DSEC_THP_OFF=1" in env
     finally:
         await sb.stop()
 
@@ -101,6 +115,7 @@ async def test_ksm_and_cache_bound_off_are_honoured(plain_server):
             assert argv[argv.index("-accel") + 1] in ("tcg", "kvm")      # QEMU's default cache
             env = (Path(f"/proc/{pid}/environ").read_bytes()).split(b"\0")
             assert b"DSEC_KSM_ALL=1" not in env
+            assert b"DSEC_THP_OFF=1" not in env and _thp(pid)[0] in (None, "1")    # DSEC_VM_QEMU_THP=1
         finally:
             await sb.stop()
 

@@ -323,6 +323,9 @@ class VMSettings(Group):
     ksm: Literal["all", "ram", "0"] = env("all", "DSEC_VM_KSM", "mark guest RAM mergeable (`-machine mem-merge=on`) so the host's KSM "
                     "(scripts/host-setup.sh turns it on) merges identical pages across VMs; 0 closes the "
                     "cross-VM timing side channel of merged pages (docs/security.md)")
+    qemu_thp: bool = env(False, "DSEC_VM_QEMU_THP", "transparent huge pages for the QEMUs of VMs started from saved "
+                         "state (clones, resumes); off: each 2 MiB page QEMU faults in costs ~15x a 4 KiB one on a "
+                         "node that is itself a VM returning free memory to its host (D9x)")
 
 
 class FnCallEnvSettings(Group):

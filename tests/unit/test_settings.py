@@ -28,7 +28,8 @@ ALLOWED = {
     ("testing/isolated.py", "self.env ="),    # the environment of a test server process
     ("cli/secrets.py", "os.environ.get(value_env"),   # `dsec secret create --value-env NAME`: the user's variable
 }
-NOT_SETTINGS = {"DSEC_AGENT_PROTOCOL_H", "DSEC_KEYS", "DSEC_RAM_READONLY", "DSEC_KSM_ALL"}   # a header guard, a constant, a child's env (x2)
+NOT_SETTINGS = {"DSEC_AGENT_PROTOCOL_H", "DSEC_KEYS", "DSEC_RAM_READONLY", "DSEC_KSM_ALL",
+                "DSEC_THP_OFF"}   # a header guard, a constant, a child's env (x3)
 
 
 def _sources() -> list[tuple[str, int, str]]:

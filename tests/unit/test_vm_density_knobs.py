@@ -44,6 +44,27 @@ def test_merge_all_preloads_the_shim_only_when_asked(tmp_path: Path) -> None:
     assert env[ramshim.ENV_PATH] == str(tmp_path / "t.ram") and env[ramshim.KSM_ALL] == "1"
 
 
+def test_thp_off_preloads_the_shim_with_its_switch(tmp_path: Path) -> None:
+    shim = tmp_path / "shim.so"
+    assert _machine(thp_off=True, shim=shim).env() == {"LD_PRELOAD": str(shim), ramshim.THP_OFF: "1"}
+    env = _machine(thp_off=True, merge_all=True, shim=shim).env()
+    assert env[ramshim.THP_OFF] == "1" and env[ramshim.KSM_ALL] == "1"
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc is not installed (apt-get install gcc)")
+def test_the_shim_turns_huge_pages_off_only_with_the_switch(tmp_path: Path) -> None:
+    shim = ramshim.build(tmp_path)
+    probe = [sys.executable, "-c", "print(open('/proc/self/status').read())"]
+
+    def thp(env: dict[str, str]) -> str | None:
+        out = subprocess.run(probe, env=env, capture_output=True, text=True, check=True).stdout
+        return next((ln.split()[1] for ln in out.splitlines() if ln.startswith("THP_enabled:")), None)
+    if thp({}) is None:
+        pytest.skip("kernel without THP_enabled in /proc/PID/status")
+    assert thp({"LD_PRELOAD": str(shim), ramshim.THP_OFF: "1"}) == "0"
+    assert thp({"LD_PRELOAD": str(shim)}) == "1"
+
+
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc is not installed (apt-get install gcc)")
 @pytest.mark.skipif(not Path("/proc/self/ksm_stat").exists(), reason="kernel without /proc/PID/ksm_stat")
 def test_the_shim_makes_the_process_mergeable_only_with_the_switch(tmp_path: Path) -> None:

@@ -127,6 +127,9 @@ def bench_vm_density(
         kind: Annotated[str, typer.Option(help="microvm (clones) or vm (q35 full VMs)")] = "microvm",
         doze_idle_s: Annotated[float, typer.Option(help="DSEC_RECLAIM_IDLE_S of the doze configurations")] = 60.0,
         doze_per_tick: Annotated[int, typer.Option(help="DSEC_RECLAIM_PER_TICK of the doze configurations")] = 4,
+        burst: Annotated[int, typer.Option(help="instead: this many clones created at once and kept alive, "
+                                                 "then stopped together")] = 0,
+        burst_floor_gib: Annotated[float, typer.Option(help="--burst stops creating below this MemAvailable")] = 3.0,
         out: Optional[Path] = Path("docs/benchmarks.md")) -> None:
     """What an idle microVM clone costs the host and how fast clones come, per memory setting,
     side by side (toggles the host's ksmd for the KSM columns and puts it back)."""
@@ -136,6 +139,10 @@ def bench_vm_density(
         run_idle_ab(DensityOpts(inflight=inflight, memory_mb=memory_mb, image=image, baseline_src=baseline_src,
                                 pages_to_scan=pages_to_scan), idle_ab.split(","), idle_k, idle_windows,
                     idle_window_s, out)
+        return
+    if burst:
+        from dsec.bench.vmburst import run_burst
+        run_burst(DensityOpts(inflight=inflight, memory_mb=memory_mb, image=image), burst, burst_floor_gib * 1024, out)
         return
     if rate_ab:
         run_rate_ab(DensityOpts(inflight=inflight, memory_mb=memory_mb, image=image, baseline_src=baseline_src),

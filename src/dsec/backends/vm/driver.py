@@ -218,7 +218,8 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
         translates far more code than fits (a 256 MiB busybox boot took 10 s at 8 MiB vs 2.5 s unbounded)."""
         ksm = self.settings.ksm
         return {"tb_size_mb": self.settings.tcg_tb_size_mb if incoming else 0, "mem_merge": ksm != "0",
-                "merge_all": ksm == "all", "shim": self.ram_shim}
+                "merge_all": ksm == "all", "shim": self.ram_shim,
+                "thp_off": incoming and not self.settings.qemu_thp}
 
     async def _pmem_file(self, lay: LayerFile) -> Pmem:
         """virtio-pmem maps whole 2 MiB units: the layer padded to that (a copy made once per
@@ -322,6 +323,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
         `allows` once plugged in)."""
         d = self.sandbox_dir(sandbox_id)
         t0 = time.monotonic()
+        phases: dict[str, float] = {}    # where a restore's time went (the log line below)
         try:
             await asyncio.to_thread(self.holds.hold, HOLD_PREFIX + sandbox_id, [lay.digest for lay in spec.layers])
             d.mkdir(mode=0o700)
@@ -335,12 +337,12 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
                 ram = snapram.ram_of(s)      # split: mapped copy-on-write, shared with its other restores
                 await self._restore(spec, d, s / "state", upper, f"{s.name}{upper.suffix}", chain.chain_files(s),
                                     ram_file=None if ram is None else snapram.link_into(ram, d),
-                                    ignore_shared=ram is not None)
+                                    ignore_shared=ram is not None, phases=phases)
             elif spec.clone and spec.boot_disk is None:   # disk VMs always cold-boot (no templates)
                 how = "clone"
                 async with self.templates.use(spec) as tpl:
                     await self._restore(spec, d, tpl.state, tpl.upper, f"tpl-{tpl.key}.img", (),
-                                        ram_file=tpl.ram, ignore_shared=True)
+                                        ram_file=tpl.ram, ignore_shared=True, phases=phases)
             else:
                 how = "cold"
                 await self.cold_boot(spec, d)
@@ -349,7 +351,8 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
             raise
         self.started[sandbox_id] = how
         log.info("vm started", extra={"sandbox": sandbox_id, "how": how, "kind": spec.kind,
-                                      "accel": spec.accel, "seconds": round(time.monotonic() - t0, 3)})
+                                      "accel": spec.accel, "seconds": round(time.monotonic() - t0, 3),
+                                      **{f"{k}_s": round(v, 4) for k, v in phases.items()}})
 
     def guest_identity(self) -> dict[str, str]:
         """The guest kernel and initramfs every layered VM boots: part of a template's key."""
@@ -379,13 +382,22 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
         return await launch(m, d)
 
     async def _restore(self, spec: VMSpec, d: Path, state: Path, base_disk: Path, base_name: str,
-                       parents: Iterable[Path], *, ram_file: Path | None, ignore_shared: bool) -> None:
+                       parents: Iterable[Path], *, ram_file: Path | None, ignore_shared: bool,
+                       phases: dict[str, float] | None = None) -> None:
         """Start a VM from saved device state over a copy-on-write overlay of `base_disk`, whose
         chain (chain.py) is linked into `d` first, with the state: a deletion of the snapshot
         (or a template rebuild) from now on does not touch this VM."""
         upper = d / "upper.qcow2"
         fmt = "qcow2" if base_disk.suffix == ".qcow2" else "raw"
         incoming_state = d / "incoming.state"
+        ph = phases if phases is not None else {}
+        mark = time.monotonic()
+
+        def lap(name: str) -> None:
+            nonlocal mark
+            now = time.monotonic()
+            ph[name] = now - mark
+            mark = now
         try:
             base = chain.adopt(d, base_disk, base_name, parents)
             os.link(state, incoming_state)
@@ -395,11 +407,14 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
         if (state.parent / "console.log").is_file():   # the boot log of the guest it copies
             shutil.copyfile(state.parent / "console.log", d / "console.log")
         await _overlay(base, fmt, upper, proto=state.parent / f"overlay-{base}.qcow2" if ignore_shared else None)
+        lap("disk")
         m = await self.machine(spec, d, Disk(upper, "dsec-upper", readonly=False, fmt="qcow2"),
                                ram_file=ram_file, ram_shared=False, incoming=True)
         await self._launch(m, d)
+        lap("launch")
         try:
             async with Qmp(m.qmp_socket, spec.sandbox_id) as q:
+                lap("qmp")
                 if ignore_shared:   # RAM is not in the stream: it is the template's file, mapped privately
                     await q.run("migrate-set-capabilities",
                                 capabilities=[{"capability": "x-ignore-shared", "state": True}])
@@ -407,6 +422,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
                 # connect to the agent only once the devices are loaded: a host connection made
                 # during the restore is overwritten by the saved port state (host disconnected)
                 await q.wait_running()
+                lap("restore")
             if ram_file is not None:     # a clone: its QEMU must not be able to write the template
                 pid = self._pid(spec.sandbox_id)
                 ramshim.check_readonly(pid if pid is not None else -1, ram_file, spec.sandbox_id)

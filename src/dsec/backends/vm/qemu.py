@@ -94,7 +94,11 @@ class Machine:
     # every private page of this QEMU mergeable (prctl PR_SET_MEMORY_MERGE from the preloaded
     # shim), not only guest RAM; needs `shim`
     merge_all: bool = False
-    shim: Path | None = None          # the preloaded shim (ramshim.c) for merge_all
+    shim: Path | None = None          # the preloaded shim (ramshim.c) for merge_all and thp_off
+    # no transparent huge pages in this QEMU (prctl PR_SET_THP_DISABLE from the shim): QEMU
+    # madvises its TCG code cache for them, and each 2 MiB fault costs ~11 ms of CPU on a
+    # node whose own host takes back freed memory (D9x); needs `shim`
+    thp_off: bool = False
 
     def _dev(self, name: str) -> str:
         # microvm has no PCI: virtio devices sit on virtio-mmio ("-device" suffix)
@@ -153,6 +157,8 @@ class Machine:
             env = ramshim.env(self.ram_shim, self.ram_file)
         if self.merge_all and self.shim is not None:
             env = {**env, "LD_PRELOAD": str(self.shim), ramshim.KSM_ALL: "1"}
+        if self.thp_off and self.shim is not None:
+            env = {**env, "LD_PRELOAD": str(self.shim), ramshim.THP_OFF: "1"}
         return env
 
 

@@ -26,6 +26,7 @@ log = logging.getLogger("dsec.backends.vm")
 SOURCE = Path(__file__).with_name("ramshim.c")
 ENV_PATH = "DSEC_RAM_READONLY"
 KSM_ALL = "DSEC_KSM_ALL"        # "1": the shim makes all of QEMU's private memory mergeable
+THP_OFF = "DSEC_THP_OFF"        # "1": the shim turns transparent huge pages off for QEMU
 
 
 def build(bin_dir: Path) -> Path:

@@ -1,7 +1,7 @@
 """`python benchmarks/cgroup_attach.py N [GAP_S]` (as root): what crun does per create on a cgroup v1/hybrid host
 (a new directory and a cgroup.procs write in every hierarchy for a fresh process), timed per write
 and per create, GAP_S apart (default 0.05: the kernel idle between creates, as for a lone create).
-Prints whether a cgroup mount has favordynmods (scripts/host-setup.sh, D9x)."""
+Prints whether a cgroup mount has favordynmods (scripts/host-setup.sh, D92)."""
 import os, sys, time, statistics
 R = "/sys/fs/cgroup"
 hier = [h for h in sorted(os.listdir(R)) if os.path.isdir(f"{R}/{h}") and not os.path.islink(f"{R}/{h}")]

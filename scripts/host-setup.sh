@@ -8,7 +8,7 @@ if [ ! -e /sys/fs/cgroup/cgroup.controllers ] && [ -e /sys/fs/cgroup/unified/cgr
     mountpoint -q /sys/fs/cgroup/hugetlb || mount -t cgroup -o hugetlb cgroup /sys/fs/cgroup/hugetlb
   fi
 fi
-# favordynmods (docs/decisions.md D9x): cgroup.procs writes (crun makes one per hierarchy per
+# favordynmods (docs/decisions.md D92): cgroup.procs writes (crun makes one per hierarchy per
 # sandbox start) otherwise take a host-wide lock whose first write after a quiet spell waits an RCU
 # grace period (10-23 ms a start measured) and stalls every fork/exit meanwhile; 6.18 gives each
 # process its own lock instead. The switch is host-wide, so one mount carries it: the cgroup v2 one
@@ -28,7 +28,7 @@ setup_favordynmods() {
     echo "warning: could not remount $m with favordynmods: each sandbox start waits for the kernel's cgroup lock" >&2
 }
 setup_favordynmods
-# crun from a read-only bind (D9x, backends/container/crun_bin.py): crun re-executes itself from
+# crun from a read-only bind (D92, backends/container/crun_bin.py): crun re-executes itself from
 # a read-only copy before every command (CVE-2019-5736) unless its binary is on a read-only mount
 # already; this bind is that mount, made once per boot, so a start skips a tmp file, two mounts
 # and a second exec. Rebound when crun was upgraded (a new file); the driver checks it is the same

@@ -1,4 +1,4 @@
-"""favordynmods (D9x): scripts/host-setup.sh remounts the cgroup v2 hierarchy with it, keeping the
+"""favordynmods (D92): scripts/host-setup.sh remounts the cgroup v2 hierarchy with it, keeping the
 mount's other options, so that crun's cgroup.procs writes (one per hierarchy per sandbox start) no
 longer wait an RCU grace period for the host-wide lock; sandboxes start and are confined as before.
 

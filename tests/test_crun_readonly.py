@@ -1,4 +1,4 @@
-"""crun from a read-only bind (D9x, backends/container/crun_bin.py): host set-up binds the crun
+"""crun from a read-only bind (D92, backends/container/crun_bin.py): host set-up binds the crun
 binary read-only at /run/dsec/crun, crun started from there skips its per-command self-copy
 (its CVE-2019-5736 guard: it only copies itself when its binary is writable), and the driver
 uses the bind only while it is read-only and the same file as the crun it would run."""

@@ -325,7 +325,7 @@ class VMSettings(Group):
                     "cross-VM timing side channel of merged pages (docs/security.md)")
     qemu_thp: bool = env(False, "DSEC_VM_QEMU_THP", "transparent huge pages for the QEMUs of VMs started from saved "
                          "state (clones, resumes); off: each 2 MiB page QEMU faults in costs ~15x a 4 KiB one on a "
-                         "node that is itself a VM returning free memory to its host (D9x)")
+                         "node that is itself a VM returning free memory to its host (D94)")
 
 
 class FnCallEnvSettings(Group):

@@ -1,4 +1,4 @@
-"""cgroups.favors_dynmods / dynmods_problem read mountinfo's super options (D9x)."""
+"""cgroups.favors_dynmods / dynmods_problem read mountinfo's super options (D92)."""
 
 from dsec.backends.container import cgroups
 

@@ -141,7 +141,7 @@ def precreate_cpuset_v1(root: Path, rel: str) -> None:
         pass   # only a cost: crun makes the directory (or reports why it cannot) as before
 
 
-# favordynmods (kernel >= 6.1; 6.18: a per-process rwsem for cgroup.procs writes, D9x). Without it
+# favordynmods (kernel >= 6.1; 6.18: a per-process rwsem for cgroup.procs writes, D92). Without it
 # every cgroup.procs write takes the host-wide cgroup_threadgroup_rwsem for writing: the first
 # after a quiet spell waits an RCU grace period (10-23 ms measured here, once per create, raw crun
 # alike) and each one stalls every fork/exec/exit on the host meanwhile. Turned on by

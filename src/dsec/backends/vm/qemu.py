@@ -97,7 +97,7 @@ class Machine:
     shim: Path | None = None          # the preloaded shim (ramshim.c) for merge_all and thp_off
     # no transparent huge pages in this QEMU (prctl PR_SET_THP_DISABLE from the shim): QEMU
     # madvises its TCG code cache for them, and each 2 MiB fault costs ~11 ms of CPU on a
-    # node whose own host takes back freed memory (D9x); needs `shim`
+    # node whose own host takes back freed memory (D94); needs `shim`
     thp_off: bool = False
 
     def _dev(self, name: str) -> str:

@@ -23,7 +23,7 @@
  *  4. With DSEC_THP_OFF=1 a constructor turns transparent huge pages off for this QEMU
  *     (prctl PR_SET_THP_DISABLE): QEMU madvises its TCG code cache MADV_HUGEPAGE, and on a node
  *     that is itself a VM handing freed memory back to its host, each 2 MiB page first touched
- *     costs ~11 ms of CPU against ~0.4 ms for the 4 KiB pages a clone actually uses (D9x).
+ *     costs ~11 ms of CPU against ~0.4 ms for the 4 KiB pages a clone actually uses (D94).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>

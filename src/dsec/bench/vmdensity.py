@@ -32,6 +32,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from dsec.backends.vm.doze import cpu_ns
 from dsec.bench.hostmem import mem_available_mib, settled_mem_available_mib
 from dsec.bench.server import BenchServer
 from dsec.sdk.client import Client, Sandbox
@@ -190,16 +191,6 @@ def zram_used_mib() -> float:
     return total / (1 << 20)
 
 
-def qemu_cpu_ns(pid: int) -> int:
-    total = 0
-    for t in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            total += int((t / "schedstat").read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            continue
-    return total
-
-
 def dozed_ids(server: BenchServer) -> set[str]:
     """The sandboxes whose QEMU dozed (the driver logs each)."""
     out = set()
@@ -303,9 +294,9 @@ async def _config(server: BenchServer, cfg: Config, o: Opts) -> dict:
                     pids.append(int((server.paths.vm_sandboxes / sb.id / "qemu.pid").read_text()))
                 except (OSError, ValueError):
                     pass
-            c0, t0 = sum(qemu_cpu_ns(p) for p in pids), time.monotonic()
+            c0, t0 = sum(cpu_ns(p) for p in pids), time.monotonic()
             await asyncio.sleep(o.idle_cpu_window_s)
-            res["idle_cpu_pct_per_vm"] = max(0.0, 100 * (sum(qemu_cpu_ns(p) for p in pids) - c0)
+            res["idle_cpu_pct_per_vm"] = max(0.0, 100 * (sum(cpu_ns(p) for p in pids) - c0)
                                           / ((time.monotonic() - t0) * 1e9) / max(1, len(pids)))
             rtt, rtt2 = [], []
             for sb in sbs:

@@ -31,6 +31,7 @@ from dsec.bench.density import Raw, crun_burst
 from dsec.bench.server import BenchServer
 from dsec.images.service import ImageService
 from dsec.types import ContainerArgs
+from procstat import TCK, cpu_ticks
 
 ROUNDS = int(sys.argv[1])
 VARIANTS = sys.argv[2].split(",")
@@ -81,8 +82,7 @@ async def pool_full(srv: BenchServer, want: int, timeout_s: float = 300) -> None
 
 def cpu_s(pid: int) -> float:
     """utime+stime of the process and its reaped children, seconds."""
-    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return sum(int(x) for x in f[11:15]) / os.sysconf("SC_CLK_TCK")
+    return sum(cpu_ticks(pid)) / TCK
 
 
 def own_cpu_s() -> float:

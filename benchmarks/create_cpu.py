@@ -8,11 +8,10 @@ from dsec.bench.density import Raw, RAW_CGROUP_PARENT
 from dsec.backends.container.spec import cgroup_path
 from dsec.images.service import ImageService
 from dsec.types import ContainerArgs
+from procstat import TCK, cpu_ticks
 N = int(sys.argv[1]); CONC = int(sys.argv[2])
-TCK = os.sysconf("SC_CLK_TCK")
 def proc_cpu(pid):
-    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return [int(x) / TCK * 1000 for x in f[11:15]]
+    return [t / TCK * 1000 for t in cpu_ticks(pid)]
 def cg_ms(rel):
     try: return int(Path(f"/sys/fs/cgroup/cpuacct{rel}/cpuacct.usage").read_text()) / 1e6
     except OSError: return 0.0

@@ -12,32 +12,20 @@ from dsec.bench.server import BenchServer
 from dsec.bench.density import Raw
 from dsec.images.service import ImageService
 from dsec.types import ContainerArgs
+from procstat import TCK, cpu_ticks, processes
 
 N = int(sys.argv[1]); OUT = Path(sys.argv[2]); OUT.mkdir(parents=True, exist_ok=True)
 PYSPY = os.environ.get("PYSPY", "/work/main/.venv-verl/bin/py-spy")
 PERF = os.environ.get("PERF", "1") == "1"
-TCK = os.sysconf("SC_CLK_TCK")
 ARGS = ContainerArgs(image="debian-python", cpu_cores=0.005, memory_mb=48, ttl_idle_s=3600)
 
 
 def proc_cpu(pid: int) -> list[float]:
-    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return [int(x) / TCK * 1000 for x in f[11:15]]
+    return [t / TCK * 1000 for t in cpu_ticks(pid)]
 
 
 def all_cpu() -> dict[str, float]:
-    out: dict[str, float] = {}
-    for p in Path("/proc").iterdir():
-        if not p.name.isdigit():
-            continue
-        try:
-            s = (p / "stat").read_text()
-        except OSError:
-            continue
-        name = s[s.index("(") + 1:s.rindex(")")]
-        f = s.rsplit(")", 1)[1].split()
-        out[f"{p.name}:{name}"] = (int(f[11]) + int(f[12])) / TCK * 1000
-    return out
+    return {f"{p}:{comm}": ticks / TCK * 1000 for p, comm, _, ticks in processes()}
 
 
 def mounts(pid: int | str) -> int:

@@ -40,14 +40,11 @@ from dsec.bench.server import BenchServer  # noqa: E402
 from dsec.images.service import ImageService  # noqa: E402
 from dsec.sdk.sync import SyncClient  # noqa: E402
 from dsec.types import ContainerArgs  # noqa: E402
-
-TCK = os.sysconf("SC_CLK_TCK")
-
+from procstat import TCK, cpu_ticks, processes  # noqa: E402
 
 def proc_cpu(pid: int) -> tuple[float, float]:
     """(self, reaped children) CPU seconds of `pid`."""
-    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    ut, st, cut, cst = (int(x) for x in f[11:15])
+    ut, st, cut, cst = cpu_ticks(pid)
     return (ut + st) / TCK, (cut + cst) / TCK
 
 
@@ -55,17 +52,9 @@ def descendants_cpu(pid: int) -> dict[int, tuple[str, float]]:
     """CPU seconds of every live descendant of `pid` (daemons it keeps: lxcfs, proxies, agents)."""
     kids: dict[int, list[int]] = {}
     info: dict[int, tuple[str, float]] = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            raw = (d / "stat").read_text()
-        except OSError:
-            continue
-        comm = raw[raw.index("(") + 1:raw.rindex(")")]
-        f = raw.rsplit(")", 1)[1].split()
-        kids.setdefault(int(f[1]), []).append(int(d.name))
-        info[int(d.name)] = (comm, (int(f[11]) + int(f[12])) / TCK)
+    for p, comm, ppid, ticks in processes():
+        kids.setdefault(ppid, []).append(p)
+        info[p] = (comm, ticks / TCK)
     out, todo = {}, list(kids.get(pid, []))
     while todo:
         p = todo.pop()

@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from dsec.backends.base import Doze, PortIngress
+from dsec.backends.base import PortIngress
 from dsec.types import InvalidArgument, Unavailable
 from dsec.edge.core import EdgeCore
 
@@ -24,8 +24,6 @@ class Ports(EdgeCore):
         live = await self._live_resumed(sandbox_id)
         ingress = self._capability(live.rec, PortIngress, "reach its ports")
         with self._busy(live.rec):
-            if isinstance(live.backend, Doze):     # a dozing VM runs again first (doze.py)
-                await live.backend.wake(live.id)
             try:
                 reader, writer = await ingress.open_port(sandbox_id, port)
             except ConnectionRefusedError:

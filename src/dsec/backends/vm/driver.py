@@ -576,8 +576,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
         when it did not doze."""
         d = self.sandbox_dir(sandbox_id)
         pid = self._pid(sandbox_id)
-        if (not self.settings.idle_stop or pid is None or sandbox_id in self._dozing
-                or json.loads((d / "spec.json").read_text()).get("net") is not None):
+        if not self.settings.idle_stop or pid is None or sandbox_id in self._dozing or _has_nic(d):
             return -1
         # dozing from here on (before any await): a request arriving now waits in wake() for
         # the lock and runs the VM again once it is stopped
@@ -625,7 +624,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
         d = self.sandbox_dir(sandbox_id)
         if not (d / "spec.json").exists():
             raise FileNotFoundError(sandbox_id)
-        if self.network is None or json.loads((d / "spec.json").read_text()).get("net") is None:
+        if self.network is None or not _has_nic(d):
             raise InvalidArgument(f"network: VM {sandbox_id} was created without a network device",
                                   field="network", fix="create the VM with network={} (an empty policy: no egress "
                                                        "until set_network) to change its policy later")
@@ -889,6 +888,11 @@ def console_tail(d: Path, n: int = 800) -> str:
 def _upper_name(d: Path) -> str:
     """The writable disk of a VM or snapshot dir: a qcow2 overlay, or a cold boot's raw disk."""
     return "upper.qcow2" if (d / "upper.qcow2").exists() else "upper.img"
+
+
+def _has_nic(d: Path) -> bool:
+    """Whether the VM in `d` was created with a network device (its spec.json says so)."""
+    return json.loads((d / "spec.json").read_text()).get("net") is not None
 
 
 def _spec_json(spec: VMSpec) -> dict:

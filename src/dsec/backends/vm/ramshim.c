@@ -39,13 +39,18 @@
 #define PR_SET_MEMORY_MERGE 67
 #endif
 
-__attribute__((constructor)) static void ksm_all(void)
+static int env_on(const char *name)
 {
-	const char *on = getenv("DSEC_KSM_ALL");
-	if (on != NULL && strcmp(on, "1") == 0)
+	const char *v = getenv(name);
+	return v != NULL && strcmp(v, "1") == 0;
+}
+
+/* items 3 and 4 above: the process-wide memory settings, before QEMU maps anything */
+__attribute__((constructor)) static void memory_prctls(void)
+{
+	if (env_on("DSEC_KSM_ALL"))
 		prctl(PR_SET_MEMORY_MERGE, 1, 0, 0, 0);
-	on = getenv("DSEC_THP_OFF");
-	if (on != NULL && strcmp(on, "1") == 0)
+	if (env_on("DSEC_THP_OFF"))
 		prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0);
 }
 

@@ -39,6 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from dsec.procstat import cpu_ns  # noqa: E402
 from dsec.testing.isolated import ServerProcess, cleanup_home, link_node_downloads  # noqa: E402
 from dsec.types import ContainerArgs  # noqa: E402
 
@@ -61,13 +62,7 @@ o_budget_mb = 8192
 def cpu_s(pid: int) -> float:
     """The process's own CPU seconds (all its threads), from each thread's schedstat (ns: a
     block of a few hundred 1 ms execs is resolved, where /proc/PID/stat counts 10 ms ticks)."""
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            pass        # a thread that just ended
-    return total / 1e9
+    return cpu_ns(pid) / 1e9
 
 
 def mem_available_mb() -> int:

@@ -40,7 +40,7 @@ from dsec.bench.server import BenchServer  # noqa: E402
 from dsec.images.service import ImageService  # noqa: E402
 from dsec.sdk.sync import SyncClient  # noqa: E402
 from dsec.types import ContainerArgs  # noqa: E402
-from procstat import TCK, cpu_ticks, processes  # noqa: E402
+from procstat import TCK, cpu_s, cpu_ticks, processes  # noqa: E402
 
 def proc_cpu(pid: int) -> tuple[float, float]:
     """(self, reaped children) CPU seconds of `pid`."""
@@ -69,8 +69,7 @@ def sandbox_cpu(sandbox_id: str) -> float:
     for d in Path("/proc").iterdir():
         try:
             if d.name.isdigit() and sandbox_id in (d / "cgroup").read_text():
-                f = (d / "stat").read_text().rsplit(")", 1)[1].split()
-                total += (int(f[11]) + int(f[12])) / TCK
+                total += cpu_s(int(d.name))
         except OSError:
             continue
     return total

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from dsec import procstat
 from dsec.agent import protocol as P
 from dsec.agent.build import agent_binary
 from dsec.agent.client import AgentClient, AgentDisconnected, AgentError, Exit, Output
@@ -107,7 +108,7 @@ async def run(c: AgentClient, chan: int, cmd: str, *, uid: int = 0, gid: int = 0
 
 def pid_alive(pid: int) -> bool:
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        state = procstat.fields(pid)[0]
     except FileNotFoundError:
         return False
     return state != "Z"

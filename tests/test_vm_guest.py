@@ -20,6 +20,7 @@ from typing import AsyncIterator
 
 import pytest
 
+from dsec import procstat
 from dsec.agent.client import AgentClient, Exit, Output
 from dsec.backends.vm import guest
 from dsec.config import Paths
@@ -263,18 +264,13 @@ async def test_reconnect_keeps_commands_and_output(tmp_path: Path, kernel, initr
         # idle and disconnected: the agent must not spin (SIGIO/backoff, not a busy poll)
         await c.close()
         vm.client = None
-        cpu0 = _cpu_ticks(vm.proc.pid)
+        cpu0 = procstat.cpu_s(vm.proc.pid)
         await asyncio.sleep(2.0)
-        busy = (_cpu_ticks(vm.proc.pid) - cpu0) / os.sysconf("SC_CLK_TCK") / 2.0
+        busy = (procstat.cpu_s(vm.proc.pid) - cpu0) / 2.0
         print(f"QEMU CPU while the host side is away: {busy * 100:.0f}% of a core")
         vm.client = c = await AgentClient.connect(boot.agent_socket)
         assert await run(c, "echo back", chan=10) == (0, "back\n", "")
         assert busy < 0.5, f"guest busy while disconnected: {busy:.2f} of a core"
-
-
-def _cpu_ticks(pid: int) -> int:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])     # utime + stime
 
 
 async def test_init_failure_stops_the_vm(tmp_path: Path, kernel, initramfs, busybox_layers) -> None:

@@ -14,6 +14,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from dsec import procstat
 from dsec.backends.container import cgroups
 from dsec.backends.container.spec import cgroup_path
 
@@ -84,7 +85,7 @@ def pids_by_sandbox() -> dict[str, set[int]]:
             continue
         try:
             text = (p / "cgroup").read_text()
-            if (p / "stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+            if procstat.fields(int(p.name))[0] in ("Z", "X"):
                 continue
         except (OSError, IndexError):
             continue

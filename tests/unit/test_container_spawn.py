@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from dsec import procstat
 from dsec.backends.container import driver
 from dsec.backends.container.spawn import run_to_exit
 
@@ -71,7 +72,7 @@ def test_the_create_path_uses_it():
 
 def _ppid(pid: int) -> int:
     try:
-        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+        return int(procstat.fields(pid)[1])
     except (OSError, IndexError, ValueError):
         return -1
 

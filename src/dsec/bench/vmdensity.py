@@ -32,15 +32,14 @@ from pathlib import Path
 
 from rich.console import Console
 
-from dsec.backends.vm.doze import cpu_ns
 from dsec.bench.hostmem import mem_available_mib, settled_mem_available_mib
 from dsec.bench.server import BenchServer
+from dsec.procstat import TCK, cpu_ns, processes
 from dsec.sdk.client import Client, Sandbox
 
 console = Console()
 KSM = Path("/sys/kernel/mm/ksm")
 _PAGE_KIB = os.sysconf("SC_PAGE_SIZE") // 1024
-_TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)
@@ -161,15 +160,9 @@ def ksm_set(values: dict[str, int]) -> dict[str, int]:
 
 def ksmd_cpu_s() -> float:
     """CPU seconds ksmd has used since boot (0 when there is no ksmd)."""
-    for p in Path("/proc").iterdir():
-        if not p.name.isdigit():
-            continue
-        try:
-            if (p / "comm").read_text().strip() == "ksmd":
-                f = (p / "stat").read_text().rsplit(")", 1)[1].split()
-                return (int(f[11]) + int(f[12])) * _TICK_S
-        except OSError:
-            continue
+    for _, comm, _, ticks in processes():
+        if comm == "ksmd":
+            return ticks / TCK
     return 0.0
 
 

@@ -20,22 +20,21 @@ from pathlib import Path
 
 from rich.console import Console
 
+from dsec import procstat
 from dsec.bench.server import BenchServer
 from dsec.bench.vmdensity import CONFIGS, NO_DOZE, Opts, _one, _pct, ksm_set, smaps_breakdown
 from dsec.sdk.client import Client, Sandbox
 
 console = Console()
-_TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 CLOCKSOURCE = "/sys/devices/system/clocksource/clocksource0/current_clocksource"
 
 
 def qemu_cpu_s(pid: int) -> float:
     """CPU seconds (user + system, all threads) a process has used; 0.0 once it is gone."""
     try:
-        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return procstat.cpu_s(pid)
     except OSError:
         return 0.0
-    return (int(f[11]) + int(f[12])) * _TICK_S
 
 
 @dataclass

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dsec import procstat
 from dsec.sdk.client import Client
 
 # the shared box's PSI must not decide a benchmark (same for both arms)
@@ -35,12 +36,7 @@ TARGET_PER_S = 5000
 
 def cpu_s(pids: list[int]) -> float:
     """User + system CPU seconds the processes have used (their threads included)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])       # utime, stime (fields 14, 15)
-    return total / tick
+    return sum(procstat.cpu_s(pid) for pid in pids)
 
 
 async def _burst(clients: list[Client], n: int, concurrency: int, replica_pids: list[int] | None = None

@@ -28,6 +28,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from dsec import procstat
 from dsec.backends.base import (PARKED, RUNNING, Backend, Egress, EgressSecrets, Hibernation, ImageStacks, LayerDiff, MemoryUsage,
                                 Parking, PortIngress, Prepared, RawUsage, Reclaim, SnapshotLayers, Snapshots, UpperView,
                                 UsageStats)
@@ -67,11 +68,6 @@ PIDFD_GET_INFO = (3 << 30) | (64 << 16) | (0xFF << 8) | 11
 VIEW_RESTART_MIN_S = 2.0     # between two starts of the node's lxcfs (lxcfs.py)
 SETTLE_S = 0.25              # a park to disk waits this long for ended commands' supervisors
 DISK_WALK_EVERY_S = 60.0     # usage(): the writable layer is walked at most this often
-
-
-def _proc_stat(pid: int) -> list[str]:
-    """/proc/PID/stat after the command name: [0] is field 3 (state), [N-3] field N."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
 
 
 @dataclass
@@ -794,7 +790,7 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
             loop.call_soon(on_exit)        # gone already: let the edge look at it now
             return True
         try:
-            start = _proc_stat(pid)[19]
+            start = procstat.fields(pid)[19]
             # a dead sandbox's pid file may name a pid reused since: it must be in the sandbox's cgroup
             ours = any(line.endswith(":" + cgroup_path(sandbox_id))
                        for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines())
@@ -834,7 +830,7 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
         init reaps it, maybe late), from the pidfd once reaped (Linux 6.15+); None if unknown
         (or still running)."""
         try:
-            f = _proc_stat(w.pid)
+            f = procstat.fields(w.pid)
             if f[19] == w.start:
                 return int(f[49]) if f[0] in ("Z", "X") else None
         except (OSError, IndexError, ValueError):
@@ -960,7 +956,7 @@ def _kill_inflight_create(bundle: Path, wait_s: float = 5.0) -> None:
 
 def _alive(pid: int) -> bool:
     try:
-        return _proc_stat(pid)[0] not in ("Z", "X")
+        return procstat.fields(pid)[0] not in ("Z", "X")
     except (OSError, IndexError):
         return False
 

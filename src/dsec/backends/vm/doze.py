@@ -21,6 +21,8 @@ import os
 import time
 from pathlib import Path
 
+from dsec.procstat import cpu_ns
+
 MADV_PAGEOUT = 21
 _SYS_PROCESS_MADVISE = 440        # x86_64 and arm64 (generic syscall table) alike
 _IOV_CHUNK = 512                  # below IOV_MAX (1024)
@@ -32,17 +34,6 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 class _Iovec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-
-def cpu_ns(pid: int) -> int:
-    """CPU time of all of a process's threads, in ns (schedstat: finer than /proc/PID/stat's ticks)."""
-    total = 0
-    for t in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            total += int((t / "schedstat").read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            continue      # a thread that ended meanwhile
-    return total
 
 
 def private_ranges(pid: int) -> list[tuple[int, int]]:

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Literal
 
+from dsec import procstat
 from dsec.agent.client import AgentClient
 from dsec.backends.base import (PARKED, RUNNING, Backend, Console, Doze, Egress, ImageStacks, LivenessWatched,
                                 MemoryUsage, Parking, Prepared, RawUsage, Reclaim, Snapshots, UsageStats)
@@ -861,15 +862,14 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
         return pss_bytes(pid) if pid is not None and pid_alive(pid, sandbox_id) else None
 
 
-_TICK_NS = 10**9 // os.sysconf("SC_CLK_TCK")
+_TICK_NS = 10**9 // procstat.TCK
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def qemu_usage(pid: int) -> tuple[int, int]:
     """(CPU ns, resident bytes) of a process: /proc/PID/stat utime+stime, /proc/PID/statm."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rindex(")") + 2:].split()     # after the command name, which may hold spaces
-    cpu = (int(fields[11]) + int(fields[12])) * _TICK_NS
+    ut, st, _, _ = procstat.cpu_ticks(pid)
+    cpu = (ut + st) * _TICK_NS
     return cpu, int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * _PAGE
 
 

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from qemu.qmp import QMPClient
 
+from dsec import procstat
 from dsec.backends.vm import ramshim
 from dsec.types import InvalidArgument, SandboxFailed, Unavailable
 
@@ -215,10 +216,9 @@ def pid_alive(pid: int, name: str) -> bool:
     """True if `pid` is a live (non-zombie) QEMU of VM `name`: pids are reused."""
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        state = procstat.fields(pid)[0]
     except OSError:
         return False
-    state = stat.rsplit(")", 1)[-1].split()[0]
     return f"dsec-{name},".encode() in cmdline and state not in ("Z", "X")
 
 

@@ -60,7 +60,7 @@ async def test_density_bench_tiny(server, client) -> None:
     pooled = burst["pooled"]
     assert pooled["n"] == 3 and pooled["failed"] == 0 and pooled["claimed"] == 3, pooled
     assert pooled["pool_fill_s"] is not None
-    assert (await client._request("GET", "/v1/nodes/local/warm-pool")).json()["pools"] == {}   # set back
+    assert (await client.warm_pools()).pools == {}   # set back
 
     assert td["n"] == 5 and td["failed"] == 0
     assert td["leaks"] == {"crun_containers": [], "sandbox_cgroups": [], "raw_cgroups": []}

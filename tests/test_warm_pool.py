@@ -20,7 +20,9 @@ from dsec.backends.container import cgroups
 from dsec.backends.container.hibernate import on_disk
 from dsec.backends.container.spec import cgroup_path
 from dsec.edge.warm_pool import parse_targets
-from dsec.types import InvalidArgument, node_of
+from dsec.bench.warm_fill import wait_full
+from dsec.sdk.client import Client
+from dsec.types import Forbidden, InvalidArgument, WarmPool, WarmPools, node_of
 from dsec.testing.waiting import wait_until
 
 POOL = "busybox:2"
@@ -216,6 +218,33 @@ async def test_admin_routes(pool_server):
         assert len(await _pool_ids(pool_server)) == 1          # drained to the new size
         r = await h.put(url, json={"pools": POOL}, headers=admin)
         assert r.status_code == 200
+    await _wait_idle(pool_server)
+
+
+async def test_sdk_reads_and_sets_the_pools(pool_server):
+    """Client.warm_pools / set_warm_pools: the admin route, typed; refusals as the SDK's errors."""
+    from conftest import stranger_key
+    await _wait_idle(pool_server)
+    async with pool_server.client() as c:
+        st = await c.warm_pools()
+        assert isinstance(st, WarmPools) and isinstance(st.pools["busybox"], WarmPool)
+        assert st.pools["busybox"].size == 2 and st.pools["busybox"].full and st.claims >= 0
+        with pytest.raises(InvalidArgument) as e:
+            await c.set_warm_pools("busybox:x")
+        assert e.value.field == "pools"
+        try:
+            st = await c.set_warm_pools("busybox:1")
+            assert st.pools["busybox"].size == 1
+            waited, error = await wait_full(c, "busybox", 1, 60)     # the benches' wait
+            assert waited is not None and error is None
+            assert (await c.warm_pools()).pools["busybox"].idle == 1
+        finally:
+            await c.set_warm_pools(POOL)
+    async with Client(pool_server.url, stranger_key(pool_server, "wps"), autostart=False) as other:
+        with pytest.raises(Forbidden):
+            await other.warm_pools()
+        with pytest.raises(Forbidden):
+            await other.set_warm_pools("")
     await _wait_idle(pool_server)
 
 

@@ -48,6 +48,7 @@ from dsec.backends.container.spec import cgroup_path
 from dsec.bench.core import RawCrun, _pct
 from dsec.bench.hostmem import meminfo_mib, settled_mem_available_mib
 from dsec.bench.server import BenchServer
+from dsec.bench.warm_fill import wait_full
 from dsec.config import Paths
 from dsec.images.service import ImageService
 from dsec.sdk.client import Client, Sandbox
@@ -563,13 +564,6 @@ class Bench:
         return {**_stats(ttfo), "wall_s": wall, "create_p50_ms": _pct(create_ms, 50) if create_ms else None,
                 "failed": len(errs), "errors": errs[:5], "ttfo_ms": ttfo}
 
-    async def _warm_pool(self, spec: str | None = None) -> dict:
-        """The node's warm pools (admin route); with `spec`, set them first ('' for none)."""
-        path = "/v1/nodes/local/warm-pool"
-        r = await (self.c._request("PUT", path, json={"pools": spec}) if spec is not None
-                   else self.c._request("GET", path))
-        return r.json()
-
     async def _pooled_burst(self, args: ContainerArgs) -> dict:
         """The same burst answered by a warm pool of its size: the pool is set, waited full (at
         most 120 s, or until it reports a failed start: a full node) and left to settle, as a node configured for bursts of this shape would be;
@@ -577,30 +571,20 @@ class Bench:
         says how many of the burst's creates the pool answered."""
         o = self.o
         self.phase(f"5b. burst from a warm pool of {o.burst}")
-        fill_s: float | None = None
-        fill_error: str | None = None
         try:
-            await self._warm_pool(f"{o.image}:{o.burst}")
-            t0 = time.perf_counter()
-            while time.perf_counter() - t0 < 120:
-                st = (await self._warm_pool())["pools"].get(o.image) or {}
-                if st.get("idle", 0) >= o.burst and not st.get("starting"):
-                    fill_s = time.perf_counter() - t0
-                    break
-                if st.get("error"):      # e.g. admission refused a pool start: burst from what is there
-                    fill_error = str(st["error"])
-                    break
-                await asyncio.sleep(0.5)
+            await self.c.set_warm_pools(f"{o.image}:{o.burst}")
+            # a failed start (e.g. admission refused one): burst from what is there
+            fill_s, fill_error = await wait_full(self.c, o.image, o.burst, 120, stop_on_error=True)
             await asyncio.sleep(self.o.settle_s)     # the fill's starts done: the pool has waited
-            before = (await self._warm_pool())["claims"]
+            before = (await self.c.warm_pools()).claims
             claimed: list[int] = []
 
             async def empty_pool() -> None:
-                claimed.append((await self._warm_pool())["claims"] - before)
-                await self._warm_pool("")
+                claimed.append((await self.c.warm_pools()).claims - before)
+                await self.c.set_warm_pools("")
             res = await self._dsec_burst(args, f"dsec: {o.burst} x create + echo hi, warm pool", empty_pool)
         finally:
-            await self._warm_pool("")
+            await self.c.set_warm_pools("")
         return {**res, "claimed": claimed[0] if claimed else None, "pool_fill_s": fill_s, "pool_error": fill_error}
 
     async def _raw_burst(self) -> dict:

@@ -33,6 +33,7 @@ from rich.table import Table
 
 from dsec.bench.density import Raw, _err, _stats, crun_burst
 from dsec.bench.server import BenchServer
+from dsec.bench.warm_fill import wait_full
 from dsec.images.service import ImageService
 from dsec.sdk.client import Client, Sandbox
 from dsec.types import ContainerArgs, DsecError
@@ -59,25 +60,17 @@ class WarmBench:
         self.args = ContainerArgs(image=o.image, cpu_cores=1, memory_mb=256, ttl_idle_s=3600, labels=self.labels)
 
     # -- the pool, through the admin route -------------------------------------------------
-    def _pool(self, spec: str | None = None) -> dict:
-        url = f"{self.srv.url}/v1/nodes/local/warm-pool"
-        h = {"Authorization": f"Bearer {self.srv.key}"}
-        r = httpx.put(url, json={"pools": spec}, headers=h) if spec is not None else httpx.get(url, headers=h)
-        r.raise_for_status()
-        return r.json()
-
     async def set_pool(self, size: int, timeout_s: float = 600) -> float:
         """Pool of `size`; waits until it holds them all. Returns the seconds the fill took."""
         t0 = time.perf_counter()
-        await asyncio.to_thread(self._pool, f"{self.o.image}:{size}" if size else "")
-        while time.perf_counter() - t0 < timeout_s:
-            st = (await asyncio.to_thread(self._pool))["pools"].get(self.o.image)
-            if size == 0 or (st and st["idle"] >= size and st["starting"] == 0):
-                return time.perf_counter() - t0
-            if st and st.get("error"):
-                console.print(f"[yellow]pool: {st['error']}")
-            await asyncio.sleep(0.5)
-        raise RuntimeError(f"the pool did not fill to {size} in {timeout_s:.0f} s")
+        await self.c.set_warm_pools(f"{self.o.image}:{size}" if size else "")
+        if size == 0:
+            return time.perf_counter() - t0
+        waited, _ = await wait_full(self.c, self.o.image, size, timeout_s - (time.perf_counter() - t0),
+                                    on_error=lambda e: console.print(f"[yellow]pool: {e}"))
+        if waited is None:
+            raise RuntimeError(f"the pool did not fill to {size} in {timeout_s:.0f} s")
+        return time.perf_counter() - t0
 
     # -- one create -> first output ---------------------------------------------------------
     async def _one(self, out: list[float], create_ms: list[float], errs: list[str], made: list[Sandbox]) -> None:
@@ -179,15 +172,15 @@ async def bench(srv: BenchServer, o: Opts) -> dict:
             console.rule(f"warm: pool of {o.burst}, then {o.burst} concurrent creates")
             res["pool_fill_s"] = await b.set_pool(o.burst)
             await asyncio.sleep(o.settle_s)
-            before = (await asyncio.to_thread(b._pool))["claims"]
+            before = (await c.warm_pools()).claims
             res["warm_burst"] = await b.run_mode(o.burst, concurrent=True)
-            res["warm_burst"]["claimed"] = (await asyncio.to_thread(b._pool))["claims"] - before
+            res["warm_burst"]["claimed"] = (await c.warm_pools()).claims - before
             await b.set_pool(0)
             console.rule(f"serial: {o.serial} one-at-a-time creates, cold then warm")
             res["cold_serial"] = await b.run_mode(o.serial, concurrent=False)
-            before = (await asyncio.to_thread(b._pool))["claims"]
+            before = (await c.warm_pools()).claims
             res["warm_serial"] = await b.serial_warm(o.serial)
-            res["warm_serial"]["claimed"] = (await asyncio.to_thread(b._pool))["claims"] - before
+            res["warm_serial"]["claimed"] = (await c.warm_pools()).claims - before
         finally:
             await b.set_pool(0)
             res["live_left"] = [s.id for s in await c.list()]

@@ -39,7 +39,7 @@ from dsec.types import ForkRequest, ForkResult
 from dsec.types import VolumeCreate, VolumeEntry, VolumeEntryList, VolumeInfo, VolumeList
 from dsec.types import (ERRORS_BY_CODE, SDK_KEY_PREFIX, ContainerArgs, DsecError, ExecEvent, ExecRequest, ExecResult, FsEvent,
                         FileEntry, FileList, ImageInfo, ImageList, NetworkPolicy, NodeStatus, SandboxInfo, SandboxList,
-                        InvalidArgument, Unavailable)
+                        InvalidArgument, Unavailable, WarmPools)
 from dsec.types import AuditList
 from dsec.types import EventList, SandboxEvent, WebhookCreate, WebhookInfo, WebhookList, DeliveryList, ended_error
 
@@ -498,6 +498,19 @@ class Client:
         resp = await self._request("POST", f"/v1/nodes/{node}/{action}", params={"stop": "true"} if stop else None)
         answer: dict[str, Any] = resp.json()
         return answer
+
+    async def warm_pools(self, node: str = "local") -> WarmPools:
+        """Admin only: a node's warm pools (D28): per image its size, idle and starting
+        sandboxes and last start error; the creates they answered (`claims`) and missed."""
+        resp = await self._request("GET", f"/v1/nodes/{node}/warm-pool")
+        return WarmPools.model_validate_json(resp.content)
+
+    async def set_warm_pools(self, pools: str, node: str = "local") -> WarmPools:
+        """Admin only: set a node's warm pools, 'image:size,...' (e.g. 'debian-python:8,busybox:4';
+        '' for none), as DSEC_WARM_POOL does at its start. The node refills or drains them in the
+        background: the answer is their state now (`WarmPool.full` once filled)."""
+        resp = await self._request("PUT", f"/v1/nodes/{node}/warm-pool", json={"pools": pools})
+        return WarmPools.model_validate_json(resp.content)
 
     async def images(self) -> builtins.list[ImageInfo]:
         resp = await self._request("GET", "/v1/images")

@@ -28,7 +28,7 @@ from dsec.types import (AuditList, BulkItem, ContainerArgs, DeliveryList, DsecEr
                         ExecInfo, ExecResult, FileEntry, FnCallRequest, FnCallResult, FsEvent,
                         ImageBuildResult, ImageConfig, ImageInfo, ImageProgress, MicroVMArgs, NetworkPolicy,
                         NodeStatus, SandboxArgs, SandboxEvent, SandboxInfo, SandboxList, SnapshotInfo,
-                        UsageSample, VMArgs, VolumeEntry, VolumeInfo, WebhookInfo)
+                        UsageSample, VMArgs, VolumeEntry, VolumeInfo, WarmPools, WebhookInfo)
 
 __all__ = ["SyncClient", "SyncCreated", "SyncForked", "SyncSandbox", "SyncFiles", "SyncPty"]
 
@@ -222,6 +222,19 @@ class SyncClient(_sync.Synchronized):
         stop=True (drain): also stop its sandboxes, each ending `preempted` (answer: `stopped`).
         """
         return cast("dict[str, Any]", _sync.call(self, "node_action", node, action, stop))
+
+    def warm_pools(self, node: str = "local") -> WarmPools:
+        """Admin only: a node's warm pools (D28): per image its size, idle and starting
+        sandboxes and last start error; the creates they answered (`claims`) and missed.
+        """
+        return cast("WarmPools", _sync.call(self, "warm_pools", node))
+
+    def set_warm_pools(self, pools: str, node: str = "local") -> WarmPools:
+        """Admin only: set a node's warm pools, 'image:size,...' (e.g. 'debian-python:8,busybox:4';
+        '' for none), as DSEC_WARM_POOL does at its start. The node refills or drains them in the
+        background: the answer is their state now (`WarmPool.full` once filled).
+        """
+        return cast("WarmPools", _sync.call(self, "set_warm_pools", pools, node))
 
     def images(self) -> builtins.list[ImageInfo]:
         return cast("builtins.list[ImageInfo]", _sync.call(self, "images"))

@@ -22,7 +22,7 @@ from dsec.types.sandboxes import (NAME_RE, MAX_TTL_S, ENV_KEY_RE, MAX_ENV_VARS, 
                                   BulkSelector, BulkItem, BulkResult, SnapshotInfo, SnapshotImage, SnapshotList, SandboxList)
 from dsec.types.execs import (MAX_EXEC_TIMEOUT_S, PtySize, ResizeRequest, ExecRequest, ExecResult, ExecInfo, ExecList, SignalRequest,
                               TimeoutRequest, ExecEvent, FileWrite, FileEntry, FsEvent, FileList)
-from dsec.types.nodes import (NodeCapacity, NodeStatus)
+from dsec.types.nodes import (NodeCapacity, NodeStatus, WarmPool, WarmPools)
 from dsec.types.images import (LayerInfo, ImageInfo, ImageList, DEFAULT_SCRUB, PackDiffRequest)
 from dsec.types.fncall import (FNCALL_MAX_TIMEOUT_S, FNCALL_MAX_BYTES, FNCALL_DEFAULT_IMAGE, FnCallRequest,
                                FnCallStatus, FnCallStep, FnCallResult, FnCallBatch, FnCallBatchItem)
@@ -56,7 +56,7 @@ __all__ = [
     "ContainerArgs", "MicroVMArgs", "VMArgs", "SandboxArgs", "VM_BACKENDS", "SandboxState", "SandboxInfo",
     "BulkSelector", "BulkItem", "BulkResult", "SnapshotInfo", "SnapshotImage", "SnapshotList", "SandboxList", "MAX_EXEC_TIMEOUT_S",
     "PtySize", "ResizeRequest", "ExecRequest", "ExecResult", "ExecInfo", "ExecList", "SignalRequest", "TimeoutRequest", "ExecEvent", "FileWrite",
-    "FileEntry", "FsEvent", "FileList", "NodeCapacity", "NodeStatus", "LayerInfo", "ImageInfo", "ImageList",
+    "FileEntry", "FsEvent", "FileList", "NodeCapacity", "NodeStatus", "WarmPool", "WarmPools", "LayerInfo", "ImageInfo", "ImageList",
     "DEFAULT_SCRUB", "PackDiffRequest", "FNCALL_MAX_TIMEOUT_S", "FNCALL_MAX_BYTES", "FNCALL_DEFAULT_IMAGE",
     "FnCallRequest", "FnCallStatus", "FnCallStep", "FnCallResult", "FnCallBatch", "FnCallBatchItem", "ImageConfig",
     "ImageBuildResult", "ImageProgress", "ImagePullRequest",

@@ -41,3 +41,24 @@ class NodeStatus(BaseModel):
         return max(self.committed_memory_mb / max(c.memory_mb, 1),
                    self.committed_cpu_cores / max(c.cpu_cores, 1e-9),
                    self.sandboxes / max(c.max_sandboxes, 1))
+
+
+class WarmPool(BaseModel):
+    """One image's warm pool on a node (edge/warm_pool.py, D28)."""
+    size: int                  # the target: idle sandboxes the node keeps started
+    idle: int = 0              # started, waiting for a create to claim them
+    starting: int = 0          # being started now
+    error: str | None = None   # the last failed start's error (cleared by the next that succeeds)
+
+    @property
+    def full(self) -> bool:
+        """Every one of `size` started and waiting, none starting."""
+        return self.idle >= self.size and self.starting == 0
+
+
+class WarmPools(BaseModel):
+    """A node's warm pools (GET/PUT /v1/nodes/{node}/warm-pool): per image, and the creates
+    they answered (`claims`) or that matched a pool but found it empty (`misses`)."""
+    pools: dict[str, WarmPool] = {}
+    claims: int = 0
+    misses: int = 0

@@ -29,27 +29,25 @@ import httpx
 
 from dsec.bench.density import Raw, crun_burst
 from dsec.bench.server import BenchServer
+from dsec.bench.warm_fill import wait_full
 from dsec.images.service import ImageService
 from dsec.types import ContainerArgs
 from procstat import TCK, cpu_ticks
 
-ROUNDS = int(sys.argv[1])
-VARIANTS = sys.argv[2].split(",")
-BURST = int(sys.argv[3]) if len(sys.argv) > 3 else 50
 IMAGE = "debian-python"
 SPY = os.environ.get("SPY", "").split(",")
 PY_SPY = "/work/main/.venv-verl/bin/py-spy"
 STAGE_RE = re.compile(r'^dsec_sandbox_create_seconds_(sum|count)\{backend="container",stage="(\w+)"\} (\S+)$', re.M)
 
 
-def env_of(variant: str) -> dict[str, str]:
+def env_of(variant: str, burst_n: int) -> dict[str, str]:
     """A variant is parts joined by '+': slots=N, pool, src=PATH, main (nothing), or any K=V."""
     env: dict[str, str] = {}
     for v in variant.split("+"):
         if v.startswith("slots="):
             env["DSEC_CREATE_PARALLEL"] = v.split("=", 1)[1]
         elif v == "pool":
-            env["DSEC_WARM_POOL"] = f"{IMAGE}:{BURST}"
+            env["DSEC_WARM_POOL"] = f"{IMAGE}:{burst_n}"
         elif v.startswith("src="):
             env["PYTHONPATH"] = v.split("=", 1)[1]
         elif "=" in v:
@@ -69,15 +67,10 @@ def stages(srv: BenchServer) -> dict[str, tuple[float, float]]:
 
 
 async def pool_full(srv: BenchServer, want: int, timeout_s: float = 300) -> None:
-    h = {"Authorization": f"Bearer {srv.key}"}
-    t0 = time.monotonic()
-    async with httpx.AsyncClient() as hc:
-        while time.monotonic() - t0 < timeout_s:
-            st = (await hc.get(f"{srv.url}/v1/nodes/local/warm-pool", headers=h)).json()["pools"].get(IMAGE)
-            if st and st["idle"] >= want and st["starting"] == 0:
-                return
-            await asyncio.sleep(0.5)
-    raise RuntimeError(f"pool not full after {timeout_s} s")
+    async with srv.client() as c:
+        waited, _ = await wait_full(c, IMAGE, want, timeout_s)
+    if waited is None:
+        raise RuntimeError(f"pool not full after {timeout_s} s")
 
 
 def cpu_s(pid: int) -> float:
@@ -90,7 +83,7 @@ def own_cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-async def burst(srv: BenchServer) -> dict:
+async def burst(srv: BenchServer, n: int) -> dict:
     args = ContainerArgs(image=IMAGE, cpu_cores=1, memory_mb=256, ttl_idle_s=3600)
     ttfo: list[float] = []
     create: list[float] = []
@@ -114,7 +107,7 @@ async def burst(srv: BenchServer) -> dict:
                     first_cmd.append((t2 - t1) * 1000)
                     break
         t0 = time.perf_counter()
-        await asyncio.gather(*(one() for _ in range(BURST)))
+        await asyncio.gather(*(one() for _ in range(n)))
         wall = time.perf_counter() - t0
         cpu1, own1 = cpu_s(srv.proc.pid), own_cpu_s()
         after = await asyncio.to_thread(stages, srv)
@@ -129,33 +122,34 @@ async def burst(srv: BenchServer) -> dict:
     q = statistics.quantiles(ttfo, n=100)
     return {"p50": statistics.median(ttfo), "p99": q[98], "create": statistics.median(create),
             "first_cmd": statistics.median(first_cmd), "wall": wall, "load1": load1, "stages": st, "n": len(ttfo),
-            "server_cpu": (cpu1 - cpu0) / BURST * 1000, "client_cpu": (own1 - own0) / BURST * 1000}
+            "server_cpu": (cpu1 - cpu0) / n * 1000, "client_cpu": (own1 - own0) / n * 1000}
 
 
-async def main() -> None:
+async def run(rounds: int, variants: list[str], burst_n: int) -> None:
+    envs = {v: env_of(v, burst_n) for v in variants}    # a bad variant stops the run before any home is made
     servers: dict[str, BenchServer] = {}
     try:
-        for v in VARIANTS:
-            s = BenchServer("dsec-burst-ab-")
-            s.env.update(env_of(v))
+        for v in variants:
+            # kept before it is prepared or started: the finally removes its home whatever fails
+            s = servers[v] = BenchServer("dsec-burst-ab-")
+            s.env.update(envs[v])
             s.prepare([IMAGE])
             s.start()
-            servers[v] = s
         lock = open("/tmp/dsec-bench.lock", "a")
         fcntl.flock(lock, fcntl.LOCK_EX)
         print(f"lock taken, load1 {os.getloadavg()[0]:.2f}", flush=True)
         for v, s in servers.items():           # warm-up: image mounts, first-time paths
             if "pool" in v.split("+"):
-                await pool_full(s, BURST)
-            await burst(s)
+                await pool_full(s, burst_n)
+            await burst(s, burst_n)
         rootfs = ImageService(next(iter(servers.values())).paths).mount_image(IMAGE)[0]
-        res: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+        res: dict[str, list[dict]] = {v: [] for v in variants}
         raws: list[dict] = []
-        for r in range(ROUNDS):
-            order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
+        for r in range(rounds):
+            order = variants[r % len(variants):] + variants[:r % len(variants)]
             for v in order:
                 if "pool" in v.split("+"):
-                    await pool_full(servers[v], BURST)
+                    await pool_full(servers[v], burst_n)
                     await asyncio.sleep(3)     # the fill's starts settle, as a pool that waited
                 await asyncio.sleep(1)
                 spy = None
@@ -164,7 +158,7 @@ async def main() -> None:
                                             "-o", f"/tmp/burst-spy-{v}-{r}.txt"], stdout=subprocess.DEVNULL,
                                            stderr=subprocess.DEVNULL)
                     await asyncio.sleep(1)
-                b = await burst(servers[v])
+                b = await burst(servers[v], burst_n)
                 if spy is not None:
                     spy.send_signal(2)
                     await asyncio.to_thread(spy.wait)
@@ -177,13 +171,13 @@ async def main() -> None:
                       f"client {b['client_cpu']:.1f} | load1 {b['load1']:.2f}", flush=True)
             await asyncio.sleep(1)
             load1 = os.getloadavg()[0]
-            raw = await crun_burst(Raw(rootfs, ["echo", "hi"]), [f"ab{os.getpid()}-{r}-{i}" for i in range(BURST)])
+            raw = await crun_burst(Raw(rootfs, ["echo", "hi"]), [f"ab{os.getpid()}-{r}-{i}" for i in range(burst_n)])
             raws.append(raw)
             print(f"round {r} {'raw':>10}: p50 {raw['p50_ms']:.0f} p99 {raw['p99_ms']:.0f} wall {raw['wall_s']:.2f}s "
                   f"failed {raw['failed']} | load1 {load1:.2f}", flush=True)
         rp50 = statistics.median(x["p50_ms"] for x in raws)
-        print(f"\nmedians over {ROUNDS} rounds (burst {BURST}); raw crun run p50 {rp50:.0f} ms")
-        for v in VARIANTS:
+        print(f"\nmedians over {rounds} rounds (burst {burst_n}); raw crun run p50 {rp50:.0f} ms")
+        for v in variants:
             p50 = statistics.median(x["p50"] for x in res[v])
             print(f"{v:>10}: p50 {p50:.0f} ({p50 / rp50:.2f}x raw) p99 {statistics.median(x['p99'] for x in res[v]):.0f} "
                   f"create {statistics.median(x['create'] for x in res[v]):.0f} "
@@ -194,4 +188,13 @@ async def main() -> None:
     finally:
         for s in servers.values():
             s.close()
-asyncio.run(main())
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) < 2:
+        raise SystemExit(__doc__)
+    asyncio.run(run(int(argv[0]), argv[1].split(","), int(argv[2]) if len(argv) > 2 else 50))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -209,9 +209,21 @@ def dserver(images, dsec_home, tmp_path_factory, peer):
         yield srv
 
 
+# The in-sandbox probe scripts' read of a whole raw-HTTP answer (until the peer closes), put at
+# the top of each of them (PROBE = READ_ALL + ...): egress, socks, secrets, the apt cache's.
+READ_ALL = r'''
+def read_all(s, n=65536):
+    data = b""
+    while True:
+        c = s.recv(n)
+        if not c:
+            return data
+        data += c
+'''
+
 # A probe run inside sandboxes (python3 of debian-python): argv[1] is a JSON list of
 # [name, kind, *args]; prints {name: "ok:<data>" | "err:<what>"}.
-PROBE = r'''
+PROBE = READ_ALL + r'''
 import json, socket, ssl, struct, sys, time
 def _e(e):
     return "err:" + (type(e).__name__ + ":" + str(getattr(e, "errno", "") or e))[:120]
@@ -224,12 +236,7 @@ def http(host, port, hostheader):
     try:
         s = socket.create_connection((host, port), timeout=5)
         s.sendall(("GET / HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n" % hostheader).encode())
-        data = b""
-        while True:
-            c = s.recv(4096)
-            if not c:
-                break
-            data += c
+        data = read_all(s)
         s.close()
         if not data:
             return "err:closed"
@@ -245,12 +252,7 @@ def https(host, port, sni):
         raw = socket.create_connection((host, port), timeout=5)
         s = ctx.wrap_socket(raw, server_hostname=sni or None)
         s.sendall(("GET / HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n" % sni).encode())
-        data = b""
-        while True:
-            c = s.recv(4096)
-            if not c:
-                break
-            data += c
+        data = read_all(s)
         return "ok:" + data.split(b"\r\n\r\n", 1)[1].decode().strip()
     except (OSError, ssl.SSLError) as e:
         return _e(e)

@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from egress_peer import egress_peer, side_server
+from egress_peer import READ_ALL, egress_peer, side_server
 
 SECRET = "sk-dsec-" + secrets.token_hex(16)
 BASIC = "robot:" + secrets.token_hex(12)
@@ -68,7 +68,7 @@ def sserver(images, dsec_home, tmp_path_factory, speer):
 
 # Run in the sandbox: argv[1] JSON list of [name, url, {"sni":..., "host":..., "verify": bool}];
 # prints {name: "ok:<status> <body>" | "err:<what>"} to argv[2], then sleeps (memory is dumped).
-PROBE = r'''
+PROBE = READ_ALL + r'''
 import json, socket, ssl, sys, time, urllib.request
 from urllib.parse import urlsplit
 def get(url, opts):
@@ -81,12 +81,7 @@ def get(url, opts):
             s = ctx.wrap_socket(socket.create_connection((u.hostname, 443), timeout=10),
                                 server_hostname=opts.get("sni") or None)
             s.sendall(("GET %s HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n" % (u.path, opts["host"])).encode())
-            data = b""
-            while True:
-                c = s.recv(65536)
-                if not c:
-                    break
-                data += c
+            data = read_all(s)
             head, _, body = data.partition(b"\r\n\r\n")
             return "ok:%s %s" % (head.split(b" ")[1].decode(), body.decode().strip())
         ctx = ssl.create_default_context()      # SSL_CERT_FILE: the bundle dsec bound

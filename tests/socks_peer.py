@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from egress_peer import egress_peer, side_server
+from egress_peer import READ_ALL, egress_peer, side_server
 
 PASSWORD = "socks-pw-" + "7f3a9c1e5b"
 SOCKS_PORT = 1080
@@ -135,7 +135,7 @@ def xserver(images, dsec_home, tmp_path_factory, xpeer):
 
 # Run in a sandbox: argv[1] a JSON list of [name, kind, host, port, extra]; kind http (extra: Host),
 # https (extra: SNI, no verification), tcp (connect only) or udp (one datagram); prints {name: "ok:..." | "err:..."}.
-PROBE = r'''
+PROBE = READ_ALL + r'''
 import json, socket, ssl, sys
 def one(kind, host, port, extra):
     try:
@@ -157,12 +157,7 @@ def one(kind, host, port, extra):
             ctx.verify_mode = ssl.CERT_NONE
             s = ctx.wrap_socket(s, server_hostname=extra)
         s.sendall(("GET / HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n" % extra).encode())
-        data = b""
-        while True:
-            c = s.recv(65536)
-            if not c:
-                break
-            data += c
+        data = read_all(s)
         if not data:
             return "err:closed"
         return "ok:" + data.split(b" ", 2)[1].decode() + " " + data.split(b"\r\n\r\n", 1)[1].decode().strip()

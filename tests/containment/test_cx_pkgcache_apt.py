@@ -9,11 +9,11 @@ import json
 
 import pytest
 
-from egress_peer import peer, side_server  # noqa: F401 (fixtures)
+from egress_peer import READ_ALL, peer, side_server  # noqa: F401 (fixtures)
 
 # run in a sandbox: argv[1] is a JSON list of [name, method, url]; each sent proxy-style
 # (absolute URL) to the cache named in the apt.conf.d file; prints {name: [status, body head]}
-RAW = r'''
+RAW = READ_ALL + r'''
 import json, re, socket, sys
 conf = open("/etc/apt/apt.conf.d/90dsec-pkgcache").read()
 host, port = re.search(r'Proxy "http://([0-9.]+):([0-9]+)/"', conf).groups()
@@ -21,12 +21,7 @@ out = {}
 for name, method, url in json.loads(sys.argv[1]):
     s = socket.create_connection((host, int(port)), timeout=60)
     s.sendall(("%s %s HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n" % (method, url)).encode())
-    data = b""
-    while True:
-        c = s.recv(65536)
-        if not c:
-            break
-        data += c
+    data = read_all(s)
     head, _, body = data.partition(b"\r\n\r\n")
     out[name] = [int(head.split(b" ")[1]) if head else 0, body.decode("utf-8", "replace")[:300]]
 print(json.dumps(out))

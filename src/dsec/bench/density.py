@@ -108,6 +108,25 @@ def _stats(xs: list[float]) -> dict:
             "max_ms": max(xs) if xs else None}
 
 
+class NoOutput(Exception):
+    """A burst's sandbox whose `echo hi` ended without any stdout."""
+
+
+async def create_echo(c: Client, args: ContainerArgs, created: Callable[[Sandbox], None]) -> tuple[float, float]:
+    """One create -> `echo hi` -> its first stdout byte, the dsec side of a burst (`dsec bench
+    density`, `dsec bench warmpool`, benchmarks/burst_ab.py): (ms to the first output, ms the
+    create call took). `created` gets the sandbox as soon as it exists (to stop it later).
+    Raises NoOutput, or what the create or the stream raised."""
+    t0 = time.perf_counter()
+    sb = await c.create(args)
+    created(sb)
+    t1 = time.perf_counter()
+    async for ev in sb.stream("echo hi", timeout_s=120):
+        if ev.type == "stdout":
+            return (time.perf_counter() - t0) * 1000, (t1 - t0) * 1000
+    raise NoOutput(f"{sb.id}: no stdout")
+
+
 async def crun_burst(raw: Raw, cids: list[str], done: Callable[[], None] = lambda: None) -> dict:
     """The raw-crun baseline: `crun run` of the same rootfs once per id, all at once; time to
     the first line of output each (and the wall time), bundles removed after."""
@@ -537,20 +556,17 @@ class Bench:
         task = self.task(label, self.o.burst)
         ttfo, create_ms, errs = [], [], []
 
+        def created(sb: Sandbox) -> None:
+            self.extra.append(sb)
+            self.ever.add(sb.id)
+
         async def one() -> None:
-            t0 = time.perf_counter()
             try:
-                sb = await self.c.create(args)
-                self.extra.append(sb)
-                self.ever.add(sb.id)
-                t1 = time.perf_counter()
-                async for ev in sb.stream("echo hi", timeout_s=120):
-                    if ev.type == "stdout":
-                        ttfo.append((time.perf_counter() - t0) * 1000)
-                        create_ms.append((t1 - t0) * 1000)
-                        break
-                else:
-                    errs.append(f"{sb.id}: no stdout")
+                first_ms, call_ms = await create_echo(self.c, args, created)
+                ttfo.append(first_ms)
+                create_ms.append(call_ms)
+            except NoOutput as e:
+                errs.append(str(e))
             except DsecError as e:
                 errs.append(_err(e))
             self.progress.advance(task)

@@ -31,7 +31,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from dsec.bench.density import Raw, _err, _stats, crun_burst
+from dsec.bench.density import NoOutput, Raw, _err, _stats, create_echo, crun_burst
 from dsec.bench.server import BenchServer
 from dsec.bench.warm_fill import wait_full
 from dsec.images.service import ImageService
@@ -74,18 +74,12 @@ class WarmBench:
 
     # -- one create -> first output ---------------------------------------------------------
     async def _one(self, out: list[float], create_ms: list[float], errs: list[str], made: list[Sandbox]) -> None:
-        t0 = time.perf_counter()
         try:
-            sb = await self.c.create(self.args)
-            made.append(sb)
-            t1 = time.perf_counter()
-            async for ev in sb.stream("echo hi", timeout_s=120):
-                if ev.type == "stdout":
-                    out.append((time.perf_counter() - t0) * 1000)
-                    create_ms.append((t1 - t0) * 1000)
-                    break
-            else:
-                errs.append(f"{sb.id}: no stdout")
+            first_ms, call_ms = await create_echo(self.c, self.args, made.append)
+            out.append(first_ms)
+            create_ms.append(call_ms)
+        except NoOutput as e:
+            errs.append(str(e))
         except DsecError as e:
             errs.append(_err(e))
         except (httpx.HTTPError, OSError) as e:   # a dropped connection: counted, the run goes on

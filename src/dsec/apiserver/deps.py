@@ -14,9 +14,20 @@ from fastapi import Path as PathParam
 
 from dsec.apiserver import control
 from dsec.apiserver.context import ApiContext, EdgeHandle
-from dsec.apiserver.guard import principal_of, request_key
+from dsec.apiserver.guard import MAX_FILE_BYTES, principal_of, request_key
 from dsec.iam import Principal
-from dsec.types import Forbidden
+from dsec.types import Forbidden, InvalidArgument
+
+
+async def read_body(request: Request, fix: str) -> bytes:
+    """A file's request body of at most MAX_FILE_BYTES (the guard bounds it too); `fix` says
+    how a larger file gets there instead."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_FILE_BYTES:
+            raise InvalidArgument(f"file larger than {MAX_FILE_BYTES} bytes", field="body", fix=fix)
+    return bytes(body)
 
 
 def context(request: Request) -> ApiContext:

@@ -22,9 +22,10 @@ from fastapi import Body, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from dsec.apiserver.context import ApiContext
+from dsec.apiserver.deps import read_body
 from dsec.apiserver.e2b.auth import AccessTokens
 from dsec.apiserver.guard import MAX_FILE_BYTES
-from dsec.apiserver.routes.volume_files import read_body
+from dsec.apiserver.routes.volume_files import TOO_LARGE_FIX
 from dsec.apiserver.routes.volumes import volume_edge
 from dsec.types import InvalidArgument, NotFound, Unauthorized, VolumeEntry, VolumeInfo
 
@@ -62,7 +63,7 @@ def add_volume_content_routes(app: FastAPI, ctx: ApiContext, tokens: AccessToken
     async def write_file(request: Request, volume_id: str, path: VolPath, uid: Id = None, gid: Id = None,
                          mode: Mode = None, force: bool | None = None) -> JSONResponse:
         v = await volume(request, volume_id)
-        data = await read_body(request)
+        data = await read_body(request, TOO_LARGE_FIX)
         e = await volume_edge(ctx).volume_write(v.project, v.name, path, data, uid, gid, mode, True)
         return JSONResponse(_entry(e), status_code=201)
 

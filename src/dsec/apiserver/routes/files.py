@@ -11,10 +11,10 @@ from fastapi.responses import Response, StreamingResponse
 
 from dsec.apiserver import control
 from dsec.apiserver.context import ApiContext, EdgeHandle
-from dsec.apiserver.deps import Ctx, Path_, Who, owned
+from dsec.apiserver.deps import Ctx, Path_, Who, owned, read_body
 from dsec.apiserver.guard import MAX_FILE_BYTES
 from dsec.iam import Principal
-from dsec.types import USER_RE, DsecError, FileList, InvalidArgument
+from dsec.types import USER_RE, DsecError, FileList
 
 router = APIRouter()
 
@@ -43,13 +43,8 @@ async def write_file(sandbox_id: str, path: Path_, request: Request, who: Who, c
                      mode: Annotated[int, Query(ge=0, le=0o7777)] = 0o644, mkdirs: bool = True,
                      user: User = None) -> Response:
     edge = await _edge(ctx, sandbox_id, who, user)
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_FILE_BYTES:
-            raise InvalidArgument(f"file larger than {MAX_FILE_BYTES} bytes", field="body",
-                                  fix="split the file, or write it from inside the sandbox")
-    await edge.write_file(sandbox_id, path, bytes(body), mode, mkdirs, user=user)
+    body = await read_body(request, fix="split the file, or write it from inside the sandbox")
+    await edge.write_file(sandbox_id, path, body, mode, mkdirs, user=user)
     return Response(status_code=204)
 
 

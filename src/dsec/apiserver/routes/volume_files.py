@@ -9,10 +9,10 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
-from dsec.apiserver.deps import Ctx, Who
+from dsec.apiserver.deps import Ctx, Who, read_body
 from dsec.apiserver.guard import MAX_FILE_BYTES
 from dsec.apiserver.routes.volumes import volume_edge
-from dsec.types import InvalidArgument, VolumeEntry, VolumeEntryList
+from dsec.types import VolumeEntry, VolumeEntryList
 
 router = APIRouter()
 
@@ -21,15 +21,7 @@ Id = Annotated[int | None, Query(ge=0, le=65535, description="as sandboxes see i
 Mode = Annotated[int | None, Query(ge=0, le=0o7777, description="permission bits; default 0644 (dirs 0755)")]
 
 
-async def read_body(request: Request) -> bytes:
-    """A request body of at most MAX_FILE_BYTES (the guard bounds it too)."""
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_FILE_BYTES:
-            raise InvalidArgument(f"file larger than {MAX_FILE_BYTES} bytes", field="body",
-                                  fix="split the file, or write it through a sandbox that mounts the volume")
-    return bytes(body)
+TOO_LARGE_FIX = "split the file, or write it through a sandbox that mounts the volume"
 
 
 @router.get("/v1/volumes/{name}/file", response_class=Response,
@@ -42,7 +34,7 @@ async def read_volume_file(name: str, path: VolPath, who: Who, ctx: Ctx) -> Resp
 @router.put("/v1/volumes/{name}/file", response_model=VolumeEntry)
 async def write_volume_file(name: str, path: VolPath, request: Request, who: Who, ctx: Ctx, uid: Id = None,
                             gid: Id = None, mode: Mode = None, mkdirs: bool = True) -> VolumeEntry:
-    data = await read_body(request)
+    data = await read_body(request, TOO_LARGE_FIX)
     return await volume_edge(ctx).volume_write(who.project_id, name, path, data, uid, gid, mode, mkdirs)
 
 

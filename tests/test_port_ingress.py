@@ -65,6 +65,16 @@ class H(http.server.BaseHTTPRequestHandler):
 http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 '''
 
+# The end of the raw-socket servers below: on 127.0.0.1:argv[1], a thread per connection runs run(c).
+SERVE = r'''
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", int(sys.argv[1])))
+s.listen()
+while True:
+    threading.Thread(target=run, args=(s.accept()[0],)).start()
+'''
+
 # A minimal RFC 6455 echo server (stdlib only). Its first message is the request head it got;
 # "close-me" makes it close with 4002; pings are answered.
 WS_SERVER = r'''
@@ -114,13 +124,7 @@ def run(c):
     except Exception:
         pass
     c.close()
-s = socket.socket()
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("127.0.0.1", int(sys.argv[1])))
-s.listen()
-while True:
-    threading.Thread(target=run, args=(s.accept()[0],)).start()
-'''
+''' + SERVE
 
 # Answers every request with a response head that never ends: one endless header line
 # (/line) or endless small headers (/many); or (/hang) a chunked body that stops after its
@@ -146,13 +150,7 @@ def run(c):
     except OSError:
         pass
     c.close()
-s = socket.socket()
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("127.0.0.1", int(sys.argv[1])))
-s.listen()
-while True:
-    threading.Thread(target=run, args=(s.accept()[0],)).start()
-'''
+''' + SERVE
 
 
 def _url(server, sandbox_id: str, port: int, path: str = "") -> str:

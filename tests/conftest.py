@@ -33,6 +33,15 @@ def requires_root() -> None:
 NO_PSI_ADMISSION = {f"DSEC_ADMIT_PSI_{k}": "100" for k in ("CPU_SOME", "MEMORY_SOME", "MEMORY_FULL", "IO_FULL")}
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def dsn(request, tmp_path):
+    """The same store test on each engine: a SQLite file, or a fresh database on the session's
+    PostgreSQL (pg_dsn)."""
+    if request.param == "sqlite":
+        return tmp_path / "store.db"
+    return request.getfixturevalue("pg_dsn")
+
+
 class ServerProc(ServerProcess):
     """A `dsec up` subprocess that tests can kill -9 and restart on the same home."""
 

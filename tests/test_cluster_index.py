@@ -34,10 +34,9 @@ async def _wait(cond, timeout_s: float = 15.0, what: str = "condition"):
 
 # -- the store on both engines ------------------------------------------------------------
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db(request, tmp_path):
-    dsn = (tmp_path / "c.db" if request.param == "sqlite"
-           else request.getfixturevalue("pg_cluster").create_database(f"idx_{os.getpid()}_{time.monotonic_ns()}"))
+@pytest.fixture
+def db(dsn):
+    """The control store, on each engine (conftest's dsn)."""
     d = open_db(dsn)
     yield d
     d.close()

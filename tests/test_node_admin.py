@@ -5,9 +5,6 @@ timer is kept in the store (a replica restarting does not start it again)."""
 
 from __future__ import annotations
 
-import os
-import time
-
 import pytest
 
 from dsec.store import open_db
@@ -15,10 +12,9 @@ from dsec.store.nodes import NodeRegistry
 from dsec.types import Conflict, DsecError, Unavailable
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db(request, tmp_path):
-    dsn = (tmp_path / "n.db" if request.param == "sqlite"
-           else request.getfixturevalue("pg_cluster").create_database(f"nodes_{os.getpid()}_{time.monotonic_ns()}"))
+@pytest.fixture
+def db(dsn):
+    """The control store, on each engine (conftest's dsn)."""
     d = open_db(dsn)
     yield d
     d.close()

@@ -16,13 +16,6 @@ from dsec.iam import IAM, QuotaExceeded
 from dsec.types import CapacityExceeded, Conflict, Forbidden
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def dsn(request, tmp_path):
-    if request.param == "sqlite":
-        return tmp_path / "iam.db"
-    return request.getfixturevalue("pg_dsn")
-
-
 @pytest.fixture
 def iam(dsn, tmp_path):
     with IAM(dsn) as i:

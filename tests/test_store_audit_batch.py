@@ -6,17 +6,8 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
 from dsec.store import open_db
 from dsec.store.audit import AuditStore, Query, Record
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def dsn(request, tmp_path):
-    if request.param == "sqlite":
-        return tmp_path / "state.db"
-    return request.getfixturevalue("pg_dsn")
 
 
 def test_batch_insert_ids_details_and_pages(dsn):

@@ -17,13 +17,6 @@ from dsec.store.events import EventStore
 from dsec.types import EventType, SandboxEvent
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def dsn(request, tmp_path):
-    if request.param == "sqlite":
-        return tmp_path / "state.db"
-    return request.getfixturevalue("pg_dsn")
-
-
 def ev(seq: int, type_: EventType = EventType.created, project: str = "prj-a", sid: str = "sb-n1.000000000001",
        reason: str | None = None) -> SandboxEvent:
     return SandboxEvent(seq=seq, type=type_, sandbox_id=sid, project=project, node="n1", reason=reason,

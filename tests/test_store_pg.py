@@ -18,13 +18,6 @@ from dsec.testing.postgres import own_pg_cluster
 from dsec.types import Conflict, InvalidArgument
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def dsn(request, tmp_path):
-    if request.param == "sqlite":
-        return tmp_path / "state.db"
-    return request.getfixturevalue("pg_dsn")
-
-
 def versions(db) -> list[int]:
     return [r["version"] for r in db.run(lambda tx: tx.all("SELECT version FROM schema_version ORDER BY version"))]
 

@@ -1,0 +1,26 @@
+"""`dsec bench warmpool` at tiny scale (a burst of 2, 1 one at a time) against the session
+server: every mode runs, the warm modes are answered by the pool (through Client.warm_pools /
+set_warm_pools and dsec.bench.warm_fill), and the pool is set back to none. No timing
+assertions: benchmarks are not timed unit tests."""
+
+from __future__ import annotations
+
+from dsec.bench.warmpool import Opts, bench, markdown, rows
+
+
+async def test_warmpool_bench_tiny(server, client) -> None:
+    o = Opts(burst=2, serial=1, settle_s=0.2)
+    res = await bench(server, o)
+
+    assert res["raw_burst"]["n"] == 2 and res["raw_burst"]["failed"] == 0, res["raw_burst"]
+    for mode, n in (("cold_burst", 2), ("warm_burst", 2), ("cold_serial", 1), ("warm_serial", 1)):
+        m = res[mode]
+        assert m["n"] == n and m["failed"] == 0, (mode, m)
+        assert 0 < m["p50_ms"] <= m["p99_ms"] and m["create_p50_ms"] > 0, (mode, m)
+    assert res["warm_burst"]["claimed"] == 2 and res["warm_serial"]["claimed"] == 1, res
+    assert res["pool_fill_s"] > 0
+    assert res["live_left"] == []
+    assert (await client.warm_pools()).pools == {}     # set back to none
+
+    assert all(len(r) == 6 for r in rows(res))
+    assert "dsec bench warmpool --burst 2 --serial 1" in markdown(res, o)

@@ -35,6 +35,7 @@ from dsec.backends.base import (PARKED, RUNNING, Backend, Console, Doze, Egress,
 from dsec.backends.vm import balloon, chain, console as vmconsole, disks, doze, guest, ramshim, snapram
 from dsec.backends.vm.accel import AccelChooser
 from dsec.backends.vm.network import NET_FILE, VMNetwork, saved_allows
+from dsec.backends.vm.pidwatch import PidWatch
 from dsec.backends.vm.qemu import (Disk, Kind, Machine, Pmem, Qmp, kill, launch, pid_alive, pss_bytes, qemu_binary,
                                    qemu_log_tail)
 from dsec.backends.vm.templates import Templates
@@ -148,6 +149,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
         self.accel = AccelChooser(paths.vm / "accel.json", self.qemu, self.kernel.vmlinuz)
         self.templates: Templates[VMSpec] = Templates(paths, self, self.settings.templates_max)
         self.started: dict[str, str] = {}   # how each VM came up here: cold|clone|snapshot|resumed
+        self._pidwatch = PidWatch()         # is_running without /proc reads per VM per tick
         self._pmem_lock = asyncio.Lock()
         self.network = network        # the node's sandbox networks (None: VMs cannot have a NIC here)
         self._net_cgroups: dict[str, Path] = {}   # sandbox id -> the cgroup its next QEMU starts in
@@ -377,6 +379,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
     async def _launch(self, m: Machine, d: Path) -> int:
         """Start QEMU with its serial console read into console.log, size-capped (console.py):
         the reader opens the FIFO first, so not a byte of the boot is missed."""
+        self._pidwatch.forget(d.name)       # a new QEMU for this dir: its pid is asked again
         vmconsole.make_fifos(d)
         vmconsole.attach(d, self.settings.console_max_bytes)
         return await launch(m, d)
@@ -481,6 +484,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
         pid = self._pid(sandbox_id)
         if pid is not None:
             await kill(pid, sandbox_id)
+        self._pidwatch.forget(sandbox_id)
         vmconsole.detach(d)      # the last lines QEMU wrote, then stop reading
         self.started.pop(sandbox_id, None)
         self._undoze(sandbox_id)
@@ -509,8 +513,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
                 p.unlink(missing_ok=True)
 
     async def is_running(self, sandbox_id: str) -> bool:
-        pid = self._pid(sandbox_id)
-        return pid is not None and pid_alive(pid, sandbox_id)
+        return self._pidwatch.alive(sandbox_id, lambda: self._pid(sandbox_id))
 
     async def list_ids(self) -> dict[str, str]:
         out = {}
@@ -718,6 +721,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
         pid = self._pid(sandbox_id)
         if pid is not None:
             await kill(pid, sandbox_id)
+        self._pidwatch.forget(sandbox_id)
         vmconsole.detach(d)
         if self.network is not None and (d / NET_FILE).exists():   # its netns went with QEMU
             self._net_cgroups.pop(sandbox_id, None)

@@ -32,7 +32,7 @@ from typing import Literal
 from dsec.agent.client import AgentClient
 from dsec.backends.base import (PARKED, RUNNING, Backend, Console, Doze, Egress, ImageStacks, LivenessWatched,
                                 MemoryUsage, Parking, Prepared, RawUsage, Reclaim, Snapshots, UsageStats)
-from dsec.backends.vm import balloon, chain, console as vmconsole, disks, doze, guest, ramshim, snapram
+from dsec.backends.vm import balloon, chain, console as vmconsole, disks, doze, guest, ramshim, snapram, stubkernel
 from dsec.backends.vm.accel import AccelChooser
 from dsec.backends.vm.network import NET_FILE, VMNetwork, saved_allows
 from dsec.backends.vm.pidwatch import PidWatch
@@ -150,6 +150,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
         self.templates: Templates[VMSpec] = Templates(paths, self, self.settings.templates_max)
         self.started: dict[str, str] = {}   # how each VM came up here: cold|clone|snapshot|resumed
         self._pidwatch = PidWatch()         # is_running without /proc reads per VM per tick
+        self._stub_kernel: Path | bool | None = None   # restores' -kernel (stubkernel.py); False: none
         self._pmem_lock = asyncio.Lock()
         self.network = network        # the node's sandbox networks (None: VMs cannot have a NIC here)
         self._net_cgroups: dict[str, Path] = {}   # sandbox id -> the cgroup its next QEMU starts in
@@ -202,8 +203,9 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
             else:
                 disks.append(Disk(lay.path, f"dsec-l{i}"))
         disks.append(upper)
+        kernel, initrd = self._kernel_files(spec, incoming)
         return Machine(name=name or spec.sandbox_id, kind=spec.kind, accel=spec.accel, vcpus=spec.vcpus,
-                       memory_mb=spec.memory_mb, kernel=self.kernel.vmlinuz, initrd=self.initrd,
+                       memory_mb=spec.memory_mb, kernel=kernel, initrd=initrd,
                        append=self.append_line(spec), disks=tuple(disks), pmems=tuple(pmems),
                        ram_file=ram_file, ram_shared=ram_shared,
                        ram_shim=self.ram_shim if ram_file is not None and not ram_shared else None,
@@ -213,6 +215,16 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
                        incoming=incoming, net=spec.net is not None,
                        cgroup=self._net_cgroups.get(spec.sandbox_id) if spec.net is not None else None,
                        **self._memory_knobs(incoming))
+
+    def _kernel_files(self, spec: VMSpec, incoming: bool) -> tuple[Path, Path | None]:
+        """-kernel and -initrd: a microVM that restores saved state never reads them again, so it
+        gets the kernel's setup header alone and no initramfs (stubkernel.py, D96)."""
+        if incoming and spec.kind == "microvm" and self.settings.restore_stub_kernel:
+            if self._stub_kernel is None:
+                self._stub_kernel = stubkernel.restore_kernel(self.kernel.vmlinuz, self.paths.vm / "stub") or False
+            if isinstance(self._stub_kernel, Path):
+                return self._stub_kernel, None
+        return self.kernel.vmlinuz, self.initrd
 
     def _memory_knobs(self, incoming: bool) -> dict:
         """Host-memory options of every VM's QEMU (D73: what an idle clone costs). The bounded

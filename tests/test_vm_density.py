@@ -73,7 +73,8 @@ def plain_server(images, dsec_home, tmp_path_factory):
     """A node with merging and the cache bound turned off."""
     home = side_home(dsec_home, tmp_path_factory, "vm-plain")
     link_downloads(home)          # the guest kernel: without it the node offers no VM backends
-    srv = ServerProc(home, env={"DSEC_VM_KSM": "0", "DSEC_VM_TCG_TB_SIZE_MB": "0", "DSEC_VM_QEMU_THP": "1"})
+    srv = ServerProc(home, env={"DSEC_VM_KSM": "0", "DSEC_VM_TCG_TB_SIZE_MB": "0", "DSEC_VM_QEMU_THP": "1",
+                                "DSEC_VM_RESTORE_STUB_KERNEL": "0"})
     srv.start()
     yield srv
     srv.kill(signal.SIGTERM)
@@ -116,8 +117,33 @@ async def test_ksm_and_cache_bound_off_are_honoured(plain_server):
             env = (Path(f"/proc/{pid}/environ").read_bytes()).split(b"\0")
             assert b"DSEC_KSM_ALL=1" not in env
             assert b"DSEC_THP_OFF=1" not in env and _thp(pid)[0] in (None, "1")    # DSEC_VM_QEMU_THP=1
+            assert "-initrd" in argv and Path(argv[argv.index("-kernel") + 1]).stat().st_size > 1 << 20
         finally:
             await sb.stop()
+
+
+async def test_a_clone_reads_no_kernel_or_initramfs(vm_client, server):
+    """D96: a clone's QEMU gets the kernel's setup header as -kernel and no -initrd (QEMU reads
+    both whole into fresh memory at start; the restored guest never reads them), and its guest
+    runs as before: a command, and a file written and read back through its disk."""
+    sb = await vm_client.create_microvm(image="busybox", memory_mb=MEMORY_MB)
+    try:
+        argv = _argv(server, sb.id)
+        assert "-initrd" not in argv
+        kernel = Path(argv[argv.index("-kernel") + 1])
+        assert kernel.stat().st_size < 64 << 10, kernel      # the real bzImage is ~8 MiB
+        assert kernel.read_bytes()[0x202:0x206] == b"HdrS"
+        r = await sb.run("echo hi > /tmp/x && cat /tmp/x && uname -r")
+        assert r.exit_code == 0 and r.stdout.startswith("hi\n"), r
+        # a second clone: the stub is made once per kernel file and shared
+        twin = await vm_client.create_microvm(image="busybox", memory_mb=MEMORY_MB)
+        try:
+            assert (await twin.run("true")).exit_code == 0
+            assert "-initrd" not in _argv(server, twin.id)
+        finally:
+            await twin.stop()
+    finally:
+        await sb.stop()
 
 
 async def test_clones_from_the_kept_overlay_have_disks_of_their_own(vm_client, server):

@@ -33,9 +33,10 @@ from dsec import procstat
 from dsec.agent.client import AgentClient
 from dsec.backends.base import (PARKED, RUNNING, Backend, Console, Doze, Egress, ImageStacks, LivenessWatched,
                                 MemoryUsage, Parking, Prepared, RawUsage, Reclaim, Snapshots, UsageStats)
-from dsec.backends.vm import balloon, chain, console as vmconsole, disks, doze, guest, ramshim, snapram
+from dsec.backends.vm import balloon, chain, console as vmconsole, disks, doze, guest, ramshim, snapram, stubkernel
 from dsec.backends.vm.accel import AccelChooser
 from dsec.backends.vm.network import NET_FILE, VMNetwork, saved_allows
+from dsec.backends.vm.pidwatch import PidWatch
 from dsec.backends.vm.qemu import (Disk, Kind, Machine, Pmem, Qmp, kill, launch, pid_alive, pss_bytes, qemu_binary,
                                    qemu_log_tail)
 from dsec.backends.vm.templates import Templates
@@ -149,6 +150,8 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
         self.accel = AccelChooser(paths.vm / "accel.json", self.qemu, self.kernel.vmlinuz)
         self.templates: Templates[VMSpec] = Templates(paths, self, self.settings.templates_max)
         self.started: dict[str, str] = {}   # how each VM came up here: cold|clone|snapshot|resumed
+        self._pidwatch = PidWatch()         # is_running without /proc reads per VM per tick
+        self._stub_kernel: Path | bool | None = None   # restores' -kernel (stubkernel.py); False: none
         self._pmem_lock = asyncio.Lock()
         self.network = network        # the node's sandbox networks (None: VMs cannot have a NIC here)
         self._net_cgroups: dict[str, Path] = {}   # sandbox id -> the cgroup its next QEMU starts in
@@ -201,8 +204,9 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
             else:
                 disks.append(Disk(lay.path, f"dsec-l{i}"))
         disks.append(upper)
+        kernel, initrd = self._kernel_files(spec, incoming)
         return Machine(name=name or spec.sandbox_id, kind=spec.kind, accel=spec.accel, vcpus=spec.vcpus,
-                       memory_mb=spec.memory_mb, kernel=self.kernel.vmlinuz, initrd=self.initrd,
+                       memory_mb=spec.memory_mb, kernel=kernel, initrd=initrd,
                        append=self.append_line(spec), disks=tuple(disks), pmems=tuple(pmems),
                        ram_file=ram_file, ram_shared=ram_shared,
                        ram_shim=self.ram_shim if ram_file is not None and not ram_shared else None,
@@ -212,6 +216,16 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
                        incoming=incoming, net=spec.net is not None,
                        cgroup=self._net_cgroups.get(spec.sandbox_id) if spec.net is not None else None,
                        **self._memory_knobs(incoming))
+
+    def _kernel_files(self, spec: VMSpec, incoming: bool) -> tuple[Path, Path | None]:
+        """-kernel and -initrd: a microVM that restores saved state never reads them again, so it
+        gets the kernel's setup header alone and no initramfs (stubkernel.py, D96)."""
+        if incoming and spec.kind == "microvm" and self.settings.restore_stub_kernel:
+            if self._stub_kernel is None:
+                self._stub_kernel = stubkernel.restore_kernel(self.kernel.vmlinuz, self.paths.vm / "stub") or False
+            if isinstance(self._stub_kernel, Path):
+                return self._stub_kernel, None
+        return self.kernel.vmlinuz, self.initrd
 
     def _memory_knobs(self, incoming: bool) -> dict:
         """Host-memory options of every VM's QEMU (D73: what an idle clone costs). The bounded
@@ -378,6 +392,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
     async def _launch(self, m: Machine, d: Path) -> int:
         """Start QEMU with its serial console read into console.log, size-capped (console.py):
         the reader opens the FIFO first, so not a byte of the boot is missed."""
+        self._pidwatch.forget(d.name)       # a new QEMU for this dir: its pid is asked again
         vmconsole.make_fifos(d)
         vmconsole.attach(d, self.settings.console_max_bytes)
         return await launch(m, d)
@@ -482,6 +497,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
         pid = self._pid(sandbox_id)
         if pid is not None:
             await kill(pid, sandbox_id)
+        self._pidwatch.forget(sandbox_id)
         vmconsole.detach(d)      # the last lines QEMU wrote, then stop reading
         self.started.pop(sandbox_id, None)
         self._undoze(sandbox_id)
@@ -510,8 +526,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
                 p.unlink(missing_ok=True)
 
     async def is_running(self, sandbox_id: str) -> bool:
-        pid = self._pid(sandbox_id)
-        return pid is not None and pid_alive(pid, sandbox_id)
+        return self._pidwatch.alive(sandbox_id, lambda: self._pid(sandbox_id))
 
     async def list_ids(self) -> dict[str, str]:
         out = {}
@@ -719,6 +734,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
         pid = self._pid(sandbox_id)
         if pid is not None:
             await kill(pid, sandbox_id)
+        self._pidwatch.forget(sandbox_id)
         vmconsole.detach(d)
         if self.network is not None and (d / NET_FILE).exists():   # its netns went with QEMU
             self._net_cgroups.pop(sandbox_id, None)

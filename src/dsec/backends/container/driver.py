@@ -304,15 +304,13 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
         lower = ":".join(reversed(lowers))  # overlay wants top first
         opts = f"lowerdir={lower},upperdir={d / 'upper'},workdir={d / 'work'}"
         fd = listener.fileno()
-        # the listener is the child's fd 3 (run_to_exit places pass_fds from 3 on)
-        argv = [str(self.nsexec), "-o", opts, "-t", str(d / "rootfs"), "-f", "3", *idmapped, "--",
+        argv = [str(self.nsexec), "-o", opts, "-t", str(d / "rootfs"), "-f", str(fd), *idmapped, "--",
                 *self._crun("run", "-d", "--preserve-fds", "1", "--pid-file", str(d / "run" / "pid"),
                             "--bundle", str(d), sandbox_id)]
         with open(d / "run" / "init.log", "ab") as logf:
-            # nsexec sets umask 022 itself (the server's is a private 077): what crun creates
-            # inside the rootfs (mountpoints such as /.dsec, /proc, /dev) must be usable by the
-            # sandbox's own root
-            rc = await run_to_exit(argv, stdout=logf.fileno(), stderr=logf.fileno(), pass_fds=(fd,))
+            # umask 022, not the server's private 077: what crun creates inside the rootfs
+            # (mountpoints such as /.dsec, /proc, /dev) must be usable by the sandbox's own root
+            rc = await run_to_exit(argv, stdout=logf.fileno(), stderr=logf.fileno(), pass_fds=(fd,), umask=0o022)
         if rc != 0:
             tail = (d / "run" / "init.log").read_bytes()[-2000:].decode(errors="replace").strip()
             raise SandboxFailed(f"crun could not start sandbox {sandbox_id} (exit {rc}): {tail}",
@@ -357,14 +355,12 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
             self.cpusets.release(sandbox_id)
 
     async def _crun_delete(self, sandbox_id: str) -> tuple[int, bytes]:
-        """`crun delete -f`: its exit status and stderr. Waited through a pidfd (spawn.py), its
-        stderr in a memfd: no child-watcher thread or transport per stop (D97)."""
-        err_fd = os.memfd_create("crun-delete-err", os.MFD_CLOEXEC)
-        try:
-            rc = await run_to_exit(self._crun("delete", "-f", sandbox_id), stdout=subprocess.DEVNULL, stderr=err_fd)
-            return rc, os.pread(err_fd, 65536, 0)
-        finally:
-            os.close(err_fd)
+        """`crun delete -f`: its exit status and stderr."""
+        proc = await asyncio.create_subprocess_exec(
+            *self._crun("delete", "-f", sandbox_id), stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        _, err = await proc.communicate()
+        return proc.returncode or 0, err
 
     def id_base(self, sandbox_id: str) -> int | None:
         """Host uid/gid of the sandbox's root (its user namespace's mapping, as crun was told

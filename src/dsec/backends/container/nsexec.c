@@ -27,7 +27,6 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
-#include <sys/stat.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -155,10 +154,6 @@ int main(int argc, char **argv) {
         else { errno = EINVAL; die(argv[i]); }
     }
     if (!opts || !target || i >= argc) { errno = EINVAL; die("usage: -o OPTS -t TARGET [-f FD] -- PROG ARGS"); }
-    /* umask 022, not the server's private 077: what crun creates inside the rootfs (mountpoints
-     * such as /.dsec, /proc, /dev) must be usable by the sandbox's own root. Set here because
-     * the server spawns us with posix_spawn (spawn.py), which cannot set a umask. */
-    umask(022);
     if (unshare(CLONE_NEWNS) < 0) die("unshare(CLONE_NEWNS)");
     /* keep our mounts from propagating back to the host namespace */
     if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0) die("make / private");

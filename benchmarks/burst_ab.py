@@ -12,7 +12,8 @@ CPU per create + first command: the server process (utime+stime, its reaped chil
 this client process. Medians over rounds at the end; the load average (1 min) beside each burst.
 The servers are made and started first, then /tmp/dsec-bench.lock is taken exclusively for the
 bursts. SPY=VARIANT: py-spy records that variant's server during its bursts (collapsed stacks in
-/tmp/burst-spy-VARIANT.txt; not for timing figures)."""
+/tmp/burst-spy-VARIANT-ROUND.txt; PY_SPY: its path, SPY_ARGS: more of its options, e.g. --gil;
+not for timing figures)."""
 from __future__ import annotations
 
 import asyncio
@@ -36,7 +37,7 @@ from procstat import TCK, cpu_ticks
 
 IMAGE = "debian-python"
 SPY = os.environ.get("SPY", "").split(",")
-PY_SPY = "/work/main/.venv-verl/bin/py-spy"
+PY_SPY = os.environ.get("PY_SPY", "/work/main/.venv-verl/bin/py-spy")
 STAGE_RE = re.compile(r'^dsec_sandbox_create_seconds_(sum|count)\{backend="container",stage="(\w+)"\} (\S+)$', re.M)
 
 
@@ -151,7 +152,7 @@ async def run(rounds: int, variants: list[str], burst_n: int) -> None:
                 spy = None
                 if v in SPY:
                     spy = subprocess.Popen([PY_SPY, "record", "-p", str(servers[v].proc.pid), "-r", "200", "-f", "raw",
-                                            "-o", f"/tmp/burst-spy-{v}-{r}.txt"], stdout=subprocess.DEVNULL,
+                                            "-o", f"/tmp/burst-spy-{v}-{r}.txt", *os.environ.get("SPY_ARGS", "").split()], stdout=subprocess.DEVNULL,
                                            stderr=subprocess.DEVNULL)
                     await asyncio.sleep(1)
                 b = await burst(servers[v], burst_n)

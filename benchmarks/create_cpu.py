@@ -1,6 +1,7 @@
 """`PYTHONPATH=src python benchmarks/create_cpu.py N INFLIGHT` (as root): CPU per create (ms): server process, its reaped children (nsexec, crun), the sandbox's own cgroup
 (the agent's start), this client; raw `crun run -d` of the same rootfs at the same parallelism:
-crun (reaped children) + the container's cgroup. Wall rate too (noisy on a shared box)."""
+crun (reaped children) + the container's cgroup. Wall rate too (noisy on a shared box). Then the server's CPU per stop of the N (crun delete
+among its children)."""
 import asyncio, os, sys, time, resource
 from pathlib import Path
 from dsec.bench.server import BenchServer
@@ -47,10 +48,14 @@ async def main():
             print(f"conc {CONC} n {N}: dsec {N/dt:.1f}/s raw {N/rdt:.1f}/s ratio {rdt/dt:.2f} | CPU ms/create dsec: server {srv:.1f} "
                   f"(user {d[0]:.1f}) children {kids:.1f} sandbox-cgroup {agent:.1f} client {cli:.1f} = {tot:.1f}; raw: crun {rk:.1f} "
                   f"container {rcg:.1f} = {rk+rcg:.1f}; cpu ratio {(rk+rcg)/tot:.2f} | load1 {os.getloadavg()[0]:.1f}", flush=True)
-            sem = asyncio.Semaphore(16)
+            sem = asyncio.Semaphore(CONC)
             async def stop(sb):
                 async with sem: await sb.stop()
-            await asyncio.gather(*(stop(sb) for sb in sbs + new))
+            s0 = proc_cpu(pid)
+            await asyncio.gather(*(stop(sb) for sb in new))
+            s1 = proc_cpu(pid); sd = [(b - a) / N for a, b in zip(s0, s1)]
+            print(f"  stop, {CONC} in flight: CPU ms/stop server {sd[0] + sd[1]:.1f} children {sd[2] + sd[3]:.1f}", flush=True)
+            await asyncio.gather(*(stop(sb) for sb in sbs))
     finally:
         s.close()
 asyncio.run(main())

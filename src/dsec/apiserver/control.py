@@ -117,8 +117,7 @@ async def _create_sandbox(ctx: ApiContext, who: Principal, args: SandboxArgs, ga
     if ctx.images is not None:
         image = check_usable(ctx.iam, ctx.images, who, args)[0].digest
     async with gate.turn(who.project_id):
-        return await _indexed(ctx, who, args, lambda: quotas.with_quota(ctx, who.project_id, args,
-                                                                         lambda: _place(ctx, who, args, image)))
+        return await _indexed(ctx, who, args, lambda: _place(ctx, who, args, image))
 
 
 async def _restore_elsewhere(ctx: ApiContext, who: Principal, args: SandboxArgs, edge: EdgeHandle,
@@ -129,8 +128,7 @@ async def _restore_elsewhere(ctx: ApiContext, who: Principal, args: SandboxArgs,
     moved = snapshot_export.args_from(args, exp)
     check_create(ctx.iam.effective_policy(who.project_id), moved, who.project_id)
     async with gate.turn(who.project_id):
-        info = await _indexed(ctx, who, moved, lambda: quotas.with_quota(ctx, who.project_id, moved,
-                                                                          lambda: _place(ctx, who, moved)))
+        info = await _indexed(ctx, who, moved, lambda: _place(ctx, who, moved))
     log.info("snapshot restored on another node", extra={"snapshot": exp.snapshot, "sandbox": info.id})
     return info
 
@@ -143,16 +141,20 @@ async def create_on(ctx: ApiContext, edge: EdgeHandle, who: Principal, args: San
     if state in ("draining", "forgotten"):
         raise Unavailable(f"node {node} is {state}: it takes no new sandboxes", field="snapshot",
                           fix=f"restore elsewhere from another snapshot, or `dsec nodes uncordon {node}`")
-    return await _indexed(ctx, who, args, lambda: quotas.with_quota(ctx, who.project_id, args,
-                                                                     lambda: edge.create(who.project_id, args)))
+    return await _indexed(ctx, who, args, lambda: edge.create(who.project_id, args))
 
 
 async def _indexed(ctx: ApiContext, who: Principal, args: SandboxArgs,
                    create: Callable[[], Awaitable[SandboxInfo]]) -> SandboxInfo:
-    """Run `create` once per idempotency key across the cluster (idempotent.py), and record
-    the sandbox in the cross-node index (queued: the answer does not wait for the write)."""
+    """Run `create` holding the project's quota (quotas.py), once per idempotency key across the
+    cluster (idempotent.py), and record the sandbox in the cross-node index (queued: the answer
+    does not wait for the write). The key's bind commits with the quota's activation (D97)."""
     key = getattr(args, "idempotency_key", None)
-    info = await (idempotent.once(ctx, who.project_id, key, create) if key else create())
+    if key:
+        info = await idempotent.once(ctx, who.project_id, key,
+                                     lambda bind: quotas.with_quota(ctx, who.project_id, args, create, then=bind))
+    else:
+        info = await quotas.with_quota(ctx, who.project_id, args, create)
     keeper(ctx).created(info)
     return info
 

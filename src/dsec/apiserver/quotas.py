@@ -21,6 +21,7 @@ from dsec import metrics
 from dsec.apiserver.context import ApiContext
 from dsec.apiserver.fanout import fan_out
 from dsec.iam import QuotaExceeded
+from dsec.store.batch import batcher
 from dsec.types import SandboxInfo, node_of
 
 log = logging.getLogger("dsec.apiserver.quotas")
@@ -32,7 +33,7 @@ async def reserve(ctx: ApiContext, project: str, args: Any) -> str:
     """A reservation of one sandbox of `args`' size for the project and its ancestors, or
     QuotaExceeded naming the project and the limit (after a reconcile found nothing to free)."""
     try:
-        return await asyncio.to_thread(ctx.iam.quotas.reserve, project, args.cpu_cores, args.memory_mb)
+        return await batcher(ctx.iam.db).call(ctx.iam.quotas.reserve, project, args.cpu_cores, args.memory_mb)
     except QuotaExceeded:
         refused_at = time.time()
         if not await reconcile(ctx, since=refused_at):
@@ -41,8 +42,10 @@ async def reserve(ctx: ApiContext, project: str, args: Any) -> str:
 
 
 async def with_quota(ctx: ApiContext, project: str, args: Any,
-                     create: Callable[[], Awaitable[SandboxInfo]]) -> SandboxInfo:
-    """Run `create` holding the project's quota for it; a failed creation gives it back."""
+                     create: Callable[[], Awaitable[SandboxInfo]],
+                     then: Callable[[str], object] | None = None) -> SandboxInfo:
+    """Run `create` holding the project's quota for it; a failed creation gives it back. `then`
+    (the idempotency key's bind) runs with the activation, in its transaction (D97)."""
     try:
         rid = await reserve(ctx, project, args)
     except QuotaExceeded:
@@ -51,15 +54,20 @@ async def with_quota(ctx: ApiContext, project: str, args: Any,
     try:
         info = await create()
     except BaseException:
-        await asyncio.shield(asyncio.to_thread(ctx.iam.quotas.release, reservation_id=rid))
+        await asyncio.shield(batcher(ctx.iam.db).call(lambda: ctx.iam.quotas.release(reservation_id=rid)))
         raise
-    await asyncio.shield(asyncio.to_thread(ctx.iam.quotas.activate, rid, info.id))
+
+    def activate() -> None:
+        ctx.iam.quotas.activate(rid, info.id)
+        if then is not None:
+            then(info.id)
+    await asyncio.shield(batcher(ctx.iam.db).call(activate))
     return info
 
 
 async def ended(ctx: ApiContext, sandbox_id: str) -> None:
     """The sandbox ended (stopped through this apiserver): its quota is free again."""
-    await asyncio.to_thread(ctx.iam.quotas.release, sandbox_id=sandbox_id)
+    await batcher(ctx.iam.db).call(lambda: ctx.iam.quotas.release(sandbox_id=sandbox_id))
 
 
 async def reconcile(ctx: ApiContext, since: float = 0.0) -> bool:

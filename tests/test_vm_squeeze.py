@@ -8,6 +8,7 @@ other work the box has. The memory it reports comes back when the clone really d
 
 - Below DSEC_RECLAIM_MEM_LOW_MB an idle clone dozes after DSEC_RECLAIM_SQUEEZE_IDLE_S, though
   DSEC_RECLAIM_IDLE_S is 600 s (the old code left it running for 600 s).
+- Templates' RAM files live on the home's disk (DSEC_VM_TEMPLATE_RAM=disk), not in /dev/shm.
 - Below the reserve (DSEC_MEM_RESERVE_MB), with early dozing off, a create waits for the idle
   clone to doze and then succeeds (the old code refused it at once); with nothing left to
   reclaim, a create is refused at once, naming the setting, and the node reports unhealthy.
@@ -24,6 +25,7 @@ from pathlib import Path
 import pytest
 from conftest import _cleanup_home, link_downloads, side_home
 
+from dsec.backends.vm.templates import ram_dir
 from dsec.edge.admission import Admission
 from dsec.edge.edge import Edge, EdgeSettings
 from dsec.edge.pressure import HostProbe
@@ -105,6 +107,9 @@ async def clone(edge: Edge) -> str:
 async def test_memory_low_dozes_idle_clones_early(node: tuple[Edge, Meminfo]):
     edge, mem = node
     a = await clone(edge)
+    # the template's RAM is page cache on the home's disk (DSEC_VM_TEMPLATE_RAM=disk), not tmpfs
+    rams = list(ram_dir(edge.paths, "disk").glob("*.ram"))
+    assert rams and rams[0].is_relative_to(edge.paths.vm) and not ram_dir(edge.paths, "tmpfs").exists()
     await asyncio.sleep(3)                       # idle past the squeeze threshold, memory plentiful
     assert not edge._backend("microvm").dozing(a)           # type: ignore[attr-defined]
 

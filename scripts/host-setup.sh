@@ -65,16 +65,17 @@ command -v mkfs.btrfs >/dev/null || echo "warning: mkfs.btrfs missing (apt-get i
 # anonymous memory can only leave RAM through swap; zram keeps it compressed in RAM (~3-4x
 # here), no disk needed. Set up once per boot if no zram swap is active; a swap that is not
 # ours (another zram device, a disk swap) is never touched. DSEC_ZRAM_MB: its uncompressed
-# size (default: the RAM's size, at most 64 GiB; it takes RAM only for what it holds, ~1/3 of
-# that compressed); 0 turns it off. Half the RAM (the former default) filled at 643 dozing
-# microVM clones of 256 MiB; 800 need ~23.6 GiB of swap space (D91).
+# size (default: twice the RAM's size, at most 64 GiB; it takes RAM only for what it holds,
+# ~1/2-1/3 of that compressed, plus ~0.1% of the size in metadata); 0 turns it off. Half the
+# RAM filled at 643 dozing microVM clones of 256 MiB, the RAM's size at ~550 (the awake peak
+# swapped too); 800 dozing clones put 30.8-35.1 GiB there, 1.5x the RAM of this box (D95).
 # vm.swappiness is left as the host has it: a park squeezes with the sandbox cgroup's own
 # swappiness (v1 memory.swappiness, v2 memory.reclaim swappiness=), so the host-wide knob only
 # governs global reclaim, where the host default keeps running sandboxes' anon memory in RAM.
 setup_zram() {
   local mb="${DSEC_ZRAM_MB:-}" dev="" n alg
   if [ -z "$mb" ]; then
-    mb=$(( $(awk '/^MemTotal:/ {print $2}' /proc/meminfo) / 1024 ))
+    mb=$(( $(awk '/^MemTotal:/ {print $2}' /proc/meminfo) * 2 / 1024 ))
     [ "$mb" -gt 65536 ] && mb=65536
   fi
   [ "$mb" -gt 0 ] 2>/dev/null || return 0

@@ -195,6 +195,14 @@ class EdgeEnvSettings(Group):
     reclaim_psi: float = env(5.0, "DSEC_RECLAIM_PSI", "memory some avg10 (%) above which the node counts "
                              "as pressed")
     reclaim_per_tick: int = env(4, "DSEC_RECLAIM_PER_TICK", "sandboxes reclaimed at a time")
+    reclaim_mem_low_mb: int = env(2048, "DSEC_RECLAIM_MEM_LOW_MB", "MemAvailable below this: idle sandboxes "
+                                  "are reclaimed (VMs doze) once idle DSEC_RECLAIM_SQUEEZE_IDLE_S, back to back "
+                                  "(0: off)", ge=0)
+    reclaim_squeeze_idle_s: float = env(2.0, "DSEC_RECLAIM_SQUEEZE_IDLE_S", "the idle threshold while memory "
+                                        "is low (DSEC_RECLAIM_MEM_LOW_MB) or a create waits for memory", ge=0)
+    admit_reclaim_wait_s: float = env(10.0, "DSEC_ADMIT_RECLAIM_WAIT_S", "a create short of memory "
+                                      "(DSEC_MEM_RESERVE_MB) waits at most this long for idle reclaim to free "
+                                      "some before it is refused (0: refused at once)", ge=0)
     usage_idle_s: float = env(60.0, "DSEC_USAGE_IDLE_S", "each running sandbox's usage is sampled this often "
                               "(0: only sandboxes whose usage was asked for)", ge=0)
     usage_watched_s: float = env(5.0, "DSEC_USAGE_WATCHED_S", "... and this often for a minute after its usage "
@@ -310,6 +318,10 @@ class VMSettings(Group):
     reclaim: Literal["auto", "1", "0"] = env("auto", "DSEC_VM_RECLAIM", "balloon squeezes of idle guests: "
                                              "auto under KVM only, 1 always, 0 never")
     reclaim_squeeze_s: float = env(15.0, "DSEC_VM_RECLAIM_SQUEEZE_S", "longest balloon squeeze")
+    template_ram: Literal["disk", "tmpfs"] = env("disk", "DSEC_VM_TEMPLATE_RAM", "where template snapshots' "
+                                                 "guest RAM files live: disk (DSEC_HOME/vm/template-ram: page "
+                                                 "cache, dropped and read back under pressure, never swapped) or "
+                                                 "tmpfs (/dev/shm: swapped to zram under pressure; D95)")
     templates_max: int = env(16, "DSEC_VM_TEMPLATES_MAX", "template snapshots kept (least recently used "
                              "go)", ge=1)
     tcg_tb_size_mb: int = env(32, "DSEC_VM_TCG_TB_SIZE_MB", "TCG translation cache in MiB of VMs started from "

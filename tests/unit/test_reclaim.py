@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from dsec.backends.base import DOZE_BUSY, Doze
 from dsec.edge import reclaim as reclaim_module
 from dsec.edge.admission import Admission
 from dsec.edge.edge import Edge
@@ -178,3 +179,84 @@ async def test_zero_turns_it_off(rnode: Node, proc: Path, rfake: ReclaimFakeBack
     rclock.advance(10 * IDLE)
     assert not edge._reclaimer.enabled and await edge._reclaimer.run_once() == []
     assert await edge.reap_once() == [] and rfake.reclaimed() == []
+
+
+def meminfo(proc: Path, available_mb: int) -> None:
+    (proc / "meminfo").write_text(f"MemTotal: 8388608 kB\nMemAvailable: {available_mb << 10} kB\n")
+
+
+async def test_memory_low_squeezes_back_to_back(rnode: Node, proc: Path, rfake: ReclaimFakeBackend,
+                                                rclock: Clock, monkeypatch: pytest.MonkeyPatch):
+    """Below DSEC_RECLAIM_MEM_LOW_MB: the threshold is DSEC_RECLAIM_SQUEEZE_IDLE_S and one tick
+    reclaims every due sandbox, batch after batch (D95)."""
+    monkeypatch.setenv("DSEC_RECLAIM_MEM_LOW_MB", "2048")
+    monkeypatch.setenv("DSEC_RECLAIM_SQUEEZE_IDLE_S", "2")
+    edge = await start(rnode, proc)
+    ids = [await container(edge) for _ in range(6)]
+    rclock.advance(3)
+    assert await edge._reclaimer.run_once() == []                       # memory plentiful: 60 s apply
+    meminfo(proc, 1500)
+    assert edge._reclaimer.threshold() == 2
+    assert sorted(sid for sid, _ in await edge._reclaimer.run_once()) == sorted(ids)   # one tick
+    assert edge._reclaimer.squeezed == 6
+
+
+async def test_squeeze_says_whether_anything_can_be_reclaimed(rnode: Node, proc: Path, rfake: ReclaimFakeBackend,
+                                                              rclock: Clock, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("DSEC_RECLAIM_MEM_LOW_MB", "0")                  # no early squeeze: only asked
+    monkeypatch.setenv("DSEC_RECLAIM_SQUEEZE_IDLE_S", "2")
+    edge = await start(rnode, proc)
+    sb = await container(edge)
+    assert not edge._reclaimer.squeeze()                                # used just now: nothing idle
+    rclock.advance(3)
+    assert edge._reclaimer.squeeze()                                    # idle 3 s: reclaimed now
+    assert edge._reclaimer._task is not None
+    assert [sid for sid, _ in await edge._reclaimer._task] == [sb]
+    assert not edge._reclaimer.squeeze()                                # reclaimed already: nothing left
+
+
+class DozeFake(ReclaimFakeBackend, Doze):
+    """Reclaim + Doze (VMs' capabilities): the first `busy` dozes find the sandbox working."""
+
+    def __init__(self, root: Path, busy: int):
+        super().__init__(root)
+        self.busy = busy
+        self.dozed: set[str] = set()
+
+    async def doze(self, sandbox_id: str) -> int:
+        self.calls.append(("doze", sandbox_id))
+        if self.busy:
+            self.busy -= 1
+            return DOZE_BUSY
+        self.dozed.add(sandbox_id)
+        return 1 << 20
+
+    async def wake(self, sandbox_id: str) -> bool:
+        was = sandbox_id in self.dozed
+        self.dozed.discard(sandbox_id)
+        return was
+
+    def dozing(self, sandbox_id: str) -> bool:
+        return sandbox_id in self.dozed
+
+
+async def test_a_busy_doze_is_asked_again_without_a_second_reclaim(image_service: ImageService, short_tmp: Path,
+                                                                   proc: Path, rclock: Clock,
+                                                                   monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("DSEC_RECLAIM_IDLE_S", str(IDLE))
+    fake = DozeFake(short_tmp / "dz", busy=1)
+    node = Node(image_service.paths, image_service, [fake])
+    try:
+        edge = await start(node, proc)
+        sb = await container(edge)
+        rclock.advance(IDLE + 1)
+        await edge._reclaimer.run_once()                                # reclaimed; the doze finds it busy
+        assert fake.calls[-2:] == [("reclaim", sb), ("doze", sb)] and not fake.dozing(sb)
+        rclock.advance(IDLE + 1)
+        await edge._reclaimer.run_once()                                # asked again: dozes, no 2nd reclaim
+        assert fake.dozing(sb) and fake.reclaimed() == [sb]
+        rclock.advance(IDLE + 1)
+        assert await edge._reclaimer.run_once() == []                   # done for this idle period
+    finally:
+        await node.stop_edge()
+        await fake.close()

@@ -213,6 +213,9 @@ class Reclaim(ABC):
         """Returns the bytes that left RAM (what its tasks touch again comes back)."""
 
 
+DOZE_BUSY = -2     # Doze.doze: it works right now (CPU over a look): ask again later
+
+
 class Doze(ABC):
     """Stop an idle sandbox's CPU (and push its memory out) while nobody uses it; the edge
     wakes it before every use. The edge's idle reclaim asks (edge/reclaim.py) once a sandbox
@@ -221,7 +224,8 @@ class Doze(ABC):
 
     @abstractmethod
     async def doze(self, sandbox_id: str) -> int:
-        """Returns the bytes that left RAM, or -1 when it did not doze (busy, not eligible)."""
+        """Returns the bytes that left RAM; -1 when it cannot doze (not eligible), DOZE_BUSY
+        when it worked over the look (the reclaimer asks again one idle threshold later)."""
 
     @abstractmethod
     async def wake(self, sandbox_id: str) -> bool:

@@ -22,7 +22,9 @@ they ask for), so 3,200 one-core sandboxes on a 2-core node are normal. In order
    fsync-heavy writer keeps it high). A limit of
    100 turns its check off; a kernel without PSI skips it (said once in the log);
 4. MemAvailable above DSEC_MEM_RESERVE_MB (512) plus what a new sandbox needs resident at first,
-   DSEC_ADMIT_SANDBOX_MB (8; an idle container is a few MiB: its limit is not what it uses);
+   DSEC_ADMIT_SANDBOX_MB (8; an idle container is a few MiB: its limit is not what it uses).
+   Short of it, the edge first waits (DSEC_ADMIT_RECLAIM_WAIT_S) for idle reclaim to give some
+   back (reclaim.py `squeeze`, D95): refused at once only when nothing idle is left to reclaim;
 5. disk: not overcommitted past what is really free: refused while DSEC_HOME's filesystem
    (layer store, records, VM disks, the scratch image's growth) or the sandboxes' scratch
    filesystem (their writable layers) has less free than its reserve, or is read-only.
@@ -60,6 +62,11 @@ class PressureHigh(CapacityExceeded):
     """The node is measurably short (stalls, free memory) right now: retry soon or elsewhere."""
 
     retry_after_s = PRESSURE_RETRY_AFTER_S
+
+
+class MemoryShort(PressureHigh):
+    """MemAvailable is below the reserve: what idle reclaim can give back (the edge waits for
+    it a few seconds, edge/lifecycle.py) before this refusal stands."""
 
 
 class StorageLow(Unavailable):
@@ -221,7 +228,7 @@ class Admission:
     def _check_memory(self, node: str, reading: Reading) -> None:
         avail, need = reading.mem_available_mb, self.mem_reserve_mb + self.sandbox_mb
         if avail is not None and avail < need:
-            raise PressureHigh(
+            raise MemoryShort(
                 f"node {node} is short of memory: MemAvailable {avail} MiB < reserve {self.mem_reserve_mb} "
                 f"MiB (DSEC_MEM_RESERVE_MB) + {self.sandbox_mb} MiB a new sandbox needs (DSEC_ADMIT_SANDBOX_MB)",
                 field="memory_mb",

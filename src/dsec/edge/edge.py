@@ -143,6 +143,8 @@ class Edge(Lifecycle, WarmHooks, ParkingVerbs, CapabilityVerbs, AgentChannel, Ex
         # parked sandboxes hold no CPU or memory: they do not count against admission
         # (running totals, NodeLoad: a status is O(1) however many sandboxes the node holds)
         problem = self.admission.host_problem()
+        if problem is not None and self._reclaimer.squeeze():
+            problem = None   # below the reserve, but idle memory is being reclaimed: creates wait for it (D95)
         return NodeStatus(node_id=self.node_id, healthy=problem is None, reason=problem,
                           backends=self.backends, capacity=self.admission.capacity,
                           committed_cpu_cores=self._load.cpu_cores, committed_memory_mb=self._load.memory_mb,

@@ -12,6 +12,7 @@ import time
 from dsec import tracing
 from dsec.backends.base import PARKED, RUNNING, MemoryUsage
 from dsec.backends.warm import WarmClaim
+from dsec.edge import admit_wait
 from dsec.edge.live import LiveSandbox
 from dsec.edge.timing import CreateTimer
 from dsec.edge.records import SandboxRecord
@@ -141,7 +142,9 @@ class Lifecycle(EdgeCore):
         if warm is not None:   # its share of the node passes to this sandbox
             self._load.update(warm.rec, live=False)
         try:
-            self.admission.admit(await self.status(), args.cpu_cores, args.memory_mb)
+            # short of memory: waits (bounded) for idle reclaim under way (admit_wait.py, D95)
+            await admit_wait.admit(self.admission, self.status, self._reclaimer, args.cpu_cores, args.memory_mb,
+                                   self.conf.edge.admit_reclaim_wait_s)
         except DsecError as e:
             self._give_back_warm(warm)
             stages.refuse(e)

@@ -8,6 +8,14 @@ nothing but what its tasks touched since, which is exactly what they need. When 
 memory pressure (PSI `memory some` avg10) is above `psi_limit` (DSEC_RECLAIM_PSI, 5%), the idle
 threshold drops to `pressed_idle_s` (DSEC_RECLAIM_PRESSED_IDLE_S, 15 s), so more is pushed out.
 
+Memory short (D95). While MemAvailable is below `mem_low_mb` (DSEC_RECLAIM_MEM_LOW_MB, 2 GiB)
+the threshold is `squeeze_idle_s` (DSEC_RECLAIM_SQUEEZE_IDLE_S, 2 s), batches run back to
+back instead of one per reaper tick, SQUEEZE_BATCH (8) of them together: a burst of VM clones (~30-50 MiB each while awake, ~15-20
+dozing) is squeezed as it comes, not after the idle threshold, when the node has run out. A
+create that finds the node below its reserve (admission.py) calls `squeeze()` and waits for
+the memory that frees (edge/lifecycle.py, DSEC_ADMIT_RECLAIM_WAIT_S); `squeeze()` says False
+when nothing idle is left to reclaim, and the create is refused at once.
+
 Cost: a reclaim is CPU and I/O (~2.5-3.5 ms per MiB), so at most `per_tick`
 (DSEC_RECLAIM_PER_TICK, 4) start per reaper tick, one at a time, in a thread (never on the
 event loop); a tick that finds the previous batch still running starts none. Skipped: sandboxes
@@ -33,7 +41,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from dsec.backends.base import Doze, Reclaim
+from dsec.backends.base import DOZE_BUSY, Doze, Reclaim
 from dsec.edge.deadlines import Deadlines
 from dsec.types import SandboxState
 
@@ -49,14 +57,23 @@ IDLE_S = 120.0           # DSEC_RECLAIM_IDLE_S
 PRESSED_IDLE_S = 15.0    # DSEC_RECLAIM_PRESSED_IDLE_S: the threshold under memory pressure
 PSI_LIMIT = 5.0          # DSEC_RECLAIM_PSI: memory some avg10 (%) above which it applies
 PER_TICK = 4             # DSEC_RECLAIM_PER_TICK
+MEM_LOW_MB = 2048        # DSEC_RECLAIM_MEM_LOW_MB: MemAvailable below this squeezes (0: off)
+SQUEEZE_IDLE_S = 2.0     # DSEC_RECLAIM_SQUEEZE_IDLE_S: the threshold while squeezing
+SQUEEZE_BATCH = 8        # sandboxes reclaimed together while squeezing (at least per_tick)
 
 
 class Reclaimer:
     def __init__(self, live: Mapping[str, LiveSandbox], pressure: Callable[[], float | None], *,
                  idle_s: float = IDLE_S, pressed_idle_s: float = PRESSED_IDLE_S,
-                 psi_limit: float = PSI_LIMIT, per_tick: int = PER_TICK):
+                 psi_limit: float = PSI_LIMIT, per_tick: int = PER_TICK,
+                 mem_available: Callable[[], int | None] = lambda: None, mem_low_mb: int = 0,
+                 squeeze_idle_s: float = SQUEEZE_IDLE_S):
         self._live = live              # the edge's live sandboxes (read only)
         self.pressure = pressure       # memory some avg10 in %, None where unknown
+        self.mem_available = mem_available   # MemAvailable in MiB, None where unknown
+        self.mem_low_mb = mem_low_mb
+        self.squeeze_idle_s = min(squeeze_idle_s, idle_s)
+        self.squeezed = 0                        # reclaims done while memory was short (since start)
         self.idle_s = idle_s
         self.pressed_idle_s = min(pressed_idle_s, idle_s)
         self.psi_limit = psi_limit
@@ -64,6 +81,7 @@ class Reclaimer:
         self._deadlines = Deadlines()           # keyed on last activity: due at key + threshold
         self._queue: dict[str, None] = {}       # due, waiting for a slot (in order, no repeats)
         self._done: dict[str, float] = {}       # id -> its last_active_at when it was reclaimed
+        self._reclaimed: dict[str, float] = {}  # ... when reclaimed but its doze found it busy
         self._task: asyncio.Task[list[tuple[str, int]]] | None = None
         self.reclaimed_bytes = 0                 # totals since the edge started
         self.reclaims = 0
@@ -71,14 +89,23 @@ class Reclaimer:
     @classmethod
     def from_settings(cls, live: Mapping[str, LiveSandbox], probe: HostProbe, s: EdgeEnvSettings) -> Reclaimer:
         return cls(live, lambda: probe.read().stall("memory", "some"), idle_s=s.reclaim_idle_s,
-                   pressed_idle_s=s.reclaim_pressed_idle_s, psi_limit=s.reclaim_psi, per_tick=s.reclaim_per_tick)
+                   pressed_idle_s=s.reclaim_pressed_idle_s, psi_limit=s.reclaim_psi, per_tick=s.reclaim_per_tick,
+                   mem_available=lambda: probe.read().mem_available_mb, mem_low_mb=s.reclaim_mem_low_mb,
+                   squeeze_idle_s=s.reclaim_squeeze_idle_s)
 
     @property
     def enabled(self) -> bool:
         return self.idle_s > 0
 
+    def short(self) -> bool:
+        """MemAvailable is below mem_low_mb: squeeze (short threshold, batches back to back)."""
+        avail = self.mem_available() if self.mem_low_mb > 0 else None
+        return avail is not None and avail < self.mem_low_mb
+
     def threshold(self) -> float:
         """The idle seconds after which a sandbox is reclaimed now."""
+        if self.short():
+            return self.squeeze_idle_s
         psi = self.pressure()
         return self.pressed_idle_s if psi is not None and psi > self.psi_limit else self.idle_s
 
@@ -96,23 +123,42 @@ class Reclaimer:
         while the previous batch still runs. Returns the batch's task, if one started."""
         if not self.enabled or (self._task is not None and not self._task.done()):
             return None
-        if not self._queue and not len(self._deadlines):
+        return self._start(self.threshold())
+
+    def squeeze(self) -> bool:
+        """Memory is short now (a create waits for it): reclaim the sandboxes idle for
+        squeeze_idle_s at once. True while a reclaim is under way (memory is on its way back),
+        False when nothing is left to reclaim now (the caller refuses)."""
+        if not self.enabled:
+            return False
+        if self._task is not None and not self._task.done():
+            return True
+        return self._start(self.squeeze_idle_s) is not None
+
+    def _start(self, threshold: float) -> asyncio.Task[list[tuple[str, int]]] | None:
+        picked = self._pick(time.time(), threshold, self._batch_size(threshold))
+        if not picked:
             return None
-        now = time.time()
-        threshold = self.threshold()
+        self._task = asyncio.create_task(self._run(picked, threshold), name="edge-reclaim")
+        return self._task
+
+    def _batch_size(self, threshold: float) -> int:
+        return max(self.per_tick, SQUEEZE_BATCH) if threshold <= self.squeeze_idle_s else self.per_tick
+
+    def _pick(self, now: float, threshold: float, size: int) -> list[LiveSandbox]:
+        """Up to `size` sandboxes due at this threshold, the longest idle first."""
+        if not self._queue and not len(self._deadlines):
+            return []
         for sid in self._deadlines.due(now - threshold):
             self._queue[sid] = None
         picked: list[LiveSandbox] = []
-        while self._queue and len(picked) < self.per_tick:
+        while self._queue and len(picked) < size:
             sid = next(iter(self._queue))
             del self._queue[sid]
             live = self._check(sid, now, threshold)
             if live is not None:
                 picked.append(live)
-        if not picked:
-            return None
-        self._task = asyncio.create_task(self._run(picked, threshold), name="edge-reclaim")
-        return self._task
+        return picked
 
     async def run_once(self) -> list[tuple[str, int]]:
         """One tick, waited for: (sandbox id, bytes) of each reclaim it did (tests)."""
@@ -130,6 +176,7 @@ class Reclaimer:
         live = self._live.get(sid)
         if live is None or live.rec.state != SandboxState.running or not isinstance(live.backend, Reclaim):
             self._done.pop(sid, None)     # gone or parked (a resume schedules it again)
+            self._reclaimed.pop(sid, None)
             return None
         rec = live.rec
         if now - rec.last_active_at < threshold:
@@ -141,37 +188,62 @@ class Reclaimer:
         return None
 
     async def _run(self, picked: list[LiveSandbox], threshold: float) -> list[tuple[str, int]]:
+        """Reclaim `picked`; while memory stays short, the next batch at once (not a tick later)
+        and the batch's sandboxes together (a VM's doze mostly waits: its 0.2 s look at the
+        CPU, QMP), not one after the other."""
         out: list[tuple[str, int]] = []
-        for live in picked:
-            rec = live.rec
-            async with live.park_lock:            # no suspend/resume meanwhile
-                mark = rec.last_active_at
-                now = time.time()
-                if (rec.state != SandboxState.running or rec.in_flight or now - mark < threshold
-                        or self._live.get(rec.id) is not live):
-                    self._deadlines.push(rec.id, mark)      # changed since the tick: look again
-                    continue
-                backend = live.backend
-                assert isinstance(backend, Reclaim)
-                t0 = time.monotonic()
-                try:
-                    n = await backend.reclaim(rec.id)
-                    # a backend that can stop an idle sandbox's CPU (Doze) does now, if still
-                    # untouched (checked with no await between the check and the doze's mark)
-                    if (isinstance(backend, Doze) and n >= 0 and not rec.in_flight
-                            and rec.last_active_at == mark and rec.state == SandboxState.running):
-                        n += max(0, await backend.doze(rec.id))
-                except Exception as e:   # its cgroup went, a kernel refusal: not again this idle period
-                    log.warning("idle reclaim failed", extra={"sandbox": rec.id, "error": str(e) or repr(e)})
-                    n = -1
-                ms = round((time.monotonic() - t0) * 1000, 1)
-                self._done[rec.id] = mark
-                self._deadlines.push(rec.id, time.time())
-            if n >= 0:
-                self.reclaims += 1
-                self.reclaimed_bytes += n
-                out.append((rec.id, n))
-                log.info("idle sandbox memory reclaimed",
-                         extra={"sandbox": rec.id, "bytes": n, "mib": round(n / (1 << 20), 1), "ms": ms,
-                                "idle_s": round(now - mark, 1), "threshold_s": threshold})
+        while picked:
+            if threshold <= self.squeeze_idle_s:
+                done = [r for r in await asyncio.gather(*(self._one(x, threshold) for x in picked)) if r]
+                self.squeezed += len(done)
+            else:
+                done = [r for x in picked if (r := await self._one(x, threshold))]
+            out += done
+            if not self.short():
+                break
+            threshold = self.squeeze_idle_s
+            picked = self._pick(time.time(), threshold, self._batch_size(threshold))
         return out
+
+    async def _one(self, live: LiveSandbox, threshold: float) -> tuple[str, int] | None:
+        """Reclaim (and doze) one sandbox if it is still idle: (its id, bytes), else None."""
+        rec = live.rec
+        async with live.park_lock:            # no suspend/resume meanwhile
+            mark = rec.last_active_at
+            now = time.time()
+            if (rec.state != SandboxState.running or rec.in_flight or now - mark < threshold
+                    or self._live.get(rec.id) is not live):
+                self._deadlines.push(rec.id, mark)      # changed since the tick: look again
+                return None
+            backend = live.backend
+            assert isinstance(backend, Reclaim)
+            t0 = time.monotonic()
+            busy = False
+            try:
+                # reclaimed already in this idle period (its doze found it busy): doze only
+                n = 0 if self._reclaimed.get(rec.id) == mark else await backend.reclaim(rec.id)
+                # a backend that can stop an idle sandbox's CPU (Doze) does now, if still
+                # untouched (checked with no await between the check and the doze's mark)
+                if (isinstance(backend, Doze) and n >= 0 and not rec.in_flight
+                        and rec.last_active_at == mark and rec.state == SandboxState.running):
+                    dozed = await backend.doze(rec.id)
+                    busy = dozed == DOZE_BUSY
+                    n += max(0, dozed)
+            except Exception as e:   # its cgroup went, a kernel refusal: not again this idle period
+                log.warning("idle reclaim failed", extra={"sandbox": rec.id, "error": str(e) or repr(e)})
+                n = -1
+            ms = round((time.monotonic() - t0) * 1000, 1)
+            if busy:      # a guest just restored often still works for a while: asked again
+                self._reclaimed[rec.id] = mark       # one threshold later, not left awake
+            else:
+                self._done[rec.id] = mark
+                self._reclaimed.pop(rec.id, None)
+            self._deadlines.push(rec.id, time.time())
+        if n < 0:
+            return None
+        self.reclaims += 1
+        self.reclaimed_bytes += n
+        log.info("idle sandbox memory reclaimed",
+                 extra={"sandbox": rec.id, "bytes": n, "mib": round(n / (1 << 20), 1), "ms": ms,
+                        "idle_s": round(now - mark, 1), "threshold_s": threshold})
+        return rec.id, n

@@ -118,7 +118,8 @@ def cleanup_home(home: Path) -> list[int]:
                              capture_output=True, text=True).stdout.split()
         for cid in ids:
             subprocess.run(["crun", "--root", str(paths.crun_root), "delete", "-f", cid], capture_output=True)
-    shutil.rmtree(ram_dir(paths), ignore_errors=True)
+    for on in ("disk", "tmpfs"):
+        shutil.rmtree(ram_dir(paths, on), ignore_errors=True)
     Lxcfs(home / "lxcfs").stop()           # the node's daemon outlives its server, by design
     with open("/proc/self/mountinfo") as f:
         mnts = [line.split()[4] for line in f if line.split()[4].startswith(str(home))]

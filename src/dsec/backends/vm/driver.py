@@ -31,7 +31,7 @@ from typing import Literal
 
 from dsec import procstat
 from dsec.agent.client import AgentClient
-from dsec.backends.base import (PARKED, RUNNING, Backend, Console, Doze, Egress, ImageStacks, LivenessWatched,
+from dsec.backends.base import (DOZE_BUSY, PARKED, RUNNING, Backend, Console, Doze, Egress, ImageStacks, LivenessWatched,
                                 MemoryUsage, Parking, Prepared, RawUsage, Reclaim, Snapshots, UsageStats)
 from dsec.backends.vm import balloon, chain, console as vmconsole, disks, doze, guest, ramshim, snapram, stubkernel
 from dsec.backends.vm.accel import AccelChooser
@@ -148,7 +148,8 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
         self.initrd = guest.build_initramfs(paths, kernel)
         self.ram_shim = ramshim.build(paths.bin)   # clones' QEMU: the template's RAM stays read-only
         self.accel = AccelChooser(paths.vm / "accel.json", self.qemu, self.kernel.vmlinuz)
-        self.templates: Templates[VMSpec] = Templates(paths, self, self.settings.templates_max)
+        self.templates: Templates[VMSpec] = Templates(paths, self, self.settings.templates_max,
+                                                               self.settings.template_ram)
         self.started: dict[str, str] = {}   # how each VM came up here: cold|clone|snapshot|resumed
         self._pidwatch = PidWatch()         # is_running without /proc reads per VM per tick
         self._stub_kernel: Path | bool | None = None   # restores' -kernel (stubkernel.py); False: none
@@ -603,7 +604,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
                 busy = await asyncio.to_thread(doze.busy_pct, pid)
                 if busy > doze.QUIET_PCT or sandbox_id not in self._dozing:
                     self._dozing.discard(sandbox_id)
-                    return -1
+                    return DOZE_BUSY if busy > doze.QUIET_PCT else -1
                 async with Qmp(d / "qmp.sock", sandbox_id) as q:
                     await q.run("stop")
             except BaseException:
@@ -852,7 +853,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
         return "agent_died"
 
     async def release_node(self) -> None:
-        await asyncio.to_thread(self.templates.remove_all)   # template RAM lives on tmpfs: give it back
+        await asyncio.to_thread(self.templates.remove_all)   # template RAM (tmpfs, or disk): give it back
 
     def disk_usage(self, sandbox_id: str) -> int:
         d = self.sandbox_dir(sandbox_id)

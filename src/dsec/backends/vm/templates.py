@@ -1,7 +1,10 @@
 """Template snapshots: boot one VM per environment once, save it, clone it many times.
 
-A template is a cold-booted VM whose guest RAM lives in a file on tmpfs (`share=on`, so the
-file holds exactly the guest's memory). Once its agent answers, the VM is paused, its device
+A template is a cold-booted VM whose guest RAM lives in a file (`share=on`, so the file holds
+exactly the guest's memory), on the DSEC_HOME disk by default (DSEC_VM_TEMPLATE_RAM=disk, D95):
+its pages are page cache, which the kernel drops and reads back under memory pressure, where
+a tmpfs file's pages were swapped to zram (compressed, but still RAM) and every clone's restore
+faulted them back in. Once its agent answers, the VM is paused, its device
 state is saved with a migration that skips that RAM (`x-ignore-shared`), and it exits. A clone
 maps the same RAM file *privately*: every page it never writes stays one shared page in the
 host's page cache, whatever the number of clones. Its writable disk is a qcow2 overlay over
@@ -77,19 +80,22 @@ class Template:
         return self.dir / "upper.img"
 
 
-def ram_dir(paths: Paths) -> Path:
-    """Template RAM files live on tmpfs (RAM speed, no writeback), one dir per dsec home."""
+def ram_dir(paths: Paths, on: str = "disk") -> Path:
+    """Where template RAM files live: `disk` under the home (page cache), `tmpfs` in /dev/shm
+    (RAM speed, no writeback, but swapped under pressure), one dir per dsec home."""
+    if on == "disk":
+        return paths.vm / "template-ram"
     tag = hashlib.sha256(str(paths.home.resolve()).encode()).hexdigest()[:12]
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else paths.vm
     return base / f"dsec-vm-{tag}"
 
 
 class Templates(Generic[Spec]):
-    def __init__(self, paths: Paths, booter: Booter[Spec], max_templates: int = 16):
+    def __init__(self, paths: Paths, booter: Booter[Spec], max_templates: int = 16, ram_on: str = "disk"):
         self.paths = paths
         self.booter = booter
         self.root = paths.vm_templates
-        self.rams = ram_dir(paths)
+        self.rams = ram_dir(paths, ram_on)      # DSEC_VM_TEMPLATE_RAM
         self._locks: dict[str, asyncio.Lock] = {}
         self._users: dict[str, int] = {}      # template key -> creations restoring from it now
         self.max_templates = max(1, max_templates)     # DSEC_VM_TEMPLATES_MAX

@@ -10,14 +10,25 @@ from __future__ import annotations
 
 import signal
 import tempfile
+import threading
 from pathlib import Path
 
 from dsec.testing.isolated import ServerProcess, cleanup_home, link_node_downloads
 from dsec.sdk.client import Client
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 class BenchServer(ServerProcess):
     def __init__(self, prefix: str = "dsec-bench-"):
+        # a bench stopped with SIGTERM (`timeout`, a CI runner) unwinds through its `finally:
+        # close()`: by default Python dies at once, and the VMs it started outlive their server
+        # (QEMUs are kept across a server stop on purpose, for the edge to adopt again)
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _exit_on_sigterm)
         super().__init__(Path(tempfile.mkdtemp(prefix=prefix, dir="/var/tmp")))
 
     def prepare(self, images: list[str]) -> None:

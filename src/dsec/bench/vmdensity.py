@@ -196,13 +196,18 @@ def dozed_ids(server: BenchServer) -> set[str]:
     return out
 
 
+CLONE_TTL_IDLE_S = 3600
+
+
 # -- one configuration ---------------------------------------------------------------------
 async def _one(c: Client, o: Opts) -> tuple[Sandbox, float]:
     t0 = time.perf_counter()
+    # an hour's idle TTL: a slow 800 burst plus the KSM and doze waits outlast the default 600 s,
+    # and the reaper would stop the first clones before they are measured
     if o.kind == "vm":
-        sb = await c.create_vm(image=o.image, memory_mb=o.memory_mb, vcpus=1)
+        sb = await c.create_vm(image=o.image, memory_mb=o.memory_mb, vcpus=1, ttl_idle_s=CLONE_TTL_IDLE_S)
     else:
-        sb = await c.create_microvm(image=o.image, memory_mb=o.memory_mb, vcpus=1)
+        sb = await c.create_microvm(image=o.image, memory_mb=o.memory_mb, vcpus=1, ttl_idle_s=CLONE_TTL_IDLE_S)
     r = await sb.run("true")
     if r.exit_code != 0:
         raise RuntimeError(f"`true` failed in {sb.id}: {r}")

@@ -143,6 +143,14 @@ async def test_a_container_snapshot_of_a_draining_node_is_created_on_the_other(c
         await back.stop()
 
 
+async def _wait_empty(admin: Client, node_id: str):
+    """The node as the nodes' view has it once nothing is placed or committed on it."""
+    async def empty():
+        n = {n.node_id: n for n in await admin.nodes()}[node_id]
+        return n if n.sandboxes == 0 and n.committed_memory_mb == 0 else None
+    return await wait_until(empty, timeout_s=30, every_s=0.3, what=f"node {node_id} to have nothing committed")
+
+
 async def test_a_container_snapshot_of_a_full_node_is_created_on_the_other(cluster):
     """Full (its own final check refuses for capacity), not draining: the same carry. The
     snapshot's node is filled by a restore of the snapshot itself (restores go to its node)
@@ -154,10 +162,7 @@ async def test_a_container_snapshot_of_a_full_node_is_created_on_the_other(clust
     snap = await sb.snapshot()
     await sb.stop()
 
-    async def empty():
-        n = {n.node_id: n for n in await cluster.admin.nodes()}[home]
-        return n if n.sandboxes == 0 and n.committed_memory_mb == 0 else None
-    node = await wait_until(empty, timeout_s=30, every_s=0.3, what=f"node {home} to have nothing committed")
+    node = await _wait_empty(cluster.admin, home)
     filler = await cluster.admin.create_container(**{**SMALL, "memory_mb": node.capacity.memory_mb - SMALL["memory_mb"] // 2},
                                                   snapshot=snap.id)
     try:
@@ -170,6 +175,8 @@ async def test_a_container_snapshot_of_a_full_node_is_created_on_the_other(clust
             await moved.stop()
     finally:
         await filler.stop()
+        # the node's ceiling was full: the next test places only once the nodes' view has it back
+        await _wait_empty(cluster.admin, home)
     await cluster.admin.delete_snapshot(snap.id)
 
 

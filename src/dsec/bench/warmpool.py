@@ -120,7 +120,7 @@ class WarmBench:
             for _ in range(n):
                 await self._one(ttfo, create, errs, made)
         wall = time.perf_counter() - t0
-        await asyncio.gather(*(sb.stop() for sb in made), return_exceptions=True)
+        await _stop_all(made)
         return {**_stats(ttfo), **{f"create_{k}": v for k, v in _stats(create).items() if k != "n"},
                 "wall_s": wall, "failed": len(errs), "errors": errs[:5], **self._edge_ms(since)}
 
@@ -135,7 +135,7 @@ class WarmBench:
             await asyncio.sleep(0.5)
             made: list[Sandbox] = []
             await self._one(ttfo, create, errs, made)
-            await asyncio.gather(*(sb.stop() for sb in made), return_exceptions=True)
+            await _stop_all(made)
         return {**_stats(ttfo), **{f"create_{k}": v for k, v in _stats(create).items() if k != "n"},
                 "failed": len(errs), "errors": errs[:5], **self._edge_ms(since)}
 
@@ -181,6 +181,16 @@ async def bench(srv: BenchServer, o: Opts) -> dict:
     res["seconds"] = time.perf_counter() - t0
     res["finished_utc"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return res
+
+
+async def _stop_all(made: list[Sandbox]) -> None:
+    """Stop them all; a stop that failed (a timeout on a loaded node: the server may still end it)
+    is asked once more, stops being idempotent; what still fails shows in the run's live_left."""
+    res = await asyncio.gather(*(sb.stop() for sb in made), return_exceptions=True)
+    again = [sb for sb, r in zip(made, res) if isinstance(r, BaseException)]
+    for sb, r in zip(again, await asyncio.gather(*(sb.stop() for sb in again), return_exceptions=True)):
+        if isinstance(r, BaseException):
+            console.print(f"[yellow]stop {sb.id}: {r.__class__.__name__}: {r}")
 
 
 def _f(x: float | None) -> str:

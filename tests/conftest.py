@@ -70,6 +70,19 @@ def side_home(dsec_home: Path, tmp_path_factory, name: str) -> Path:
     return home
 
 
+def side_server(dsec_home: Path, tmp_path_factory, name: str, env: dict[str, str], downloads: bool = False):
+    """A second server on a side home with `env`, for a fixture to yield from: started, then
+    stopped and its home cleaned up (`downloads`: the node's guest kernel etc. linked in)."""
+    home = side_home(dsec_home, tmp_path_factory, name)
+    if downloads:
+        link_downloads(home)
+    srv = ServerProc(home, env=env)
+    srv.start()
+    yield srv
+    srv.kill(signal.SIGTERM)
+    _cleanup_home(home)
+
+
 @pytest.fixture(scope="session")
 def dsec_home():
     requires_root()

@@ -16,7 +16,7 @@ from dsec.backends.container.idmap import REGISTRY
 from dsec.backends.container.spec import cgroup_path
 from dsec.types import CapacityExceeded
 
-from conftest import ServerProc, _cleanup_home, side_home
+from conftest import side_server
 
 
 def _crun_ids(server) -> set[str]:
@@ -88,12 +88,7 @@ async def test_busy_sandbox_is_not_reaped(client):
 @pytest.fixture
 def small_server(images, dsec_home, tmp_path_factory):
     """A second server on its own home that admits at most 3 sandboxes."""
-    home = side_home(dsec_home, tmp_path_factory, "small")
-    srv = ServerProc(home, env={"DSEC_MAX_SANDBOXES": "3"})
-    srv.start()
-    yield srv
-    srv.kill(signal.SIGTERM)
-    _cleanup_home(home)
+    yield from side_server(dsec_home, tmp_path_factory, "small", {"DSEC_MAX_SANDBOXES": "3"})
 
 
 async def test_admission_rejects_when_full_and_burst_reports_each(small_server):

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import re
 import shutil
-import signal
 from pathlib import Path
 
 import pytest
-from conftest import ServerProc, _cleanup_home, link_downloads, side_home
+from conftest import side_server
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None,
@@ -71,14 +70,10 @@ def _code_cache_kib(pid: int) -> int:
 @pytest.fixture(scope="module")
 def plain_server(images, dsec_home, tmp_path_factory):
     """A node with merging and the cache bound turned off."""
-    home = side_home(dsec_home, tmp_path_factory, "vm-plain")
-    link_downloads(home)          # the guest kernel: without it the node offers no VM backends
-    srv = ServerProc(home, env={"DSEC_VM_KSM": "0", "DSEC_VM_TCG_TB_SIZE_MB": "0", "DSEC_VM_QEMU_THP": "1",
+    # downloads: the guest kernel; without it the node offers no VM backends
+    yield from side_server(dsec_home, tmp_path_factory, "vm-plain", downloads=True,
+                           env={"DSEC_VM_KSM": "0", "DSEC_VM_TCG_TB_SIZE_MB": "0", "DSEC_VM_QEMU_THP": "1",
                                 "DSEC_VM_RESTORE_STUB_KERNEL": "0"})
-    srv.start()
-    yield srv
-    srv.kill(signal.SIGTERM)
-    _cleanup_home(home)
 
 
 async def test_clone_starts_bounded_and_mergeable(vm_client, server):
@@ -125,13 +120,8 @@ async def test_ksm_and_cache_bound_off_are_honoured(plain_server):
 @pytest.fixture(scope="module")
 def stub_server(images, dsec_home, tmp_path_factory):
     """A node with DSEC_VM_RESTORE_STUB_KERNEL=1 (off by default: D96)."""
-    home = side_home(dsec_home, tmp_path_factory, "vm-stub")
-    link_downloads(home)
-    srv = ServerProc(home, env={"DSEC_VM_RESTORE_STUB_KERNEL": "1"})
-    srv.start()
-    yield srv
-    srv.kill(signal.SIGTERM)
-    _cleanup_home(home)
+    yield from side_server(dsec_home, tmp_path_factory, "vm-stub", {"DSEC_VM_RESTORE_STUB_KERNEL": "1"},
+                           downloads=True)
 
 
 async def test_a_clone_reads_no_kernel_or_initramfs(stub_server):

@@ -60,4 +60,10 @@ def test_a_bench_ended_by_sigterm_kills_its_vms_and_removes_its_home():
             p.wait()
         if home is not None and home.exists():          # the old behaviour: clean up after it
             from dsec.testing.isolated import cleanup_home
+            pid_file = home / "server.pid"                  # its server outlived it too
+            if pid_file.exists():
+                try:
+                    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
             cleanup_home(home)

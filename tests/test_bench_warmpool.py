@@ -9,8 +9,14 @@ from dsec.bench.warmpool import Opts, bench, markdown, rows
 
 
 async def test_warmpool_bench_tiny(server, client) -> None:
+    # another user's sandbox live on the same server is not the run's leftover (CI 2026-12-05: a
+    # sandbox an earlier test left to its TTL was reported as the bench's)
+    other = await client.create_container(image="busybox", memory_mb=64, labels={"t": "not-the-bench"})
     o = Opts(burst=2, serial=1, settle_s=0.2)
-    res = await bench(server, o)
+    try:
+        res = await bench(server, o)
+    finally:
+        await other.stop()
 
     assert res["raw_burst"]["n"] == 2 and res["raw_burst"]["failed"] == 0, res["raw_burst"]
     for mode, n in (("cold_burst", 2), ("warm_burst", 2), ("cold_serial", 1), ("warm_serial", 1)):

@@ -120,3 +120,38 @@ def _wal_commits(db_path) -> int:
         n += struct.unpack(">I", data[off + 4:off + 8])[0] != 0
         off += 24 + page
     return n
+
+
+async def test_a_deadlock_between_two_replicas_batches_is_retried_not_answered(pg_dsn):
+    """Two apiservers' batches claim the same keys in opposite orders (CI, 2026-12-05: a burst
+    through two replicas got a 500 "internal error (DeadlockDetected)"). PostgreSQL aborts one
+    transaction; the old code handed the abort to that batch's caller as its own answer. Now the
+    victim's whole batch is retried: every call answers, each key claimed once."""
+    import threading
+
+    from dsec.store import open_db
+    from dsec.store.batch import TxBatcher
+    a_db, b_db = open_db(pg_dsn), open_db(pg_dsn)
+    try:
+        a_claims, b_claims = IdempotencyClaims(a_db), IdempotencyClaims(b_db)
+        both_hold_one = threading.Barrier(2)
+        runs = {"a": 0, "b": 0}
+
+        def then(name: str, claims: IdempotencyClaims, key: str):
+            runs[name] += 1
+            if runs[name] == 1:            # the first run only: a retry finds the other committed
+                both_hold_one.wait(timeout=10)
+            return claims.claim("p", key)
+
+        async def replica(name: str, claims: IdempotencyClaims, first: str, second: str, db):
+            b = TxBatcher(db)
+            return await asyncio.gather(b.call(claims.claim, "p", first), b.call(then, name, claims, second))
+        got = await asyncio.gather(replica("a", a_claims, "k1", "k2", a_db),
+                                   replica("b", b_claims, "k2", "k1", b_db), return_exceptions=True)
+        assert not any(isinstance(g, BaseException) for g in got), got
+        mine = [c for pair in got for c in pair if c.mine]
+        assert len(mine) == 2, got                  # each key claimed by exactly one replica
+        assert sorted(runs.values()) == [1, 2], runs   # the deadlock's victim ran again
+    finally:
+        a_db.close()
+        b_db.close()

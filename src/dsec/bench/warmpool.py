@@ -56,7 +56,9 @@ class Opts:
 class WarmBench:
     def __init__(self, srv: BenchServer, c: Client, o: Opts):
         self.srv, self.c, self.o = srv, c, o
-        self.labels = {"dsec-bench": "warmpool"}
+        # the run's own label: on a shared server (the tests' session server) other sandboxes
+        # may be live; only this run's count as left behind
+        self.labels = {"dsec-bench": "warmpool", "run": f"{os.getpid()}-{time.time_ns()}"}
         self.args = ContainerArgs(image=o.image, cpu_cores=1, memory_mb=256, ttl_idle_s=3600, labels=self.labels)
 
     # -- the pool, through the admin route -------------------------------------------------
@@ -177,7 +179,7 @@ async def bench(srv: BenchServer, o: Opts) -> dict:
             res["warm_serial"]["claimed"] = (await c.warm_pools()).claims - before
         finally:
             await b.set_pool(0)
-            res["live_left"] = [s.id for s in await c.list()]
+            res["live_left"] = [s.id for s in await c.list() if s.labels.get("run") == b.labels["run"]]
     res["seconds"] = time.perf_counter() - t0
     res["finished_utc"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return res

@@ -7,7 +7,8 @@ connection; py-spy put those hops at ~15% of a pooled burst's event loop (D93).
 
 Here a call queues its function; one drain task per event loop runs whatever is queued in
 one hop, in one transaction, each function under its own SAVEPOINT (so one that raises,
-e.g. a QuotaExceeded after its UPDATE, rolls back alone and gets its own exception), and
+e.g. a QuotaExceeded after its UPDATE, rolls back alone and gets its own exception; an error
+of the transaction itself, a deadlock with another replica's batch, fails and retries it whole), and
 hands every caller its result after the COMMIT. Alone, a call costs what `to_thread` did
 (one hop, one commit); under a burst, the calls that arrive while a batch runs share the
 next one. A caller cancelled before its batch starts is dropped, so nothing of it is written.
@@ -88,14 +89,18 @@ class TxBatcher:
                 return [(True, self.db.run(lambda _tx: fns[0]()))]
             except Exception as e:  # noqa: BLE001 - handed to its caller, as to_thread would
                 return [(False, e)]
-        return self.db.run(lambda tx: [_savepointed(tx, fn) for fn in fns])
+        return self.db.run(lambda tx: [_savepointed(self.db, tx, fn) for fn in fns])
 
 
-def _savepointed(tx: Tx, fn: Callable[[], Any]) -> tuple[bool, Any]:
+def _savepointed(db: Database, tx: Tx, fn: Callable[[], Any]) -> tuple[bool, Any]:
     tx.execute("SAVEPOINT dsec_batch")
     try:
         out = fn()
     except Exception as e:  # noqa: BLE001 - this call's own error, handed to its caller
+        if db.fails_whole_transaction(e):
+            # a deadlock between two replicas' batches (each claims keys the other holds): the
+            # whole transaction is the victim; db.run rolls it back and runs every call again
+            raise
         tx.execute("ROLLBACK TO SAVEPOINT dsec_batch")
         tx.execute("RELEASE SAVEPOINT dsec_batch")
         return False, e

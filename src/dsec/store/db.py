@@ -105,6 +105,12 @@ class Database:
     def _run(self, fn: Callable[[Tx], T], write: bool) -> T:
         raise NotImplementedError
 
+    def fails_whole_transaction(self, error: BaseException) -> bool:
+        """An error that is the transaction's, not one statement's (a deadlock, a serialization
+        failure, a lost connection, a full disk): a batch (store/batch.py) must not hand it to one
+        caller as its own answer, but fail the whole transaction, which `run` retries or reports."""
+        return False
+
     def _enter(self, tx: Tx, fn: Callable[[Tx], T]) -> T:
         self._local.tx = tx
         try:
@@ -159,6 +165,9 @@ class SQLiteDatabase(Database):
                 if "disk is full" in str(e):
                     raise self._full(e) from None
                 raise
+
+    def fails_whole_transaction(self, error: BaseException) -> bool:
+        return isinstance(error, sqlite3.OperationalError)
 
     def _full(self, error: sqlite3.OperationalError) -> Unavailable:
         """A write the filesystem has no room for: the node's fault, never the request's (503)."""
@@ -215,6 +224,10 @@ class PostgresDatabase(Database):
                               kwargs={"row_factory": dict_row, "autocommit": True, **self._connect_kwargs()})
         pool.open()
         return pool
+
+    def fails_whole_transaction(self, error: BaseException) -> bool:
+        # DeadlockDetected and SerializationFailure are OperationalErrors: retried by _run
+        return isinstance(error, self._transient)
 
     @property
     def down_for_s(self) -> float | None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import signal
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -70,17 +72,22 @@ def side_home(dsec_home: Path, tmp_path_factory, name: str) -> Path:
     return home
 
 
-def side_server(dsec_home: Path, tmp_path_factory, name: str, env: dict[str, str], downloads: bool = False):
-    """A second server on a side home with `env`, for a fixture to yield from: started, then
-    stopped and its home cleaned up (`downloads`: the node's guest kernel etc. linked in)."""
+@contextmanager
+def side_server(dsec_home: Path, tmp_path_factory, name: str, env: dict[str, str] | None = None,
+                downloads: bool = False, start_timeout_s: float = 60) -> Iterator[ServerProc]:
+    """A second server on a side home with `env` (`downloads`: the node's guest kernel etc.
+    linked in): started, then stopped and its home cleaned up, also when its start fails (a
+    start that timed out leaves no server behind)."""
     home = side_home(dsec_home, tmp_path_factory, name)
     if downloads:
         link_downloads(home)
     srv = ServerProc(home, env=env)
-    srv.start()
-    yield srv
-    srv.kill(signal.SIGTERM)
-    _cleanup_home(home)
+    try:
+        srv.start(timeout_s=start_timeout_s)
+        yield srv
+    finally:
+        srv.kill(signal.SIGTERM)
+        _cleanup_home(home)
 
 
 @pytest.fixture(scope="session")

@@ -88,7 +88,8 @@ async def test_busy_sandbox_is_not_reaped(client):
 @pytest.fixture
 def small_server(images, dsec_home, tmp_path_factory):
     """A second server on its own home that admits at most 3 sandboxes."""
-    yield from side_server(dsec_home, tmp_path_factory, "small", {"DSEC_MAX_SANDBOXES": "3"})
+    with side_server(dsec_home, tmp_path_factory, "small", {"DSEC_MAX_SANDBOXES": "3"}) as srv:
+        yield srv
 
 
 async def test_admission_rejects_when_full_and_burst_reports_each(small_server):

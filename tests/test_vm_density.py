@@ -71,9 +71,10 @@ def _code_cache_kib(pid: int) -> int:
 def plain_server(images, dsec_home, tmp_path_factory):
     """A node with merging and the cache bound turned off."""
     # downloads: the guest kernel; without it the node offers no VM backends
-    yield from side_server(dsec_home, tmp_path_factory, "vm-plain", downloads=True,
-                           env={"DSEC_VM_KSM": "0", "DSEC_VM_TCG_TB_SIZE_MB": "0", "DSEC_VM_QEMU_THP": "1",
-                                "DSEC_VM_RESTORE_STUB_KERNEL": "0"})
+    with side_server(dsec_home, tmp_path_factory, "vm-plain", downloads=True,
+                     env={"DSEC_VM_KSM": "0", "DSEC_VM_TCG_TB_SIZE_MB": "0", "DSEC_VM_QEMU_THP": "1",
+                          "DSEC_VM_RESTORE_STUB_KERNEL": "0"}) as srv:
+        yield srv
 
 
 async def test_clone_starts_bounded_and_mergeable(vm_client, server):
@@ -120,8 +121,9 @@ async def test_ksm_and_cache_bound_off_are_honoured(plain_server):
 @pytest.fixture(scope="module")
 def stub_server(images, dsec_home, tmp_path_factory):
     """A node with DSEC_VM_RESTORE_STUB_KERNEL=1 (off by default: D96)."""
-    yield from side_server(dsec_home, tmp_path_factory, "vm-stub", {"DSEC_VM_RESTORE_STUB_KERNEL": "1"},
-                           downloads=True)
+    with side_server(dsec_home, tmp_path_factory, "vm-stub", {"DSEC_VM_RESTORE_STUB_KERNEL": "1"},
+                     downloads=True) as srv:
+        yield srv
 
 
 async def test_a_clone_reads_no_kernel_or_initramfs(stub_server):

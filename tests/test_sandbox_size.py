@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+
+import pytest
 
 from dsec.backends.container.hibernate import on_disk
 from dsec.backends.container.lxcfs import Lxcfs
 from dsec.testing.waiting import wait_until
+from conftest import side_server
 
 # what each reader says: coreutils nproc (sched_getaffinity), Python (glibc: sys/.../cpu/online),
 # the affinity itself, /proc/cpuinfo, /proc/meminfo and procps `free -m`
@@ -173,3 +178,59 @@ def test_lxcfs_outlives_the_cgroup_that_started_it(tmp_path):
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
+
+
+def lxcfs_mounted(home) -> bool:
+    """A fuse.lxcfs mount on the home's mountpoint (a live daemon's, or a dead one's left)."""
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == str(home / "lxcfs") and line.split(" - ")[1].startswith("fuse.lxcfs")
+                   for line in f)
+
+
+def dsec_down(srv) -> None:
+    """`dsec down` on the side server's home (SIGTERM, waits for the clean stop). `down` waits
+    for the pid to go; the server is this test's child: reaped here meanwhile."""
+    down = subprocess.Popen([sys.executable, "-m", "dsec", "down", "--timeout-s", "60"], env=srv.env,
+                            stdout=subprocess.PIPE, text=True)
+    srv.proc.wait(timeout=60)
+    out = down.communicate(timeout=30)[0]
+    assert "stopped" in out, (out, srv.log_tail())
+
+
+@pytest.fixture
+def lxcfs_server(images, dsec_home, tmp_path_factory):
+    with side_server(dsec_home, tmp_path_factory, "lxcfs-down") as srv:
+        yield srv
+
+
+async def test_down_stops_lxcfs_only_when_no_sandbox_is_left(lxcfs_server):
+    """D50 keeps the home's lxcfs across edge restarts for the sandboxes that survive them;
+    `dsec down` with none left stops it (no fuse.lxcfs mount of the home stays behind), with
+    one left keeps it (the same daemon serves the sandbox after the next `up`)."""
+    srv, lx = lxcfs_server, Lxcfs(lxcfs_server.home / "lxcfs")
+    async with srv.client() as c:
+        sb = await c.create_container(image="debian-python", cpu_cores=1, memory_mb=512)
+        assert_size(await size_of(sb), 1, 512)
+        await sb.stop()
+    pid = lx.pid()
+    assert pid is not None and lxcfs_mounted(srv.home)
+    dsec_down(srv)
+    assert not lxcfs_mounted(srv.home), "dsec down with no sandbox left kept the home's lxcfs mount"
+    assert lx.pid() is None
+    await wait_until(lambda: not os.path.exists(f"/proc/{pid}"), timeout_s=30, what="the home's lxcfs to exit")
+
+    srv.start()
+    async with srv.client() as c:
+        sb = await c.create_container(image="debian-python", cpu_cores=1, memory_mb=512)
+    kept = lx.pid()
+    assert kept is not None
+    dsec_down(srv)
+    assert lx.pid() == kept and lxcfs_mounted(srv.home), "dsec down with a sandbox left stopped its lxcfs"
+    srv.start()
+    async with srv.client() as c:
+        sb = await c.get(sb.id)
+        assert_size(await size_of(sb), 1, 512)     # its views still answer, from the same daemon
+        assert lx.pid() == kept
+        await sb.stop()
+    dsec_down(srv)
+    assert not lxcfs_mounted(srv.home)

@@ -595,6 +595,30 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
         await self._rebind_views()
         self._watch_view(restarted=True)
 
+    async def release_node(self) -> None:
+        """The edge closes with no live sandbox (`dsec down`, a clean stop): the home's lxcfs
+        is stopped and its FUSE mount detached. It outlives edges only for the sandboxes that
+        outlive them (D50); the next edge's driver starts a new one. Kept if crun or the disk
+        still holds a container of this home (one the edge no longer tracked)."""
+        if self.lxcfs is None:
+            return
+        if any(status != "leftover" for status in (await self.list_ids()).values()):
+            log.warning("lxcfs kept at close: containers of this home remain", extra={"home": str(self.paths.home)})
+            return
+        self._unwatch_view()          # its death below is not a crash to repair
+        for task in list(self._view_tasks):
+            task.cancel()
+        await asyncio.gather(*self._view_tasks, return_exceptions=True)
+        await asyncio.to_thread(self.lxcfs.stop)
+        self.view = None
+        log.info("lxcfs stopped: no sandbox left in the home", extra={"mountpoint": str(self.lxcfs.mountpoint)})
+
+    def _unwatch_view(self) -> None:
+        if self._view_pidfd is not None:
+            asyncio.get_running_loop().remove_reader(self._view_pidfd)
+            os.close(self._view_pidfd)
+            self._view_pidfd = None
+
     async def _rebind_views(self, only: list[str] | None = None) -> None:
         """viewmounts.py, in a process of its own, over every sandbox whose init runs (or `only`)."""
         items = []

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -189,17 +188,9 @@ def side_server(dsec_home, tmp_path_factory, name: str, peer: EgressPeer, vm: bo
     """A dsec server of its own home on a bridge of its own (side_server_env) whose DNS
     forwarder asks the peer; `env` adds settings; `vm`: with the node's guest kernel (VM
     backends). Stopped and its home cleaned after."""
-    from conftest import ServerProc, _cleanup_home, link_downloads, side_home
-    home = side_home(dsec_home, tmp_path_factory, name)
-    if vm:
-        link_downloads(home)
-    srv = ServerProc(home, env={**side_server_env(peer), **env})
-    srv.start()
-    try:
+    from conftest import side_server as conftest_side_server
+    with conftest_side_server(dsec_home, tmp_path_factory, name, {**side_server_env(peer), **env}, downloads=vm) as srv:
         yield srv
-    finally:
-        srv.kill(signal.SIGTERM)
-        _cleanup_home(home)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ the whole module: draining the session's server would stop other tests' sandboxe
 from __future__ import annotations
 
 import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from dsec.backends.container import cgroups
 from dsec.sdk.client import Client
 from dsec.testing.waiting import wait_until
 from dsec.types import EventType, InfrastructureFailure
-from conftest import ServerProc, _cleanup_home, side_home
+from conftest import ServerProc, side_server
 
 PARENT_LIMIT_MB = 96       # the node's sandboxes together; a sandbox's own memory_mb may be larger
 
@@ -42,14 +41,11 @@ def _set_parent_limit(parent: str, mb: int) -> None:
 def pserver(dsec_home, images, tmp_path_factory):
     parent = f"/dsec-t26-{os.urandom(4).hex()}"
     _set_parent_limit(parent, PARENT_LIMIT_MB)
-    home = side_home(dsec_home, tmp_path_factory, "reasons")
-    srv = ServerProc(home, env={"DSEC_CGROUP_PARENT": parent, "DSEC_EVENTS_POLL_S": "0.2"})
     try:
-        srv.start()
-        yield srv
+        with side_server(dsec_home, tmp_path_factory, "reasons",
+                         {"DSEC_CGROUP_PARENT": parent, "DSEC_EVENTS_POLL_S": "0.2"}) as srv:
+            yield srv
     finally:
-        srv.kill(signal.SIGTERM)
-        _cleanup_home(home)
         for d in cgroups.leftover_dirs(parent):       # crun removed the sandboxes' own dirs
             try:
                 d.rmdir()

@@ -7,24 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import time
 
 import httpx
 import pytest
-from conftest import ServerProc, _cleanup_home, side_home
+from conftest import side_server
 
 FLOOD = 16
 
 
 @pytest.fixture(scope="module")
 def fair_server(images, dsec_home, tmp_path_factory):
-    home = side_home(dsec_home, tmp_path_factory, "fair")
-    srv = ServerProc(home, env={"DSEC_CREATE_CONCURRENCY": "1"})
-    srv.start()
-    yield srv
-    srv.kill(signal.SIGTERM)
-    _cleanup_home(home)
+    with side_server(dsec_home, tmp_path_factory, "fair", {"DSEC_CREATE_CONCURRENCY": "1"}) as srv:
+        yield srv
 
 
 async def _project_key(admin, prefix: str, policy: dict | None = None) -> str:

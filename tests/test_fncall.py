@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import signal
 import time
 
 import httpx
 import pytest
 
-from conftest import ServerProc, _cleanup_home, side_home
+from conftest import side_server
 from dsec import SyncClient
 from dsec.types import FnCallRequest, FnCallStatus, InvalidArgument, NotFound
 
@@ -243,13 +242,9 @@ def test_bad_requests_name_the_field(server):
 @pytest.fixture
 def tight_server(images, dsec_home, tmp_path_factory):
     """A server whose pools have floor 1, ceiling 2, 1 s idle time and 4 calls per container."""
-    home = side_home(dsec_home, tmp_path_factory, "fncall")
-    srv = ServerProc(home, env={"DSEC_FNCALL_MAX_WARM": "2", "DSEC_FNCALL_IDLE_S": "1",
-                                "DSEC_FNCALL_MAX_CALLS": "4"})
-    srv.start()
-    yield srv
-    srv.kill(signal.SIGTERM)
-    _cleanup_home(home)
+    with side_server(dsec_home, tmp_path_factory, "fncall", {"DSEC_FNCALL_MAX_WARM": "2", "DSEC_FNCALL_IDLE_S": "1",
+                                                             "DSEC_FNCALL_MAX_CALLS": "4"}) as srv:
+        yield srv
 
 
 async def test_pool_grows_to_its_ceiling_shrinks_to_its_floor_and_replaces_containers(tight_server):

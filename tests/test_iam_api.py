@@ -171,10 +171,8 @@ def test_admin_key_rotation_rewrites_admin_key_and_keeps_serving(dsec_home, imag
     import subprocess
     import sys
 
-    from conftest import ServerProc, _cleanup_home, side_home
-    srv = ServerProc(side_home(dsec_home, tmp_path_factory, "rotate"))
-    srv.start()
-    try:
+    from conftest import side_server
+    with side_server(dsec_home, tmp_path_factory, "rotate") as srv:
         old = srv.key
         r = subprocess.run([sys.executable, "-m", "dsec", "key", "rotate", "--admin", "--grace-s", "600"],
                            env={k: v for k, v in srv.env.items() if k != "DSEC_API_KEY"},
@@ -188,6 +186,3 @@ def test_admin_key_rotation_rewrites_admin_key_and_keeps_serving(dsec_home, imag
         srv.kill(15)
         srv.start()
         assert httpx.get(f"{srv.url}/v1/projects", headers={"Authorization": f"Bearer {new}"}).status_code == 200
-    finally:
-        srv.kill()
-        _cleanup_home(srv.home)

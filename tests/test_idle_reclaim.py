@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import time
 import warnings
 from pathlib import Path
@@ -19,7 +18,7 @@ from conftest import wait_file
 from dsec.backends.container import cgroups
 from dsec.backends.container.spec import cgroup_path
 
-from conftest import ServerProc, _cleanup_home, side_home
+from conftest import ServerProc, side_server
 
 IDLE_S = 2
 
@@ -40,12 +39,8 @@ open("/work/checked", "w").write(hashlib.sha256(buf).hexdigest())
 @pytest.fixture(scope="module")
 def reclaim_server(images, dsec_home, tmp_path_factory):
     """A server on its own home that reclaims sandboxes idle for IDLE_S seconds."""
-    home = side_home(dsec_home, tmp_path_factory, "reclaim")
-    srv = ServerProc(home, env={"DSEC_RECLAIM_IDLE_S": str(IDLE_S)})
-    srv.start()
-    yield srv
-    srv.kill(signal.SIGTERM)
-    _cleanup_home(home)
+    with side_server(dsec_home, tmp_path_factory, "reclaim", {"DSEC_RECLAIM_IDLE_S": str(IDLE_S)}) as srv:
+        yield srv
 
 
 def _swap_on() -> bool:

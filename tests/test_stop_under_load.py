@@ -45,10 +45,8 @@ async def test_requests_ride_through_a_server_that_drops_their_connection(dsec_h
     import os
     import signal
 
-    from conftest import ServerProc, _cleanup_home, side_home
-    srv = ServerProc(side_home(dsec_home, tmp_path_factory, "retry"))
-    srv.start()
-    try:
+    from conftest import side_server
+    with side_server(dsec_home, tmp_path_factory, "retry") as srv:
         async with srv.client() as c:
             a = await c.create_container(image="busybox")
             b = await c.create_container(image="busybox")
@@ -65,9 +63,6 @@ async def test_requests_ride_through_a_server_that_drops_their_connection(dsec_h
             assert stopped.state.value in ("stopped", "stopping")
             assert (await c.get(b.id)).info.state.value in ("stopped", "stopping")
             await a.stop()
-    finally:
-        srv.kill()
-        _cleanup_home(srv.home)
 
 
 async def test_an_exec_whose_answer_is_lost_is_resent_and_runs_once(server):

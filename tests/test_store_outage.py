@@ -9,12 +9,11 @@ same store, PostgreSQL or one SQLite file) stops working within 10 s.
 from __future__ import annotations
 
 import asyncio
-import signal
 import time
 
 import httpx
 import pytest
-from conftest import ServerProc, _cleanup_home, side_home
+from conftest import ServerProc, side_server
 
 from dsec.iam import IAM
 from dsec.testing.postgres import own_pg_cluster
@@ -33,13 +32,10 @@ def pg():
 
 @pytest.fixture(scope="module")
 def pg_server(images, dsec_home, tmp_path_factory, pg):
-    home = side_home(dsec_home, tmp_path_factory, "outage")
     # keys re-read after 1 s: the outage below outlasts the cache's fresh window, so the stale path is used
-    srv = ServerProc(home, env={"DSEC_DB_URL": pg.create_database("outage"), "DSEC_AUTH_CACHE_S": "1"})
-    srv.start()
-    yield srv
-    srv.kill(signal.SIGTERM)
-    _cleanup_home(home)
+    with side_server(dsec_home, tmp_path_factory, "outage",
+                     {"DSEC_DB_URL": pg.create_database("outage"), "DSEC_AUTH_CACHE_S": "1"}) as srv:
+        yield srv
 
 
 def _create(srv: ServerProc, key: str | None = None) -> tuple[httpx.Response, float]:

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import LOCAL_DNS_SINK, ServerProc, _cleanup_home, side_home
+from conftest import LOCAL_DNS_SINK, ServerProc, side_server
 
 from dsec.types import NodeCapacity, NodeStatus
 
@@ -69,18 +68,13 @@ def attrs(span: dict) -> dict:
 @pytest.fixture(scope="module")
 def traced(dsec_home, images, tmp_path_factory):
     """A server of its own with DSEC_TRACES_FILE set (own bridge: concurrent test servers never share one)."""
-    home = side_home(dsec_home, tmp_path_factory, "traces")
-    out = home / "server-spans.jsonl"
+    out = tmp_path_factory.mktemp("traces-out") / "server-spans.jsonl"
     tag = os.getpid() % 100000
-    srv = ServerProc(home, env={"DSEC_TRACES_FILE": str(out), "DSEC_NET_BRIDGE": f"dtr{tag}",
-                                "DSEC_NET_SUBNET": f"10.196.{os.getpid() % 250}.0/24",
-                                "DSEC_NET_DNS_UPSTREAM": LOCAL_DNS_SINK})
-    srv.start()
-    try:
+    with side_server(dsec_home, tmp_path_factory, "traces",
+                     {"DSEC_TRACES_FILE": str(out), "DSEC_NET_BRIDGE": f"dtr{tag}",
+                      "DSEC_NET_SUBNET": f"10.196.{os.getpid() % 250}.0/24",
+                      "DSEC_NET_DNS_UPSTREAM": LOCAL_DNS_SINK}) as srv:
         yield srv, out
-    finally:
-        srv.kill(signal.SIGTERM)
-        _cleanup_home(home)
 
 
 def test_one_create_is_one_trace_across_processes(traced, tmp_path):

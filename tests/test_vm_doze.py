@@ -9,13 +9,12 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import signal
 import socket
 import time
 from pathlib import Path
 
 import pytest
-from conftest import ServerProc, _cleanup_home, link_downloads, side_home
+from conftest import side_server
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None,
@@ -27,28 +26,22 @@ IDLE_S = "3"
 
 
 def _node(dsec_home, tmp_path_factory, name: str, env: dict[str, str]):
-    home = side_home(dsec_home, tmp_path_factory, name)
-    link_downloads(home)          # the guest kernel: without it the node offers no VM backends
-    srv = ServerProc(home, env={"DSEC_RECLAIM_IDLE_S": IDLE_S, "DSEC_RECLAIM_PRESSED_IDLE_S": IDLE_S,
-                                "DSEC_VM_PING_S": "1", **env})
-    srv.start()
-    return home, srv
+    # downloads: the guest kernel; without it the node offers no VM backends
+    return side_server(dsec_home, tmp_path_factory, name, {"DSEC_RECLAIM_IDLE_S": IDLE_S,
+                                                           "DSEC_RECLAIM_PRESSED_IDLE_S": IDLE_S,
+                                                           "DSEC_VM_PING_S": "1", **env}, downloads=True)
 
 
 @pytest.fixture(scope="module")
 def doze_server(images, dsec_home, tmp_path_factory):
-    home, srv = _node(dsec_home, tmp_path_factory, "vm-doze", {})
-    yield srv
-    srv.kill(signal.SIGTERM)
-    _cleanup_home(home)
+    with _node(dsec_home, tmp_path_factory, "vm-doze", {}) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def awake_server(images, dsec_home, tmp_path_factory):
-    home, srv = _node(dsec_home, tmp_path_factory, "vm-awake", {"DSEC_VM_IDLE_STOP": "0"})
-    yield srv
-    srv.kill(signal.SIGTERM)
-    _cleanup_home(home)
+    with _node(dsec_home, tmp_path_factory, "vm-awake", {"DSEC_VM_IDLE_STOP": "0"}) as srv:
+        yield srv
 
 
 def qmp_status(server, sandbox_id: str) -> str:

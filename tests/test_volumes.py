@@ -141,14 +141,10 @@ def test_cli_volume_create_ls_rm_and_sandbox_create_volume(server, tmp_path):
 async def test_volumes_outside_the_scratch_are_measured_at_mount(dsec_home, images, tmp_path_factory):
     """DSEC_VOLUMES_DIR (a cluster's shared store): plain directories, no kernel quota; a volume
     over its size is refused at its next read-write mount, and can still be mounted read-only."""
-    import signal
-
-    from conftest import LOCAL_DNS_SINK, ServerProc, _cleanup_home, side_home
-    home = side_home(dsec_home, tmp_path_factory, "volumes-dir")
-    store = home / "shared-volumes"
-    srv = ServerProc(home, env={"DSEC_NET_DNS_UPSTREAM": LOCAL_DNS_SINK, "DSEC_VOLUMES_DIR": str(store)})
-    srv.start()
-    try:
+    from conftest import LOCAL_DNS_SINK, side_server
+    store = tmp_path_factory.mktemp("shared-volumes")
+    with side_server(dsec_home, tmp_path_factory, "volumes-dir",
+                     {"DSEC_NET_DNS_UPSTREAM": LOCAL_DNS_SINK, "DSEC_VOLUMES_DIR": str(store)}) as srv:
         async with srv.client() as c:
             vol = await c.create_volume("small", size_mb=1)
             assert not vol.enforced and (store / f"{vol.id}.json").exists()
@@ -175,6 +171,3 @@ async def test_volumes_outside_the_scratch_are_measured_at_mount(dsec_home, imag
             assert (await c.volume_write("small", "/more", b"x" * 1024)).size == 1024
             await c.delete_volume("small")
             assert not (store / vol.id).exists()
-    finally:
-        srv.kill(signal.SIGTERM)
-        _cleanup_home(home)

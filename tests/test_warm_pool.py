@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from conftest import ServerProc, _cleanup_home, side_home
+from conftest import ServerProc, side_server
 from dsec.backends.container import cgroups
 from dsec.backends.container.hibernate import on_disk
 from dsec.backends.container.spec import cgroup_path
@@ -74,17 +74,8 @@ def _limits(sandbox_id: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def pool_server(images, dsec_home, tmp_path_factory):
     """A server on its own home with a warm pool of 2 busybox containers."""
-    home = side_home(dsec_home, tmp_path_factory, "warmpool")
-    srv = ServerProc(home, env={"DSEC_WARM_POOL": POOL})
-    try:
-        srv.start(timeout_s=START_S)
-    except BaseException:
-        srv.kill(signal.SIGTERM)      # a start that timed out leaves no server behind
-        _cleanup_home(home)
-        raise
-    yield srv
-    srv.kill(signal.SIGTERM)
-    _cleanup_home(home)
+    with side_server(dsec_home, tmp_path_factory, "warmpool", {"DSEC_WARM_POOL": POOL}, start_timeout_s=START_S) as srv:
+        yield srv
 
 
 def test_pool_config_is_checked():

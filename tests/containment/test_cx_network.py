@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import signal
 import socket
 import threading
 import time
@@ -266,16 +265,13 @@ OUT["seqpacket"] = attempt(socket.socket, 40, socket.SOCK_SEQPACKET, 0)
 def netserver(images, dsec_home, tmp_path_factory):
     """A second server with its own bridge and subnet, so plugging sandboxes in cannot disturb
     other dsec instances on this host (they all default to dsec0 / 10.88.0.0/16)."""
-    from conftest import LOCAL_DNS_SINK, ServerProc, _cleanup_home, side_home
-    home = side_home(dsec_home, tmp_path_factory, "cxnet")
+    from conftest import LOCAL_DNS_SINK, side_server
     n = 100 + os.getpid() % 100
-    srv = ServerProc(home, env={"DSEC_NET_BRIDGE": f"dsecx{n}", "DSEC_NET_SUBNET": f"10.201.{n}.0/24",
-                                "DSEC_NET_DNS_UPSTREAM": LOCAL_DNS_SINK})
-    srv.start()
-    srv.gateway = f"10.201.{n}.1"
-    yield srv
-    srv.kill(signal.SIGTERM)
-    _cleanup_home(home)
+    with side_server(dsec_home, tmp_path_factory, "cxnet", {"DSEC_NET_BRIDGE": f"dsecx{n}",
+                                                            "DSEC_NET_SUBNET": f"10.201.{n}.0/24",
+                                                            "DSEC_NET_DNS_UPSTREAM": LOCAL_DNS_SINK}) as srv:
+        srv.gateway = f"10.201.{n}.1"
+        yield srv
 
 
 @pytest.mark.xfail(not HAS_SET_NETWORK, reason="Sandbox.set_network (network policy API) is not implemented yet",

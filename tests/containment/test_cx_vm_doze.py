@@ -12,10 +12,9 @@ skipped by the kernel, so a neighbour's accesses to shared pages take no new fau
 from __future__ import annotations
 
 import shutil
-import signal
 
 import pytest
-from conftest import ServerProc, _cleanup_home, link_downloads, side_home
+from conftest import side_server
 from test_vm_doze import IDLE_S, qmp_status, wait_for
 
 from dsec.home_qemus import qemu_pids_of
@@ -28,14 +27,10 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def dozing_node(images, dsec_home, tmp_path_factory):
-    home = side_home(dsec_home, tmp_path_factory, "cx-vm-doze")
-    link_downloads(home)
-    srv = ServerProc(home, env={"DSEC_RECLAIM_IDLE_S": IDLE_S, "DSEC_RECLAIM_PRESSED_IDLE_S": IDLE_S,
-                                "DSEC_VM_PING_S": "1"})
-    srv.start()
-    yield home, srv
-    srv.kill(signal.SIGTERM)
-    _cleanup_home(home)
+    with side_server(dsec_home, tmp_path_factory, "cx-vm-doze", {"DSEC_RECLAIM_IDLE_S": IDLE_S,
+                                                                 "DSEC_RECLAIM_PRESSED_IDLE_S": IDLE_S,
+                                                                 "DSEC_VM_PING_S": "1"}, downloads=True) as srv:
+        yield srv.home, srv
 
 
 async def test_a_tenant_neither_wakes_nor_sees_a_dozing_neighbour(dozing_node):

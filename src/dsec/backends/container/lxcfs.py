@@ -1,7 +1,8 @@
 """The node's lxcfs daemon: /proc/meminfo, /proc/cpuinfo, ... as the reading process's cgroups
 see them (D50). One FUSE mount per dsec home (<home>/lxcfs), started by the container driver
 (dsec up, the embedded server, cluster edges), never by systemd; it outlives edge restarts, as
-the sandboxes do. Each sandbox gets bind mounts of the VIEW_FILES over its own (spec.py).
+the sandboxes do, and is stopped by a clean edge close that leaves no sandbox (the driver's
+release_node, D101). Each sandbox gets bind mounts of the VIEW_FILES over its own (spec.py).
 
 When the daemon dies its FUSE connection is gone for good: every bind of it reads ENOTCONN.
 The driver watches the daemon's pidfd, starts a new one and moves fresh binds into every
@@ -120,7 +121,8 @@ class Lxcfs:
             return False
 
     def stop(self) -> None:
-        """Kill the daemon and detach its mount (tests' cleanup; never while sandboxes run)."""
+        """Kill the daemon and detach its mount (a home with no sandbox left: the driver's
+        release_node, a stale home's clearing, tests' cleanup; never while sandboxes run)."""
         pid = self.pid()
         if pid is not None:
             _kill(pid)

@@ -210,6 +210,7 @@ async def bench(srv: BenchServer, o: Opts) -> dict:
             res["warm_serial"]["claimed"] = (await c.warm_pools()).claims - before
             nb = max(o.burst, MIN_BURST)     # a smaller burst is no burst to the node
             console.rule(f"auto: raw again, then 3 bursts of {nb}, the node's automatic pool on")
+            await b.set_pool(0)      # the serial pool's last refill is not left to overlap what follows
             await asyncio.sleep(o.settle_s)
             res["raw_burst_auto"] = await b.raw_burst(nb)
             await asyncio.sleep(o.settle_s)

@@ -30,6 +30,7 @@ async def test_warmpool_bench_tiny(server, client) -> None:
     # the smallest burst the node learns from) cold, bursts 2 and 3 from the pool it kept
     assert res["cold_burst"]["claimed"] == 0 and res["cold_serial"]["claimed"] == 0
     assert res["raw_burst_auto"]["n"] == 8 and res["raw_burst_auto"]["failed"] == 0
+    assert res["cold_burst_again"]["n"] == 8 and res["cold_burst_again"]["failed"] == 0
     for i, claimed in ((1, 0), (2, 8), (3, 8)):
         m = res[f"auto_burst{i}"]
         assert m["n"] == 8 and m["failed"] == 0 and m["claimed"] == claimed, (i, m)

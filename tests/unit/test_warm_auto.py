@@ -71,3 +71,33 @@ def test_a_drop_ends_every_pool_and_pauses_them_until_the_operator_sets_the_boun
     assert a.pools["busybox"].size == 4
     a.set_max(0)
     assert a.pools == {} and not a.on
+
+
+async def test_a_create_short_of_memory_calls_on_short_once_before_it_waits():
+    """admit_wait's hook: the edge drops its automatic pools when a create would wait for memory
+    (their memory then counts for it at the next check)."""
+    from dsec.edge import admit_wait
+    from dsec.edge.admission import MemoryShort
+    from dsec.types import NodeCapacity, NodeStatus
+
+    class Short:            # short twice, then room
+        calls = 0
+
+        def admit(self, status, cpu, mem):
+            self.calls += 1
+            if self.calls <= 2:
+                raise MemoryShort("short", field="memory_mb")
+
+    class Reclaiming:
+        squeezed = 0
+
+        def squeeze(self) -> bool:
+            return True
+
+    async def status() -> NodeStatus:
+        return NodeStatus(node_id="n", healthy=True, backends=[],
+                          capacity=NodeCapacity(cpu_cores=1, memory_mb=1, max_sandboxes=1))
+    dropped: list[int] = []
+    waited = await admit_wait.admit(Short(), status, Reclaiming(), 1, 256, 5.0,   # type: ignore[arg-type]
+                                    on_short=lambda: dropped.append(1))
+    assert dropped == [1] and waited > 0

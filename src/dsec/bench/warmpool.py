@@ -214,6 +214,10 @@ async def bench(srv: BenchServer, o: Opts) -> dict:
             await asyncio.sleep(o.settle_s)
             res["raw_burst_auto"] = await b.raw_burst(nb)
             await asyncio.sleep(o.settle_s)
+            # the control: the same burst cold again here, automatic pools still off (a node that
+            # has made and removed ~200 containers by now is slower than at the run's start)
+            res["cold_burst_again"] = await b.run_mode(nb, concurrent=True)
+            await asyncio.sleep(o.settle_s)
             res.update(await b.auto_bursts(nb))
         finally:
             await c.set_warm_pools("", auto=0)       # drains the automatic pool too
@@ -263,6 +267,11 @@ def rows(res: dict) -> list[tuple[str, str, str, str, str, str]]:
         nb = res["raw_burst_auto"]["n"]
         out.append((f"raw `crun run echo hi`, {nb} at once (again, before the automatic pool's bursts)",
                     f"{_f(raw2)} / {_f(res['raw_burst_auto']['p99_ms'])}", "", "", "1.00", ""))
+        m = res["cold_burst_again"]
+        out.append(("dsec, no pool, burst (again here: the control)" + (f", {m['failed']} failed" if m["failed"] else ""),
+                    f"{_f(m['p50_ms'])} / {_f(m['p99_ms'])}", _f(m.get("create_p50_ms")),
+                    f"{_f(m.get('edge_create_p50_ms'))} / {_f(m.get('edge_create_p99_ms'))}",
+                    _ratio(m["p50_ms"], raw2), _ratio(m["p50_ms"], res["auto_burst1"]["p50_ms"])))
         for i, what in ((1, "cold: the node learns the shape"), (2, "from the automatic pool"),
                         (3, "from the automatic pool")):
             m = res[f"auto_burst{i}"]

@@ -42,8 +42,10 @@ STAGE_RE = re.compile(r'^dsec_sandbox_create_seconds_(sum|count)\{backend="conta
 
 
 def env_of(variant: str, burst_n: int) -> dict[str, str]:
-    """A variant is parts joined by '+': slots=N, pool, src=PATH, main (nothing), or any K=V."""
-    env: dict[str, str] = {}
+    """A variant is parts joined by '+': slots=N, pool, src=PATH, main (nothing), or any K=V.
+    The node's automatic warm pools (D99) are off unless a K=V turns them on: every round's
+    bursts have one shape, and a cold variant must stay cold."""
+    env: dict[str, str] = {"DSEC_WARM_POOL_AUTO": "0"}
     for v in variant.split("+"):
         if v.startswith("slots="):
             env["DSEC_CREATE_PARALLEL"] = v.split("=", 1)[1]

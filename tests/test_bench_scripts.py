@@ -17,7 +17,8 @@ def test_importing_burst_ab_runs_nothing() -> None:
     r = subprocess.run([sys.executable, "-c", "import burst_ab; print(burst_ab.env_of('slots=2+pool', 5))"],
                        check=False, env=ENV, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "{'DSEC_CREATE_PARALLEL': '2', 'DSEC_WARM_POOL': 'debian-python:5'}"
+    assert r.stdout.strip() == ("{'DSEC_WARM_POOL_AUTO': '0', 'DSEC_CREATE_PARALLEL': '2', "
+                                "'DSEC_WARM_POOL': 'debian-python:5'}")
 
 
 def test_burst_ab_refuses_a_bad_variant_before_making_a_home() -> None:

@@ -183,6 +183,15 @@ class EdgeEnvSettings(Group):
     title = "Edge: warm pools, idle reclaim, usage sampling (edge/warm_pool.py, edge/reclaim.py, edge/usage.py)"
     warm_pool: str = env("", "DSEC_WARM_POOL", "warm pools to keep, image:size,... e.g. "
                          "debian-python:8,busybox:4")
+    warm_pool_auto: int = env(64, "DSEC_WARM_POOL_AUTO", "sandboxes the node keeps warm on its own, over all "
+                              "images: a burst of >= 8 creates of one shape sets that image's pool to the burst's "
+                              "size (0: off; the operator's DSEC_WARM_POOL wins for its images; D99)", ge=0, le=1024)
+    warm_pool_auto_idle_s: float = env(300.0, "DSEC_WARM_POOL_AUTO_IDLE_S", "an automatic warm pool ends after "
+                                       "this long without a burst of its shape; after a tenant's create was refused "
+                                       "or waited, none is made for this long", gt=0)
+    warm_pool_auto_margin_mb: int = env(1024, "DSEC_WARM_POOL_AUTO_MARGIN_MB", "automatic warm pools start a "
+                                        "sandbox only while MemAvailable stays this far above the reserve or "
+                                        "the idle-reclaim threshold (DSEC_RECLAIM_MEM_LOW_MB)", ge=0)
     warm_pool_parallel: int = env(2, "DSEC_WARM_POOL_PARALLEL", "warm containers started at a time (1..64)",
                                   ge=1, le=64)
     create_parallel: int = env(4, "DSEC_CREATE_PARALLEL", "container/VM starts run at a time on this node; "

@@ -2,7 +2,12 @@
 
     GET /v1/nodes/{node}/warm-pool   the pools: per image its size, idle and starting sandboxes
     PUT /v1/nodes/{node}/warm-pool   {"pools": "debian-python:8,busybox:4"} ('' for none): the
-                                     node refills or drains them in the background
+                                     node refills or drains them in the background;
+                                     {"auto": N}: the bound on the node's automatic pools (0: off;
+                                     D99); either may be left out (unchanged)
+
+The answer shows the operator's pools under `pools` and the node's automatic ones apart, under
+`auto` (each with the burst that made it).
 
 Only keys of the root project (admins): the pools' containers are the node's, and their size
 is the node's capacity spent ahead of demand.
@@ -25,12 +30,16 @@ if TYPE_CHECKING:
 
 class WarmPoolHandle(Protocol):
     async def warm_pools(self) -> dict[str, Any]: ...
-    async def set_warm_pools(self, spec: str) -> dict[str, Any]: ...
+    async def set_warm_pools(self, spec: str | None, auto: int | None = None) -> dict[str, Any]: ...
 
 
 class WarmPoolConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    pools: str = Field(max_length=4096, description="comma-separated image:size, e.g. 'debian-python:8,busybox:4'")
+    pools: str | None = Field(None, max_length=4096,
+                              description="comma-separated image:size, e.g. 'debian-python:8,busybox:4'; "
+                                          "left out: unchanged")
+    auto: int | None = Field(None, ge=0, le=1024, description="how many sandboxes the node may keep warm on its "
+                             "own, for the burst shapes it sees (0: none); left out: unchanged")
 
 
 def add_warm_pool_routes(app: FastAPI, ctx: "ApiContext") -> None:
@@ -48,4 +57,7 @@ def add_warm_pool_routes(app: FastAPI, ctx: "ApiContext") -> None:
 
     @app.put("/v1/nodes/{node}/warm-pool")
     async def set_warm_pool(node: str, body: WarmPoolConfig, who: Who) -> dict[str, Any]:
-        return await edge_of(node, who).set_warm_pools(body.pools)
+        h = edge_of(node, who)
+        if body.auto is None:      # an edge handle of before D99 takes the spec alone
+            return await h.set_warm_pools(body.pools)
+        return await h.set_warm_pools(body.pools, body.auto)

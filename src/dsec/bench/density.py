@@ -663,6 +663,10 @@ async def bench(c: Client, paths: Paths, o: Opts, progress: Progress | None = No
         b.res["load1_before"] = _load1()
         b.res["host"] = {"cores": os.cpu_count(), "kernel": platform.release(),
                          "mem_total_mib": meminfo_mib("MemTotal"), "swap_total_mib": meminfo_mib("SwapTotal")}
+        # the node's automatic warm pools (D99) off for the run: the fleet's creates are a burst
+        # of one shape, and every row here is cold unless it says it is pooled; restored after
+        auto_before = (await c.warm_pools()).auto_max
+        await c.set_warm_pools(None, auto=0)
         try:
             await b.raw_baseline()
             await b.create_fleet()
@@ -672,6 +676,7 @@ async def bench(c: Client, paths: Paths, o: Opts, progress: Progress | None = No
             await b.teardown()
         finally:
             await b.emergency_stop()
+            await c.set_warm_pools(None, auto=auto_before)
         b.res["live_left"] = await b.live_left()
     b.res["seconds"] = time.perf_counter() - t0
     b.res["finished_utc"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

@@ -17,8 +17,9 @@ POLL_S = 0.5
 
 
 async def wait_full(c: Client, image: str, size: int, timeout_s: float, *, stop_on_error: bool = False,
-                    on_error: Callable[[str], None] | None = None) -> tuple[float | None, str | None]:
-    """Wait until the node's pool of `image` holds `size` idle sandboxes, none starting.
+                    on_error: Callable[[str], None] | None = None, auto: bool = False) -> tuple[float | None, str | None]:
+    """Wait until the node's pool of `image` holds `size` idle sandboxes, none starting (`auto`:
+    the node's automatic pool of the image, D99, rather than the operator's).
 
     Returns (the seconds waited, or None when `timeout_s` passed first or a start error stopped
     the wait; the last start error the pool reported). A pool that reports an error (e.g.
@@ -27,7 +28,8 @@ async def wait_full(c: Client, image: str, size: int, timeout_s: float, *, stop_
     t0 = time.perf_counter()
     error: str | None = None
     while time.perf_counter() - t0 < timeout_s:
-        st = (await c.warm_pools()).pools.get(image)
+        pools = await c.warm_pools()
+        st = (pools.auto if auto else pools.pools).get(image)
         if st is not None and st.idle >= size and st.starting == 0:
             return time.perf_counter() - t0, error
         if st is not None and st.error:

@@ -10,7 +10,12 @@ For each mode the clock runs from the SDK's create call to the first stdout byte
      concurrent creates that claim from it.
   4. serial: S one-at-a-time creates, cold and warm (the pool refilled between), the latency
      without a burst's queueing.
-Every sandbox is stopped; the pool is set back to none; the server and its home are removed.
+  5. auto: the node's automatic pool (D99) on, bounded by the burst: burst 1 of the same shape
+     (cold: the node learns it), then bursts 2 and 3 (from the pool it keeps on its own, waited
+     full and settled between), beside a second raw burst run just before them.
+The automatic pools are off (set through the admin route) for modes 2-4, so the cold rows stay
+cold. Every sandbox is stopped; the pools are set back to none and the automatic bound to what
+it was; the server and its home are removed.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from rich.table import Table
 from dsec.bench.density import NoOutput, Raw, _err, _stats, create_echo, crun_burst
 from dsec.bench.server import BenchServer
 from dsec.bench.warm_fill import wait_full
+from dsec.edge.warm_auto import MIN_BURST
 from dsec.images.service import ImageService
 from dsec.sdk.client import Client, Sandbox
 from dsec.types import ContainerArgs, DsecError
@@ -126,6 +132,25 @@ class WarmBench:
         return {**_stats(ttfo), **{f"create_{k}": v for k, v in _stats(create).items() if k != "n"},
                 "wall_s": wall, "failed": len(errs), "errors": errs[:5], **self._edge_ms(since)}
 
+    async def auto_bursts(self, n: int) -> dict:
+        """Bursts 1-3 of n with the node's automatic pool on (bounded by n): the first is cold
+        and teaches the node the shape; before each later one the pool is waited full."""
+        out: dict = {"auto_fill_s": []}
+        await self.c.set_warm_pools("", auto=n)
+        for i in (1, 2, 3):
+            if i > 1:
+                waited, err = await wait_full(self.c, self.o.image, n, 600, auto=True,
+                                              on_error=lambda e: console.print(f"[yellow]auto pool: {e}"))
+                if waited is None:
+                    raise RuntimeError(f"the automatic pool did not fill to {n} in 600 s ({err})")
+                out["auto_fill_s"].append(waited)
+                await asyncio.sleep(self.o.settle_s)
+            before = (await self.c.warm_pools()).claims
+            m = await self.run_mode(n, concurrent=True)
+            m["claimed"] = (await self.c.warm_pools()).claims - before
+            out[f"auto_burst{i}"] = m
+        return out
+
     async def serial_warm(self, n: int) -> dict:
         """One at a time, each from a full pool (refilled after each claim)."""
         since = self._log_size()
@@ -159,12 +184,16 @@ async def bench(srv: BenchServer, o: Opts) -> dict:
     t0 = time.perf_counter()
     async with srv.client() as c:
         b = WarmBench(srv, c, o)
+        auto_before = (await c.warm_pools()).auto_max
+        await c.set_warm_pools(None, auto=0)      # the cold rows stay cold
         try:
             console.rule(f"raw: {o.burst} x crun run echo hi")
             res["raw_burst"] = await b.raw_burst(o.burst)
             console.rule(f"cold: {o.burst} concurrent creates, no pool")
             await asyncio.sleep(o.settle_s)
+            before = (await c.warm_pools()).claims
             res["cold_burst"] = await b.run_mode(o.burst, concurrent=True)
+            res["cold_burst"]["claimed"] = (await c.warm_pools()).claims - before    # 0: cold
             console.rule(f"warm: pool of {o.burst}, then {o.burst} concurrent creates")
             res["pool_fill_s"] = await b.set_pool(o.burst)
             await asyncio.sleep(o.settle_s)
@@ -173,11 +202,26 @@ async def bench(srv: BenchServer, o: Opts) -> dict:
             res["warm_burst"]["claimed"] = (await c.warm_pools()).claims - before
             await b.set_pool(0)
             console.rule(f"serial: {o.serial} one-at-a-time creates, cold then warm")
+            before = (await c.warm_pools()).claims
             res["cold_serial"] = await b.run_mode(o.serial, concurrent=False)
+            res["cold_serial"]["claimed"] = (await c.warm_pools()).claims - before
             before = (await c.warm_pools()).claims
             res["warm_serial"] = await b.serial_warm(o.serial)
             res["warm_serial"]["claimed"] = (await c.warm_pools()).claims - before
+            nb = max(o.burst, MIN_BURST)     # a smaller burst is no burst to the node
+            console.rule(f"auto: raw again, then 3 bursts of {nb}, the node's automatic pool on")
+            await b.set_pool(0)      # the serial pool's last refill is not left to overlap what follows
+            await asyncio.sleep(o.settle_s)
+            res["raw_burst_auto"] = await b.raw_burst(nb)
+            await asyncio.sleep(o.settle_s)
+            # the control: the same burst cold again here, automatic pools still off (a node that
+            # has made and removed ~200 containers by now is slower than at the run's start)
+            res["cold_burst_again"] = await b.run_mode(nb, concurrent=True)
+            await asyncio.sleep(o.settle_s)
+            res.update(await b.auto_bursts(nb))
         finally:
+            await c.set_warm_pools("", auto=0)       # drains the automatic pool too
+            await c.set_warm_pools(None, auto=auto_before)
             await b.set_pool(0)
             res["live_left"] = [s.id for s in await c.list() if s.labels.get("run") == b.labels["run"]]
     res["seconds"] = time.perf_counter() - t0
@@ -218,6 +262,24 @@ def rows(res: dict) -> list[tuple[str, str, str, str, str, str]]:
                     f"{_f(m['p50_ms'])} / {_f(m['p99_ms'])}", _f(m.get("create_p50_ms")),
                     f"{_f(m.get('edge_create_p50_ms'))} / {_f(m.get('edge_create_p99_ms'))}",
                     _ratio(m["p50_ms"], raw), _ratio(m["p50_ms"], base)))
+    if "auto_burst1" in res:   # beside their own raw burst, run just before them
+        raw2 = res["raw_burst_auto"]["p50_ms"]
+        nb = res["raw_burst_auto"]["n"]
+        out.append((f"raw `crun run echo hi`, {nb} at once (again, before the automatic pool's bursts)",
+                    f"{_f(raw2)} / {_f(res['raw_burst_auto']['p99_ms'])}", "", "", "1.00", ""))
+        m = res["cold_burst_again"]
+        out.append(("dsec, no pool, burst (again here: the control)" + (f", {m['failed']} failed" if m["failed"] else ""),
+                    f"{_f(m['p50_ms'])} / {_f(m['p99_ms'])}", _f(m.get("create_p50_ms")),
+                    f"{_f(m.get('edge_create_p50_ms'))} / {_f(m.get('edge_create_p99_ms'))}",
+                    _ratio(m["p50_ms"], raw2), _ratio(m["p50_ms"], res["auto_burst1"]["p50_ms"])))
+        for i, what in ((1, "cold: the node learns the shape"), (2, "from the automatic pool"),
+                        (3, "from the automatic pool")):
+            m = res[f"auto_burst{i}"]
+            out.append((f"dsec, automatic pool, burst {i} ({what}; {m['claimed']}/{m['n']} claimed)"
+                        + (f", {m['failed']} failed" if m["failed"] else ""),
+                        f"{_f(m['p50_ms'])} / {_f(m['p99_ms'])}", _f(m.get("create_p50_ms")),
+                        f"{_f(m.get('edge_create_p50_ms'))} / {_f(m.get('edge_create_p99_ms'))}",
+                        _ratio(m["p50_ms"], raw2), _ratio(m["p50_ms"], res["auto_burst1"]["p50_ms"])))
     return out
 
 
@@ -226,6 +288,10 @@ def markdown(res: dict, o: Opts) -> str:
              f"`{o.command_line()}` on {res['host']['cores']} cores, kernel {res['host']['kernel']}, "
              f"load1 before {res['load1_before']:.2f} (a shared box). Pool of {o.burst} filled in "
              f"{res['pool_fill_s']:.1f} s. Goal: warm p50 <= {GOAL_P50_MS:g} ms under a burst.", "",
+             *([("Automatic pool rows (D99, DSEC_WARM_POOL_AUTO set to the burst): x raw against the raw burst "
+                 "run just before them, x no-pool against their burst 1 (cold, the node learns the shape); "
+                 f"the pool filled in {', '.join(f'{x:.1f}' for x in res['auto_fill_s'])} s between bursts."), ""]
+               if "auto_burst1" in res else []),
              "| mode | create -> first output p50 / p99 ms | create call (HTTP) p50 ms | edge's create p50 / p99 ms "
              "| x raw p50 | x no-pool p50 |",
              "|---|---|---|---|---|---|"]

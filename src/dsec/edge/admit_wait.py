@@ -26,14 +26,17 @@ POLL_S = 0.2      # MemAvailable itself is read at most once a second (pressure.
 
 
 async def admit(admission: Admission, status: Callable[[], Awaitable[NodeStatus]], reclaimer: Reclaimer,
-                cpu_cores: float, memory_mb: int, wait_s: float) -> float:
-    """Admit or raise; returns the seconds it waited for reclaim (0.0 when it did not)."""
+                cpu_cores: float, memory_mb: int, wait_s: float, on_short: Callable[[], None] | None = None) -> float:
+    """Admit or raise; returns the seconds it waited for reclaim (0.0 when it did not).
+    `on_short` is called once, at the first shortage (the edge drops its automatic pools)."""
     t0: float | None = None
     while True:
         try:
             admission.admit(await status(), cpu_cores, memory_mb)
         except MemoryShort as e:
             now = time.monotonic()
+            if t0 is None and on_short is not None:
+                on_short()
             t0 = now if t0 is None else t0
             if now - t0 >= wait_s or not reclaimer.squeeze():
                 if now > t0:

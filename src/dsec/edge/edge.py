@@ -28,6 +28,7 @@ from dsec.edge.deadlines import Deadlines
 from dsec.edge.live import LiveSandbox
 from dsec.edge.load import NodeLoad
 from dsec.edge.reclaim import Reclaimer
+from dsec.edge.warm_auto import AutoPools
 from dsec.edge.warm_pool import WarmPools, parse_targets
 from dsec.edge.records import EdgeRecords
 from dsec.edge.event_log import EventLog
@@ -36,7 +37,7 @@ from dsec.images.stacks import Stacks
 from dsec.placement.locality import CacheSummary
 from dsec.settings import Settings
 from dsec.types import EdgeEvents, NodeStatus, SandboxInfo
-from dsec.edge.core import MAX_WATCHES_PER_PROJECT, EdgeSettings, log
+from dsec.edge.core import MAX_WATCHES_PER_PROJECT, WARM_CPU_CORES, WARM_MEMORY_MB, EdgeSettings, log
 from dsec.edge.lifecycle import Lifecycle
 from dsec.edge.warm import WarmHooks
 from dsec.edge.parking import ParkingVerbs
@@ -90,8 +91,11 @@ class Edge(Lifecycle, WarmHooks, ParkingVerbs, CapabilityVerbs, AgentChannel, Ex
         self._watches: Counter[str] = Counter()   # open directory watches per project
         self._reclaimer = Reclaimer.from_settings(self._live, self.admission.probe, self.conf.edge)   # idle memory out (reclaim.py)
         # warm pools of idle containers per environment, claimed by creates (warm_pool.py)
+        # and automatic ones, of the burst shapes the node sees (warm_auto.py, D99)
         self._pools = WarmPools(parse_targets(self.conf.edge.warm_pool), self._warm_start, self._warm_key_of,
-                                self._warm_drop, self.conf.edge.warm_pool_parallel)
+                                self._warm_drop, self.conf.edge.warm_pool_parallel,
+                                auto=AutoPools(self.conf.edge.warm_pool_auto, self.conf.edge.warm_pool_auto_idle_s),
+                                room=self._auto_room)
         self._usage = UsageBook(self.conf.edge.usage_watched_s, self.conf.edge.usage_idle_s)
         self._sampler: asyncio.Task[None] | None = None
 
@@ -140,6 +144,18 @@ class Edge(Lifecycle, WarmHooks, ParkingVerbs, CapabilityVerbs, AgentChannel, Ex
         return metrics.exposition(project)
 
     async def status(self) -> NodeStatus:
+        """The node as placement sees it: the automatic warm pools' sandboxes are left out,
+        since they give way to any create the node is asked for (warm.py `_admit_tenant`)."""
+        st = await self._node_status()
+        n = self._pools.auto_held()
+        if n:
+            st.sandboxes -= n
+            st.committed_cpu_cores = max(0.0, st.committed_cpu_cores - n * WARM_CPU_CORES)
+            st.committed_memory_mb = max(0, st.committed_memory_mb - n * WARM_MEMORY_MB)
+        return st
+
+    async def _node_status(self) -> NodeStatus:
+        """Everything the node holds, its own warm pools included: what admission counts."""
         # parked sandboxes hold no CPU or memory: they do not count against admission
         # (running totals, NodeLoad: a status is O(1) however many sandboxes the node holds)
         problem = self.admission.host_problem()

@@ -12,7 +12,6 @@ import time
 from dsec import tracing
 from dsec.backends.base import PARKED, RUNNING, MemoryUsage
 from dsec.backends.warm import WarmClaim
-from dsec.edge import admit_wait
 from dsec.edge.live import LiveSandbox
 from dsec.edge.timing import CreateTimer
 from dsec.edge.records import SandboxRecord
@@ -136,15 +135,16 @@ class Lifecycle(EdgeCore):
         args = prepared.args
         prepared.volumes = await self._resolve_volumes(project, args)    # volumes.py
         stages.lap("prepare")
+        self._pools.note_create()   # refills wait until creates pause
         # a warm sandbox has no volumes mounted: one that asks for some starts afresh
         warm = None if prepared.volumes else self._take_warm(backend, prepared)
         stages.warm = warm is not None
         if warm is not None:   # its share of the node passes to this sandbox
             self._load.update(warm.rec, live=False)
         try:
-            # short of memory: waits (bounded) for idle reclaim under way (admit_wait.py, D95)
-            await admit_wait.admit(self.admission, self.status, self._reclaimer, args.cpu_cores, args.memory_mb,
-                                   self.conf.edge.admit_reclaim_wait_s)
+            # short of memory: waits (bounded) for idle reclaim under way (admit_wait.py, D95);
+            # the node's automatic warm pools give way first (warm.py)
+            await self._admit_tenant(args.cpu_cores, args.memory_mb)
         except DsecError as e:
             self._give_back_warm(warm)
             stages.refuse(e)

@@ -210,7 +210,7 @@ class ParkingVerbs(EdgeCore):
         async with live.park_lock:
             if rec.state == SandboxState.suspended:
                 parking = self._capability(rec, Parking, "resume")
-                self.admission.admit(await self.status(), rec.cpu_cores, rec.memory_mb)
+                self.admission.admit(await self._node_status(), rec.cpu_cores, rec.memory_mb)
                 t0 = time.monotonic()
                 try:
                     await parking.unpark(rec.id)

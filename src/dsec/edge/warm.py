@@ -12,7 +12,8 @@ from typing import Any
 from dsec.backends.base import Backend, Prepared, Reclaim
 from dsec.backends.warm import WarmClaim
 from dsec.edge.warm_pool import ENV as WARM_ENV
-from dsec.edge.warm_pool import PoolTarget, WarmSandbox, parse_targets
+from dsec.edge.warm_pool import MAX_SIZE, PoolTarget, WarmSandbox, parse_targets
+from dsec.edge import admit_wait
 from dsec.edge.records import SandboxRecord
 from dsec.types import MAX_TTL_S, ContainerArgs, DsecError, InvalidArgument, SandboxState, make_sandbox_id
 from dsec.edge.core import WARM_PROJECT, WARM_LABEL, WARM_CPU_CORES, WARM_MEMORY_MB, EdgeCore, log
@@ -20,10 +21,13 @@ from dsec.edge.core import WARM_PROJECT, WARM_LABEL, WARM_CPU_CORES, WARM_MEMORY
 
 class WarmHooks(EdgeCore):
     def _take_warm(self, backend: Backend, prepared: Prepared) -> WarmSandbox | None:
-        """An idle pool sandbox for this request (its agent still connected), or None."""
+        """An idle pool sandbox for this request (its agent still connected), or None. The
+        create counts towards a burst of its shape (automatic pools, warm_auto.py)."""
         if not isinstance(backend, WarmClaim):
             return None
         key = backend.warm_key(prepared)
+        if key is not None and prepared.args.image:
+            self._pools.observe(prepared.args.image, key)
         while (w := self._pools.take(key)) is not None:
             if not w.agent.closed:
                 return w
@@ -36,6 +40,51 @@ class WarmHooks(EdgeCore):
         if warm is not None:
             self._load.update(warm.rec, live=True)
             self._pools.give_back(warm)
+
+    def _drop_auto_pools(self, reason: str) -> bool:
+        """A tenant's create was refused or waits: the automatic pools end now, their share of
+        the node released at once (their sandboxes are destroyed in the background). True when
+        any idle one was freed (admission may now answer otherwise)."""
+        freed = self._pools.drop_auto(reason)
+        for w in freed:
+            self._load.update(w.rec, live=False)
+        return bool(freed)
+
+    async def _admit_tenant(self, cpu_cores: float, memory_mb: int) -> None:
+        """Admission of a tenant's create. The node's automatic pools never cost a tenant a
+        sandbox or a wait: refused, they are dropped and it is asked once more; short of memory,
+        they are dropped before the create waits for reclaim (admit_wait.py)."""
+        def short() -> None:
+            self._drop_auto_pools("a create waited for memory")
+        try:
+            await admit_wait.admit(self.admission, self._node_status, self._reclaimer, cpu_cores, memory_mb,
+                                   self.conf.edge.admit_reclaim_wait_s, on_short=short)
+        except DsecError as e:
+            if not self._drop_auto_pools(f"a create was refused: {e.message}"):
+                raise
+            await admit_wait.admit(self.admission, self._node_status, self._reclaimer, cpu_cores, memory_mb,
+                                   self.conf.edge.admit_reclaim_wait_s)
+
+    async def _auto_room(self, t: PoolTarget) -> str | None:
+        """Why an automatic pool may not start one more sandbox now: it must leave admission
+        and MemAvailable room for itself plus a margin (DSEC_WARM_POOL_AUTO_MARGIN_MB, a tenth
+        of the node's count and ceilings, half of each pressure limit), so no tenant's create is
+        refused or waits because of it."""
+        st = await self._node_status()
+        cap, margin_mb = st.capacity, self.conf.edge.warm_pool_auto_margin_mb
+        if st.sandboxes + 1 > cap.max_sandboxes * 0.9:
+            return f"no room: {st.sandboxes} of {cap.max_sandboxes} sandboxes (automatic pools keep 10% free)"
+        if st.committed_memory_mb + WARM_MEMORY_MB > cap.memory_mb * 0.9 or \
+                st.committed_cpu_cores + WARM_CPU_CORES > cap.cpu_cores * 0.9:
+            return "no room: committed limits near the node's ceilings (automatic pools keep 10% free)"
+        if st.pressure >= 0.5:
+            return f"no room: the node is under pressure ({st.pressure:g} of a refusal's PSI limit)"
+        avail = self.admission.probe.read().mem_available_mb
+        floor = max(self.admission.mem_reserve_mb + self.admission.sandbox_mb, self.conf.edge.reclaim_mem_low_mb)
+        if avail is not None and avail < floor + margin_mb:
+            return (f"no room: MemAvailable {avail} MiB < {floor} MiB (reserve or idle-reclaim threshold) + "
+                    f"{margin_mb} MiB margin (DSEC_WARM_POOL_AUTO_MARGIN_MB)")
+        return None
 
     def _warm_args(self, t: PoolTarget) -> ContainerArgs:
         # memory_mb 256: the agent's retained-output bound and /dev/shm are then those of any
@@ -60,7 +109,7 @@ class WarmHooks(EdgeCore):
             raise InvalidArgument(f"image {t.image!r} cannot have a warm pool on node {self.node_id}",
                                   field=WARM_ENV, fix="use a container image")
         args = prepared.args
-        self.admission.admit(await self.status(), args.cpu_cores, args.memory_mb)
+        self.admission.admit(await self._node_status(), args.cpu_cores, args.memory_mb)
         now = time.time()
         rec = SandboxRecord(id=make_sandbox_id(self.node_id), project=WARM_PROJECT, backend=args.backend,
                             state=SandboxState.running, args=args, image=args.image,
@@ -93,7 +142,14 @@ class WarmHooks(EdgeCore):
         """The node's warm pools: per image its size, idle and starting sandboxes, last error."""
         return self._pools.status()
 
-    async def set_warm_pools(self, spec: str) -> dict[str, Any]:
-        """Reconfigure the pools ('image:size,...'; '' for none); refilled or drained in the background."""
-        self._pools.set_targets(parse_targets(spec, field="pools"))
+    async def set_warm_pools(self, spec: str | None, auto: int | None = None) -> dict[str, Any]:
+        """Reconfigure the pools ('image:size,...'; '' for none; None: as they are) and the bound
+        on automatic pools (None: as it is; 0: off); refilled or drained in the background."""
+        if spec is not None:
+            self._pools.set_targets(parse_targets(spec, field="pools"))
+        if auto is not None:
+            if not 0 <= auto <= MAX_SIZE:
+                raise InvalidArgument(f"auto: {auto} is outside 0..{MAX_SIZE}", field="auto",
+                                      fix="give how many sandboxes the node may keep warm on its own (0: none)")
+            self._pools.set_auto_max(auto)
         return self._pools.status()

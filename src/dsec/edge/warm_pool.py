@@ -13,6 +13,12 @@ starts replacements in the background, `parallel` at a time.
 Idle pool sandboxes have no record in the edge's database: they are a cache. An edge that stops
 destroys them; one that crashed finds them at its next start as orphans (runtime state without a
 record) and destroys them; either way the pools are refilled. Decision record: D28.
+
+Besides the operator's pools, the node keeps automatic ones (warm_auto.py, D99): a burst of one
+shape sets that image's pool to the burst's size, under DSEC_WARM_POOL_AUTO in all; the
+operator's targets win for their images. Automatic pools refill only while creates pause and
+the edge's room check passes (`room`), and end at once when a tenant's create is refused or
+waits (`drop_auto`).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from dataclasses import dataclass, field
 from dsec.agent.client import AgentClient
 from dsec.backends.base import Backend
 from dsec.edge.records import SandboxRecord
+from dsec.edge.warm_auto import AutoPools
 from dsec.types import DsecError, InvalidArgument, NAME_RE
 
 log = logging.getLogger("dsec.edge.warm_pool")
@@ -89,11 +96,18 @@ class WarmSandbox:
 Starter = Callable[[PoolTarget], Awaitable[WarmSandbox]]
 KeyOf = Callable[[PoolTarget], Awaitable[Hashable | None]]
 Dropper = Callable[[WarmSandbox], Awaitable[None]]
+# Why an automatic pool may not start one more sandbox now (None: it may).
+RoomCheck = Callable[[PoolTarget], Awaitable[str | None]]
 
 
 class WarmPools:
-    def __init__(self, targets: list[PoolTarget], start: Starter, key_of: KeyOf, drop: Dropper, parallel: int = 2):
-        self._targets = {t.image: t for t in targets}
+    def __init__(self, targets: list[PoolTarget], start: Starter, key_of: KeyOf, drop: Dropper, parallel: int = 2,
+                 auto: AutoPools | None = None, room: RoomCheck | None = None):
+        self._conf = {t.image: t for t in targets}      # the operator's (DSEC_WARM_POOL, set_targets)
+        self.auto = auto or AutoPools(0, 300.0)
+        self._room = room
+        self._targets: dict[str, PoolTarget] = {}        # the operator's and the automatic ones, merged
+        self._merge()
         self._start, self._key_of, self._drop = start, key_of, drop
         self._idle: dict[Hashable, deque[WarmSandbox]] = {}
         self._keys: dict[str, Hashable] = {}           # image -> its pool key, as last resolved
@@ -109,11 +123,24 @@ class WarmPools:
         self._rechecked = 0.0
         self.claims = 0
         self._last_take = 0.0
+        self._last_create = 0.0   # any create this node served (claimed or cold): refills wait for a pause
         self.misses = 0        # creates that matched a pool's key but found it empty
 
     @property
     def targets(self) -> list[PoolTarget]:
-        return list(self._targets.values())
+        """The operator's targets (automatic pools apart: `auto.pools`)."""
+        return list(self._conf.values())
+
+    def _merge(self) -> None:
+        """The pools to keep: the operator's, then automatic ones for the other images."""
+        merged = dict(self._conf)
+        for image, p in self.auto.pools.items():
+            if image not in merged:
+                merged[image] = PoolTarget(image, p.size)
+        self._targets = merged
+
+    def _is_auto(self, image: str) -> bool:
+        return image not in self._conf and image in self.auto.pools
 
     def start(self) -> None:
         if self._task is None:
@@ -123,17 +150,19 @@ class WarmPools:
     def set_targets(self, targets: list[PoolTarget]) -> None:
         """Replace the configuration: sandboxes beyond it leave the pools at once (destroyed in
         the background); missing ones are started by the refill task."""
-        self._targets = {t.image: t for t in targets}
+        self._conf = {t.image: t for t in targets}
+        self._merge()
         self._retry_at.clear()
         self._drain()     # at once: a create from here on never claims one being drained
         self._wake.set()
 
-    def _drain(self) -> None:
+    def _drain(self) -> list[WarmSandbox]:
         excess = self._trim()
         if excess:
             task = asyncio.create_task(self._drop_all(excess), name="warm-pool-drain")
             self._drains.add(task)
             task.add_done_callback(self._drains.discard)
+        return excess
 
     def _trim(self) -> list[WarmSandbox]:
         """Take out (synchronously) the idle sandboxes beyond what the pools want: of keys no
@@ -175,6 +204,41 @@ class WarmPools:
         self._wake.set()
         return w
 
+    def note_create(self) -> None:
+        """A create began on this node (claimed or not): refills wait until creates pause."""
+        self._last_create = time.monotonic()
+
+    def observe(self, image: str, key: Hashable) -> None:
+        """A container create of this image and pool key (claimed or cold): counted towards a
+        burst, which may make or grow the image's automatic pool (warm_auto.py)."""
+        if image not in self._conf and self.auto.observe(image, key):   # the operator's pool wins
+            self._merge()
+            self._wake.set()
+
+    def auto_held(self) -> int:
+        """Sandboxes the automatic pools hold now (idle or starting): they give way to any create."""
+        n = 0
+        for image in self.auto.pools:
+            if self._is_auto(image):
+                key = self._keys.get(image)
+                n += self._starting.get(image, 0) + (len(self._idle.get(key, ())) if key is not None else 0)
+        return n
+
+    def drop_auto(self, reason: str) -> list[WarmSandbox]:
+        """A tenant's create was refused or waited: every automatic pool ends now. Returns the
+        idle sandboxes taken out (being destroyed in the background): the caller releases their
+        share of the node at once."""
+        if not self.auto.drop_all(reason):
+            return []
+        self._merge()
+        return self._drain()
+
+    def set_auto_max(self, n: int) -> None:
+        self.auto.set_max(n)
+        self._merge()
+        self._drain()
+        self._wake.set()
+
     def give_back(self, w: WarmSandbox) -> None:
         """A taken sandbox the create did not use after all (refused by admission): unused still."""
         self._idle.setdefault(w.key, deque()).appendleft(w)
@@ -183,13 +247,21 @@ class WarmPools:
     def waiting(self) -> list[WarmSandbox]:
         return [w for q in self._idle.values() for w in q]
 
-    def status(self) -> dict[str, dict[str, object]]:
+    def status(self) -> dict[str, object]:
+        """The operator's pools under `pools`, the automatic ones apart under `auto` (with the
+        burst that made each), and the automatic pools' bound and state."""
         out: dict[str, dict[str, object]] = {}
+        auto: dict[str, dict[str, object]] = {}
         for image, t in self._targets.items():
             key = self._keys.get(image)
-            out[image] = {"size": t.size, "idle": len(self._idle.get(key, ())) if key is not None else 0,
-                          "starting": self._starting.get(image, 0), "error": self._errors.get(image)}
-        return {"pools": out, "claims": self.claims, "misses": self.misses}   # type: ignore[dict-item]
+            one: dict[str, object] = {"size": t.size, "idle": len(self._idle.get(key, ())) if key is not None else 0,
+                                      "starting": self._starting.get(image, 0), "error": self._errors.get(image)}
+            if self._is_auto(image):
+                one["burst"] = self.auto.pools[image].burst
+                auto[image] = one
+            else:
+                out[image] = one
+        return {"pools": out, "auto": auto, **self.auto.status(), "claims": self.claims, "misses": self.misses}
 
     async def close(self) -> None:
         """Stop refilling and free every idle sandbox (a cache: nothing of it is kept)."""
@@ -212,18 +284,24 @@ class WarmPools:
             log.exception("could not free a warm pool sandbox", extra={"sandbox": w.id})
 
     # -- refill ------------------------------------------------------------------------------
+    def _last_activity(self) -> float:
+        return max(self._last_take, self._last_create)
+
     async def _refill_loop(self) -> None:
         while not self._closing:
             try:
-                async with asyncio.timeout(RETRY_S):
+                # automatic pools: looked at each QUIET_S (they start once creates pause, end on time)
+                async with asyncio.timeout(QUIET_S if self.auto.pools else RETRY_S):
                     await self._wake.wait()
             except TimeoutError:
                 pass
             if self._closing:
                 return
             self._wake.clear()
+            if self.auto.expire():
+                self._merge()
             deferred = time.monotonic()
-            while time.monotonic() - self._last_take < QUIET_S and time.monotonic() - deferred < DEFER_MAX_S:
+            while time.monotonic() - self._last_activity() < QUIET_S and time.monotonic() - deferred < DEFER_MAX_S:
                 await asyncio.sleep(QUIET_S)
             try:
                 await self._refill_once()
@@ -246,10 +324,21 @@ class WarmPools:
                     self._keys[image] = key
             for image in set(self._keys) - set(self._targets):
                 del self._keys[image]
+        mismatched = [i for i, p in self.auto.pools.items() if self._is_auto(i) and i in self._keys
+                      and self._keys[i] != p.key]
+        for image in mismatched:      # the image's pool would not answer the burst's shape
+            self.auto.not_poolable(image)
+        if mismatched:
+            self._merge()
         self._drain()
+        # automatic pools start only while no create comes (uncapped: a refill of the node's own
+        # choosing never shares the CPU with a burst)
+        quiet = now - self._last_activity() >= QUIET_S
         for image, t in self._targets.items():
             key = self._keys.get(image)
             if key is None or now < self._retry_at.get(image, 0.0):
+                continue
+            if self._is_auto(image) and not quiet:
                 continue
             missing = t.size - len(self._idle.get(key, ())) - self._starting.get(image, 0)
             for _ in range(max(0, missing)):
@@ -261,10 +350,20 @@ class WarmPools:
     async def _start_one(self, t: PoolTarget) -> None:
         try:
             async with self._slots:
-                if self._targets.get(t.image) != t:     # reconfigured while queued
+                if t.image not in self._targets:     # reconfigured while queued
                     return
+                if self._is_auto(t.image):
+                    # the node's own choice: only while creates pause and the node has room to spare
+                    if time.monotonic() - self._last_activity() < QUIET_S:    # creates resumed
+                        self._retry_at[t.image] = time.monotonic() + QUIET_S
+                        return
+                    why = await self._room(t) if self._room is not None else None
+                    if why is not None:
+                        self._errors[t.image] = why
+                        self._retry_at[t.image] = time.monotonic() + RETRY_S
+                        return
                 w = await self._start(t)
-            if self._keys.get(t.image) != w.key or self._targets.get(t.image) != t:
+            if self._keys.get(t.image) != w.key or t.image not in self._targets:
                 await self._drop_logged(w)            # the pool changed meanwhile
                 return
             self._idle.setdefault(w.key, deque()).append(w)

@@ -505,11 +505,16 @@ class Client:
         resp = await self._request("GET", f"/v1/nodes/{node}/warm-pool")
         return WarmPools.model_validate_json(resp.content)
 
-    async def set_warm_pools(self, pools: str, node: str = "local") -> WarmPools:
+    async def set_warm_pools(self, pools: str | None, node: str = "local", auto: int | None = None) -> WarmPools:
         """Admin only: set a node's warm pools, 'image:size,...' (e.g. 'debian-python:8,busybox:4';
-        '' for none), as DSEC_WARM_POOL does at its start. The node refills or drains them in the
-        background: the answer is their state now (`WarmPool.full` once filled)."""
-        resp = await self._request("PUT", f"/v1/nodes/{node}/warm-pool", json={"pools": pools})
+        '' for none; None: unchanged), as DSEC_WARM_POOL does at its start, and with `auto` the
+        bound on the pools the node keeps on its own (DSEC_WARM_POOL_AUTO; 0: none). The node
+        refills or drains them in the background: the answer is their state now (`WarmPool.full`
+        once filled; automatic pools under `auto`)."""
+        body: dict[str, Any] = {"pools": pools}
+        if auto is not None:
+            body["auto"] = auto
+        resp = await self._request("PUT", f"/v1/nodes/{node}/warm-pool", json=body)
         return WarmPools.model_validate_json(resp.content)
 
     async def images(self) -> builtins.list[ImageInfo]:

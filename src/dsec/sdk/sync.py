@@ -229,12 +229,14 @@ class SyncClient(_sync.Synchronized):
         """
         return cast("WarmPools", _sync.call(self, "warm_pools", node))
 
-    def set_warm_pools(self, pools: str, node: str = "local") -> WarmPools:
+    def set_warm_pools(self, pools: str | None, node: str = "local", auto: int | None = None) -> WarmPools:
         """Admin only: set a node's warm pools, 'image:size,...' (e.g. 'debian-python:8,busybox:4';
-        '' for none), as DSEC_WARM_POOL does at its start. The node refills or drains them in the
-        background: the answer is their state now (`WarmPool.full` once filled).
+        '' for none; None: unchanged), as DSEC_WARM_POOL does at its start, and with `auto` the
+        bound on the pools the node keeps on its own (DSEC_WARM_POOL_AUTO; 0: none). The node
+        refills or drains them in the background: the answer is their state now (`WarmPool.full`
+        once filled; automatic pools under `auto`).
         """
-        return cast("WarmPools", _sync.call(self, "set_warm_pools", pools, node))
+        return cast("WarmPools", _sync.call(self, "set_warm_pools", pools, node, auto))
 
     def images(self) -> builtins.list[ImageInfo]:
         return cast("builtins.list[ImageInfo]", _sync.call(self, "images"))

@@ -49,6 +49,7 @@ class WarmPool(BaseModel):
     idle: int = 0              # started, waiting for a create to claim them
     starting: int = 0          # being started now
     error: str | None = None   # the last failed start's error (cleared by the next that succeeds)
+    burst: int | None = None   # automatic pools: the largest burst of its shape that set it (D99)
 
     @property
     def full(self) -> bool:
@@ -57,8 +58,15 @@ class WarmPool(BaseModel):
 
 
 class WarmPools(BaseModel):
-    """A node's warm pools (GET/PUT /v1/nodes/{node}/warm-pool): per image, and the creates
-    they answered (`claims`) or that matched a pool but found it empty (`misses`)."""
+    """A node's warm pools (GET/PUT /v1/nodes/{node}/warm-pool): per image, the operator's
+    (`pools`) and those the node keeps on its own for the burst shapes it sees (`auto`, at most
+    `auto_max` sandboxes in all; D99), and the creates they answered (`claims`) or that matched a
+    pool but found it empty (`misses`)."""
     pools: dict[str, WarmPool] = {}
+    auto: dict[str, WarmPool] = {}
+    auto_max: int = 0             # DSEC_WARM_POOL_AUTO (0: the node keeps none on its own)
+    auto_idle_s: float | None = None   # an automatic pool ends after this long without a burst
+    auto_off_s: float = 0.0       # seconds before automatic pools may be made again (after a drop)
+    auto_dropped: str | None = None   # why automatic pools were last dropped (a create refused or waiting)
     claims: int = 0
     misses: int = 0

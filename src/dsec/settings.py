@@ -200,6 +200,15 @@ class EdgeEnvSettings(Group):
                                   "(0: off)", ge=0)
     reclaim_squeeze_idle_s: float = env(2.0, "DSEC_RECLAIM_SQUEEZE_IDLE_S", "the idle threshold while memory "
                                         "is low (DSEC_RECLAIM_MEM_LOW_MB) or a create waits for memory", ge=0)
+    reclaim_cpu_psi: float = env(50.0, "DSEC_RECLAIM_CPU_PSI", "PSI cpu some avg10 (%) at or above which idle "
+                                 "VMs doze once idle DSEC_RECLAIM_SQUEEZE_IDLE_S, back to back: awake idle guests "
+                                 "cost CPU under TCG (0: off)", ge=0, le=100)
+    liveness_stall_psi: float = env(60.0, "DSEC_LIVENESS_STALL_PSI", "while PSI cpu some or memory some "
+                                    "avg10 (%) is at or above this, a guest that misses its liveness pings "
+                                    "is not failed as hung: the host is stalled, not the guest (100: off)",
+                                    ge=0, le=100)
+    liveness_stall_max_s: float = env(300.0, "DSEC_LIVENESS_STALL_MAX_S", "... but a guest silent this long "
+                                      "is failed anyway", ge=0)
     admit_reclaim_wait_s: float = env(10.0, "DSEC_ADMIT_RECLAIM_WAIT_S", "a create short of memory "
                                       "(DSEC_MEM_RESERVE_MB) waits at most this long for idle reclaim to free "
                                       "some before it is refused (0: refused at once)", ge=0)

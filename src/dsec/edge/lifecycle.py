@@ -144,7 +144,8 @@ class Lifecycle(EdgeCore):
         try:
             # short of memory: waits (bounded) for idle reclaim under way (admit_wait.py, D95)
             await admit_wait.admit(self.admission, self.status, self._reclaimer, args.cpu_cores, args.memory_mb,
-                                   self.conf.edge.admit_reclaim_wait_s)
+                                   self.conf.edge.admit_reclaim_wait_s, self._claims,
+                                   getattr(backend, "start_resident_mb", 0))
         except DsecError as e:
             self._give_back_warm(warm)
             stages.refuse(e)

@@ -60,6 +60,7 @@ PER_TICK = 4             # DSEC_RECLAIM_PER_TICK
 MEM_LOW_MB = 2048        # DSEC_RECLAIM_MEM_LOW_MB: MemAvailable below this squeezes (0: off)
 SQUEEZE_IDLE_S = 2.0     # DSEC_RECLAIM_SQUEEZE_IDLE_S: the threshold while squeezing
 SQUEEZE_BATCH = 8        # sandboxes reclaimed together while squeezing (at least per_tick)
+CPU_PSI = 50.0           # DSEC_RECLAIM_CPU_PSI: cpu some avg10 (%) above which idle VMs doze early
 
 
 class Reclaimer:
@@ -67,11 +68,15 @@ class Reclaimer:
                  idle_s: float = IDLE_S, pressed_idle_s: float = PRESSED_IDLE_S,
                  psi_limit: float = PSI_LIMIT, per_tick: int = PER_TICK,
                  mem_available: Callable[[], int | None] = lambda: None, mem_low_mb: int = 0,
-                 squeeze_idle_s: float = SQUEEZE_IDLE_S):
+                 squeeze_idle_s: float = SQUEEZE_IDLE_S,
+                 cpu_pressure: Callable[[], float | None] = lambda: None, cpu_psi: float = 0.0):
         self._live = live              # the edge's live sandboxes (read only)
         self.pressure = pressure       # memory some avg10 in %, None where unknown
         self.mem_available = mem_available   # MemAvailable in MiB, None where unknown
         self.mem_low_mb = mem_low_mb
+        self.cpu_pressure = cpu_pressure       # cpu some avg10 in %, None where unknown
+        self.cpu_psi = cpu_psi                 # DSEC_RECLAIM_CPU_PSI (0: off)
+        self.cpu_squeezed = 0                  # dozes done because the CPU was saturated
         self.squeeze_idle_s = min(squeeze_idle_s, idle_s)
         self.squeezed = 0                        # reclaims done while memory was short (since start)
         self.idle_s = idle_s
@@ -91,7 +96,8 @@ class Reclaimer:
         return cls(live, lambda: probe.read().stall("memory", "some"), idle_s=s.reclaim_idle_s,
                    pressed_idle_s=s.reclaim_pressed_idle_s, psi_limit=s.reclaim_psi, per_tick=s.reclaim_per_tick,
                    mem_available=lambda: probe.read().mem_available_mb, mem_low_mb=s.reclaim_mem_low_mb,
-                   squeeze_idle_s=s.reclaim_squeeze_idle_s)
+                   squeeze_idle_s=s.reclaim_squeeze_idle_s,
+                   cpu_pressure=lambda: probe.read().stall("cpu", "some"), cpu_psi=s.reclaim_cpu_psi)
 
     @property
     def enabled(self) -> bool:
@@ -102,9 +108,20 @@ class Reclaimer:
         avail = self.mem_available() if self.mem_low_mb > 0 else None
         return avail is not None and avail < self.mem_low_mb
 
+    def cpu_short(self) -> bool:
+        """The host's CPU is saturated (PSI cpu some avg10 >= cpu_psi) and memory is not short:
+        only sandboxes that can doze are squeezed, the ones whose idling costs CPU (D100)."""
+        if self.cpu_psi <= 0:
+            return False
+        psi = self.cpu_pressure()
+        return psi is not None and psi >= self.cpu_psi
+
+    def squeezing(self) -> bool:
+        return self.short() or self.cpu_short()
+
     def threshold(self) -> float:
         """The idle seconds after which a sandbox is reclaimed now."""
-        if self.short():
+        if self.squeezing():
             return self.squeeze_idle_s
         psi = self.pressure()
         return self.pressed_idle_s if psi is not None and psi > self.psi_limit else self.idle_s
@@ -136,17 +153,23 @@ class Reclaimer:
         return self._start(self.squeeze_idle_s) is not None
 
     def _start(self, threshold: float) -> asyncio.Task[list[tuple[str, int]]] | None:
-        picked = self._pick(time.time(), threshold, self._batch_size(threshold))
+        picked = self._pick(time.time(), threshold, self._batch_size(threshold), self._doze_only(threshold))
         if not picked:
             return None
         self._task = asyncio.create_task(self._run(picked, threshold), name="edge-reclaim")
         return self._task
 
+    def _doze_only(self, threshold: float) -> bool:
+        """Squeezing for CPU alone: sandboxes that cannot doze use no CPU idle and are left to
+        the idle threshold (a reclaim would cost CPU and give none back)."""
+        return threshold <= self.squeeze_idle_s and not self.short() and self.cpu_short()
+
     def _batch_size(self, threshold: float) -> int:
         return max(self.per_tick, SQUEEZE_BATCH) if threshold <= self.squeeze_idle_s else self.per_tick
 
-    def _pick(self, now: float, threshold: float, size: int) -> list[LiveSandbox]:
-        """Up to `size` sandboxes due at this threshold, the longest idle first."""
+    def _pick(self, now: float, threshold: float, size: int, doze_only: bool = False) -> list[LiveSandbox]:
+        """Up to `size` sandboxes due at this threshold, the longest idle first (only those that
+        can doze when `doze_only`)."""
         if not self._queue and not len(self._deadlines):
             return []
         for sid in self._deadlines.due(now - threshold):
@@ -156,6 +179,11 @@ class Reclaimer:
             sid = next(iter(self._queue))
             del self._queue[sid]
             live = self._check(sid, now, threshold)
+            if live is not None and doze_only and not isinstance(live.backend, Doze):
+                # looked at again when its own idle threshold comes (pushed by at most one
+                # idle period; popping it every squeeze would cost O(idle containers))
+                self._deadlines.push(sid, live.rec.last_active_at + max(0.0, self.idle_s - threshold))
+                continue
             if live is not None:
                 picked.append(live)
         return picked
@@ -199,10 +227,13 @@ class Reclaimer:
             else:
                 done = [r for x in picked if (r := await self._one(x, threshold))]
             out += done
-            if not self.short():
+            if not self.squeezing():
                 break
             threshold = self.squeeze_idle_s
-            picked = self._pick(time.time(), threshold, self._batch_size(threshold))
+            doze_only = self._doze_only(threshold)
+            if doze_only:
+                self.cpu_squeezed += len(done)
+            picked = self._pick(time.time(), threshold, self._batch_size(threshold), doze_only)
         return out
 
     async def _one(self, live: LiveSandbox, threshold: float) -> tuple[str, int] | None:

@@ -125,6 +125,9 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
         self.paths = paths
         self.settings = settings or VMSettings()      # the composition root's (dsec.settings)
         self.ping_interval_s = self.settings.ping_s   # liveness check of idle VMs' guests
+        # what a new VM holds resident once started (an awake clone: 37-50 MiB, D96): admission
+        # near the memory floor counts it as taken until MemAvailable shows it (admit_wait.py)
+        self.start_resident_mb = 48
         self.qemu = qemu_binary()               # Unavailable (names the fix) if QEMU is missing
         self.root = paths.vm_sandboxes
         self.snapshots = paths.vm_snapshots

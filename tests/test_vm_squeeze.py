@@ -12,8 +12,9 @@ other work the box has. The memory it reports comes back when the clone really d
 - Below the reserve (DSEC_MEM_RESERVE_MB), with early dozing off, a create waits for the idle
   clone to doze and then succeeds (the old code refused it at once); with nothing left to
   reclaim, a create is refused at once, naming the setting, and the node reports unhealthy.
-- D100: with the host's CPU saturated (PSI cpu some >= DSEC_RECLAIM_CPU_PSI) an idle clone dozes
-  after the squeeze threshold with memory plentiful (the old code left it awake, costing CPU);
+- D100: with the host's CPU saturated (PSI cpu some >= DSEC_RECLAIM_CPU_PSI) an idle clone's
+  vCPUs stop after the squeeze threshold with memory plentiful (the old code left it awake,
+  costing CPU), its memory left in place; once memory is short it is paged out as well;
   two creates in flight near the memory floor are admitted one after the other, the second
   counting the first's memory as taken (the old code admitted both on the same MemAvailable);
   a guest that stops answering while the host's PSI memory stall is high is not failed as
@@ -180,11 +181,18 @@ async def test_cpu_saturated_dozes_idle_clones_early(node: tuple[Edge, Meminfo])
     await asyncio.sleep(3)                       # idle past the squeeze threshold, CPU quiet
     assert not edge._backend("microvm").dozing(a)           # type: ignore[attr-defined]
 
+    vm = edge._backend("microvm")
     mem.psi("cpu", 95.0)         # at or above DSEC_RECLAIM_CPU_PSI (50); memory plentiful
     deadline = time.monotonic() + 30
-    while not dozed(edge, a):
+    # stopped only (memory is not short): dozing, its memory not paged out
+    while not (vm.dozing(a) and a in vm._unpaged):      # type: ignore[attr-defined]
         assert time.monotonic() < deadline, "the idle clone did not doze while the CPU was saturated"
         await asyncio.sleep(0.2)
+    mem.set(1500)                # memory short now: its memory goes out too
+    while not (dozed(edge, a) and a not in vm._unpaged):      # type: ignore[attr-defined]
+        assert time.monotonic() < deadline + 30, "the clone dozing for CPU was not paged out once memory was short"
+        await asyncio.sleep(0.2)
+    mem.set(PLENTY_MB)
     mem.psi("cpu", 0.0)
     events = [ev async for ev in edge.exec_stream(a, ExecRequest(cmd="echo up"))]    # wakes it
     assert events[-1].result is not None and events[-1].result.exit_code == 0

@@ -347,10 +347,10 @@ class VMSettings(Group):
     qemu_thp: bool = env(False, "DSEC_VM_QEMU_THP", "transparent huge pages for the QEMUs of VMs started from saved "
                          "state (clones, resumes); off: each 2 MiB page QEMU faults in costs ~15x a 4 KiB one on a "
                          "node that is itself a VM returning free memory to its host (D94)")
-    restore_stub_kernel: bool = env(False, "DSEC_VM_RESTORE_STUB_KERNEL", "1: microVMs started from saved state "
+    restore_stub_kernel: bool = env(True, "DSEC_VM_RESTORE_STUB_KERNEL", "1: microVMs started from saved state "
                                     "(clones, resumes) get the guest kernel's setup header as -kernel and no -initrd: "
-                                    "QEMU no longer reads ~12 MiB into fresh memory per clone (D96); off by default "
-                                    "until an 800-clone burst with it on stops collapsing past 500 alive (D96)")
+                                    "QEMU no longer reads ~12 MiB into fresh memory per clone (D96; on again since "
+                                    "D100: the 800-clone collapse was the CPU of awake idle guests)")
 
 
 class FnCallEnvSettings(Group):

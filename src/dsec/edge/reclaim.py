@@ -158,7 +158,17 @@ class Reclaimer:
         self._wanted_until = time.monotonic() + 1.0     # creates poll every 0.2 s while they wait
         if self._task is not None and not self._task.done():
             return True
-        return self._start(self.squeeze_idle_s) is not None
+        # VMs stopped for the CPU alone still hold their memory: due again within a threshold
+        return self._start(self.squeeze_idle_s) is not None or self._light_left()
+
+    def _light_left(self) -> bool:
+        """A sandbox dozes for the CPU alone and was not used since (its memory can go out)."""
+        for sid, mark in list(self._light.items()):
+            live = self._live.get(sid)
+            if live is not None and live.rec.state == SandboxState.running and live.rec.last_active_at == mark:
+                return True
+            del self._light[sid]        # gone or used since: its entry is stale
+        return False
 
     def _start(self, threshold: float) -> asyncio.Task[list[tuple[str, int]]] | None:
         light = self._doze_only(threshold)

@@ -118,38 +118,29 @@ async def test_ksm_and_cache_bound_off_are_honoured(plain_server):
             await sb.stop()
 
 
-@pytest.fixture(scope="module")
-def stub_server(images, dsec_home, tmp_path_factory):
-    """A node with DSEC_VM_RESTORE_STUB_KERNEL=1 (off by default: D96)."""
-    with side_server(dsec_home, tmp_path_factory, "vm-stub", {"DSEC_VM_RESTORE_STUB_KERNEL": "1"},
-                     downloads=True) as srv:
-        yield srv
-
-
-async def test_a_clone_reads_no_kernel_or_initramfs(stub_server):
+async def test_a_clone_reads_no_kernel_or_initramfs(vm_client, server):
     """D96: a clone's QEMU gets the kernel's setup header as -kernel and no -initrd (QEMU reads
     both whole into fresh memory at start; the restored guest never reads them), and its guest
-    runs as before: a command, and a file written and read back through its disk."""
-    server = stub_server
-    async with stub_server.client() as vm_client:
-        sb = await vm_client.create_microvm(image="busybox", memory_mb=MEMORY_MB)
+    runs as before: a command, and a file written and read back through its disk. The default
+    again since D100 (DSEC_VM_RESTORE_STUB_KERNEL=1; the plain node above turns it off)."""
+    sb = await vm_client.create_microvm(image="busybox", memory_mb=MEMORY_MB)
+    try:
+        argv = _argv(server, sb.id)
+        assert "-initrd" not in argv
+        kernel = Path(argv[argv.index("-kernel") + 1])
+        assert kernel.stat().st_size < 64 << 10, kernel      # the real bzImage is ~8 MiB
+        assert kernel.read_bytes()[0x202:0x206] == b"HdrS"
+        r = await sb.run("echo hi > /tmp/x && cat /tmp/x && uname -r")
+        assert r.exit_code == 0 and r.stdout.startswith("hi\n"), r
+        # a second clone: the stub is made once per kernel file and shared
+        twin = await vm_client.create_microvm(image="busybox", memory_mb=MEMORY_MB)
         try:
-            argv = _argv(server, sb.id)
-            assert "-initrd" not in argv
-            kernel = Path(argv[argv.index("-kernel") + 1])
-            assert kernel.stat().st_size < 64 << 10, kernel      # the real bzImage is ~8 MiB
-            assert kernel.read_bytes()[0x202:0x206] == b"HdrS"
-            r = await sb.run("echo hi > /tmp/x && cat /tmp/x && uname -r")
-            assert r.exit_code == 0 and r.stdout.startswith("hi\n"), r
-            # a second clone: the stub is made once per kernel file and shared
-            twin = await vm_client.create_microvm(image="busybox", memory_mb=MEMORY_MB)
-            try:
-                assert (await twin.run("true")).exit_code == 0
-                assert "-initrd" not in _argv(server, twin.id)
-            finally:
-                await twin.stop()
+            assert (await twin.run("true")).exit_code == 0
+            assert "-initrd" not in _argv(server, twin.id)
         finally:
-            await sb.stop()
+            await twin.stop()
+    finally:
+        await sb.stop()
 
 
 async def test_clones_from_the_kept_overlay_have_disks_of_their_own(vm_client, server):

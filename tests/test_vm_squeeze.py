@@ -12,6 +12,13 @@ other work the box has. The memory it reports comes back when the clone really d
 - Below the reserve (DSEC_MEM_RESERVE_MB), with early dozing off, a create waits for the idle
   clone to doze and then succeeds (the old code refused it at once); with nothing left to
   reclaim, a create is refused at once, naming the setting, and the node reports unhealthy.
+- D100: with the host's CPU saturated (PSI cpu some >= DSEC_RECLAIM_CPU_PSI) an idle clone's
+  vCPUs stop after the squeeze threshold with memory plentiful (the old code left it awake,
+  costing CPU), its memory left in place; once memory is short it is paged out as well;
+  two creates in flight near the memory floor are admitted one after the other, the second
+  counting the first's memory as taken (the old code admitted both on the same MemAvailable);
+  a guest that stops answering while the host's PSI memory stall is high is not failed as
+  hung, and is once the stall is over (the old code failed it after 3 pings).
 """
 
 from __future__ import annotations
@@ -50,11 +57,21 @@ class Meminfo:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
         self.set(PLENTY_MB)
+        self.psi("cpu", 0.0)
+        self.psi("memory", 0.0)
 
     def set(self, available_mb: int) -> None:
         tmp = self.root / "meminfo.tmp"
         tmp.write_text(f"MemTotal: {32000 << 10} kB\nMemAvailable: {available_mb << 10} kB\n")
         tmp.replace(self.root / "meminfo")
+
+    def psi(self, resource: str, some_avg10: float) -> None:
+        """The host's PSI `some` avg10 for cpu or memory, as the edge reads it."""
+        (self.root / "pressure").mkdir(exist_ok=True)
+        tmp = self.root / "pressure" / f"{resource}.tmp"
+        tmp.write_text(f"some avg10={some_avg10:.2f} avg60=0.00 avg300=0.00 total=1\n"
+                       "full avg10=0.00 avg60=0.00 avg300=0.00 total=1\n")
+        tmp.replace(self.root / "pressure" / resource)
 
 
 @pytest.fixture
@@ -155,3 +172,64 @@ async def test_create_waits_for_reclaim_then_refuses_when_nothing_is_left(node: 
         await edge.create("p", MicroVMArgs(image="busybox", memory_mb=256, ttl_idle_s=3600))
     assert time.monotonic() - t0 < 5
     assert e.value.field == "memory_mb" and "DSEC_MEM_RESERVE_MB" in e.value.message
+
+
+@pytest.mark.parametrize("node", [{}], indirect=True)
+async def test_cpu_saturated_dozes_idle_clones_early(node: tuple[Edge, Meminfo]):
+    edge, mem = node
+    a = await clone(edge)
+    await asyncio.sleep(3)                       # idle past the squeeze threshold, CPU quiet
+    assert not edge._backend("microvm").dozing(a)           # type: ignore[attr-defined]
+
+    vm = edge._backend("microvm")
+    mem.psi("cpu", 95.0)         # at or above DSEC_RECLAIM_CPU_PSI (50); memory plentiful
+    deadline = time.monotonic() + 30
+    # stopped only (memory is not short): dozing, its memory not paged out
+    while not (vm.dozing(a) and a in vm._unpaged):      # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, "the idle clone did not doze while the CPU was saturated"
+        await asyncio.sleep(0.2)
+    mem.set(1500)                # memory short now: its memory goes out too
+    while not (dozed(edge, a) and a not in vm._unpaged):      # type: ignore[attr-defined]
+        assert time.monotonic() < deadline + 30, "the clone dozing for CPU was not paged out once memory was short"
+        await asyncio.sleep(0.2)
+    mem.set(PLENTY_MB)
+    mem.psi("cpu", 0.0)
+    events = [ev async for ev in edge.exec_stream(a, ExecRequest(cmd="echo up"))]    # wakes it
+    assert events[-1].result is not None and events[-1].result.exit_code == 0
+
+
+@pytest.mark.parametrize("node", [{"DSEC_RECLAIM_MEM_LOW_MB": "0"}], indirect=True)
+async def test_creates_near_the_floor_are_paced_by_what_was_admitted(node: tuple[Edge, Meminfo]):
+    edge, mem = node
+    await clone(edge)                            # the template is built: the creates below are clones
+    claim = edge._backend("microvm").start_resident_mb        # type: ignore[attr-defined]
+    # room for one clone above the reserve, not two: MemAvailable (the test's) does not move
+    # when a clone starts, as the real one does not for a second or two
+    mem.set(RESERVE_MB + edge.admission.sandbox_mb + claim // 2)
+    b, c = await asyncio.gather(clone(edge), clone(edge))
+    assert (await edge.get(b)).state == SandboxState.running and (await edge.get(c)).state == SandboxState.running
+    assert edge._claims.paced == 1, "the second create did not count the first one's memory"
+
+
+@pytest.mark.parametrize("node", [{"DSEC_VM_PING_S": "1"}], indirect=True)
+async def test_a_silent_guest_is_not_failed_as_hung_while_the_host_stalls(node: tuple[Edge, Meminfo]):
+    edge, mem = node
+    a = await clone(edge)
+    vm = edge._backend("microvm")
+    mem.psi("memory", 80.0)      # a thrashing host: >= DSEC_LIVENESS_STALL_PSI (60)
+    await vm.pause(a)            # type: ignore[attr-defined]  # its agent answers no ping now
+    live = edge._live[a]
+    deadline = time.monotonic() + 60
+    while live.ping_misses < 4:  # one more than the 3 that fail a guest
+        assert time.monotonic() < deadline, f"only {live.ping_misses} pings missed"
+        assert (await edge.get(a)).state == SandboxState.running, "failed while the host was stalled"
+        await asyncio.sleep(0.5)
+    assert (await edge.get(a)).state == SandboxState.running
+
+    mem.psi("memory", 0.0)       # the stall is over: a guest still silent is failed as hung
+    deadline = time.monotonic() + 30
+    while (await edge.get(a)).state == SandboxState.running:
+        assert time.monotonic() < deadline, "the silent guest was not failed after the stall"
+        await asyncio.sleep(0.5)
+    info = await edge.get(a)
+    assert info.state == SandboxState.failed and "hung" in (info.error or "")

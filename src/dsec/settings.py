@@ -209,6 +209,15 @@ class EdgeEnvSettings(Group):
                                   "(0: off)", ge=0)
     reclaim_squeeze_idle_s: float = env(2.0, "DSEC_RECLAIM_SQUEEZE_IDLE_S", "the idle threshold while memory "
                                         "is low (DSEC_RECLAIM_MEM_LOW_MB) or a create waits for memory", ge=0)
+    reclaim_cpu_psi: float = env(50.0, "DSEC_RECLAIM_CPU_PSI", "PSI cpu some avg10 (%) at or above which idle "
+                                 "VMs doze once idle DSEC_RECLAIM_SQUEEZE_IDLE_S, back to back: awake idle guests "
+                                 "cost CPU under TCG (0: off)", ge=0, le=100)
+    liveness_stall_psi: float = env(60.0, "DSEC_LIVENESS_STALL_PSI", "while PSI cpu some or memory some "
+                                    "avg10 (%) is at or above this, a guest that misses its liveness pings "
+                                    "is not failed as hung: the host is stalled, not the guest (100: off)",
+                                    ge=0, le=100)
+    liveness_stall_max_s: float = env(300.0, "DSEC_LIVENESS_STALL_MAX_S", "... but a guest silent this long "
+                                      "is failed anyway", ge=0)
     admit_reclaim_wait_s: float = env(10.0, "DSEC_ADMIT_RECLAIM_WAIT_S", "a create short of memory "
                                       "(DSEC_MEM_RESERVE_MB) waits at most this long for idle reclaim to free "
                                       "some before it is refused (0: refused at once)", ge=0)
@@ -347,10 +356,10 @@ class VMSettings(Group):
     qemu_thp: bool = env(False, "DSEC_VM_QEMU_THP", "transparent huge pages for the QEMUs of VMs started from saved "
                          "state (clones, resumes); off: each 2 MiB page QEMU faults in costs ~15x a 4 KiB one on a "
                          "node that is itself a VM returning free memory to its host (D94)")
-    restore_stub_kernel: bool = env(False, "DSEC_VM_RESTORE_STUB_KERNEL", "1: microVMs started from saved state "
+    restore_stub_kernel: bool = env(True, "DSEC_VM_RESTORE_STUB_KERNEL", "1: microVMs started from saved state "
                                     "(clones, resumes) get the guest kernel's setup header as -kernel and no -initrd: "
-                                    "QEMU no longer reads ~12 MiB into fresh memory per clone (D96); off by default "
-                                    "until an 800-clone burst with it on stops collapsing past 500 alive (D96)")
+                                    "QEMU no longer reads ~12 MiB into fresh memory per clone (D96; on again since "
+                                    "D100: the 800-clone collapse was the CPU of awake idle guests)")
 
 
 class FnCallEnvSettings(Group):

@@ -216,3 +216,28 @@ async def test_memory_pressure_refuses_create_and_resume_of_a_parked_sandbox(env
     proc.psi("memory", some=0.5, full=0.1)
     clock.t += 1
     assert (await edge.resume(sb)).state == SandboxState.running
+
+
+def test_claims_age_out_and_pace_admission_near_the_floor(tmp_path: Path) -> None:
+    """D100: a claim counts as taken memory for CLAIM_S, then MemAvailable alone decides; a
+    refusal caused only by claims says so (claims_only), one by MemAvailable does not."""
+    from dsec.edge import admit_wait
+    from dsec.edge.admission import MemoryShort
+    now = [100.0]
+    claims = admit_wait.Claims(clock=lambda: now[0])
+    claims.add(48)
+    claims.add(48)
+    assert claims.held_mb() == 96
+    now[0] += admit_wait.CLAIM_S
+    assert claims.held_mb() == 0
+    (tmp_path / "meminfo").write_text("MemTotal: 8388608 kB\nMemAvailable: 614400 kB\n")   # 600 MiB
+    a = Admission(NodeCapacity(cpu_cores=64, memory_mb=1 << 20, max_sandboxes=100), mem_reserve_mb=512,
+                  sandbox_mb=8, probe=HostProbe(proc=tmp_path, ttl_s=0))
+    st = status()
+    a.admit(st, 1, 256, claimed_mb=0)
+    with pytest.raises(MemoryShort) as e:
+        a.admit(st, 1, 256, claimed_mb=96)
+    assert e.value.claims_only and "claimed by creates admitted" in e.value.message
+    with pytest.raises(MemoryShort) as e:
+        Admission(a.capacity, mem_reserve_mb=700, probe=a.probe).admit(st, 1, 256)
+    assert not e.value.claims_only

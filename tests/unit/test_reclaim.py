@@ -223,8 +223,8 @@ class DozeFake(ReclaimFakeBackend, Doze):
         self.busy = busy
         self.dozed: set[str] = set()
 
-    async def doze(self, sandbox_id: str) -> int:
-        self.calls.append(("doze", sandbox_id))
+    async def doze(self, sandbox_id: str, pageout: bool = True) -> int:
+        self.calls.append(("doze" if pageout else "doze-cpu", sandbox_id))
         if self.busy:
             self.busy -= 1
             return DOZE_BUSY
@@ -260,3 +260,34 @@ async def test_a_busy_doze_is_asked_again_without_a_second_reclaim(image_service
     finally:
         await node.stop_edge()
         await fake.close()
+
+
+async def test_cpu_saturated_stops_dozers_only_and_memory_short_pages_them_out(
+        image_service: ImageService, short_tmp: Path, proc: Path, rclock: Clock, monkeypatch: pytest.MonkeyPatch):
+    """D100: PSI cpu some >= DSEC_RECLAIM_CPU_PSI: a sandbox that can doze is stopped after the
+    squeeze threshold, without a reclaim or a pageout; one that cannot (a container) is left
+    to its idle threshold. Once memory is short, the one dozing for CPU has its memory pushed
+    out (a doze with pageout), without a reclaim."""
+    monkeypatch.setenv("DSEC_RECLAIM_IDLE_S", str(IDLE))
+    fake = DozeFake(short_tmp / "dz", busy=0)
+    plain = ReclaimFakeBackend(short_tmp / "rc2", kinds=("microvm",))
+    node = Node(image_service.paths, image_service, [fake, plain])
+    try:
+        edge = await start(node, proc)
+        vm = (await edge.create("p", ContainerArgs(image="busybox", ttl_idle_s=3600))).id
+        ct = (await edge.create("p", MicroVMArgs(image="busybox", ttl_idle_s=3600))).id
+        assert edge._live[vm].backend is fake and edge._live[ct].backend is plain
+        (proc / "pressure/cpu").write_text("some avg10=95.00 avg60=0.00 avg300=0.00 total=1\n")
+        rclock.advance(3)                                               # past the squeeze threshold (2 s)
+        await edge._reclaimer.run_once()
+        dozes = lambda: [c for c in fake.calls if c[0].startswith(("doze", "reclaim"))]  # noqa: E731
+        assert dozes() == [("doze-cpu", vm)] and plain.reclaimed() == [] and fake.dozing(vm)
+        (proc / "meminfo").write_text("MemTotal: 8388608 kB\nMemAvailable: 1000000 kB\n")   # < 2 GiB
+        rclock.advance(3)
+        await edge._reclaimer.run_once()
+        assert dozes() == [("doze-cpu", vm), ("doze", vm)] and fake.reclaimed() == []
+        assert plain.reclaimed() == [ct]                                # memory short: everything idle
+    finally:
+        await node.stop_edge()
+        await fake.close()
+        await plain.close()

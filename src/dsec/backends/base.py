@@ -223,9 +223,11 @@ class Doze(ABC):
     await, so a request that arrives meanwhile finds it so and its `wake` waits for the doze."""
 
     @abstractmethod
-    async def doze(self, sandbox_id: str) -> int:
+    async def doze(self, sandbox_id: str, pageout: bool = True) -> int:
         """Returns the bytes that left RAM; -1 when it cannot doze (not eligible), DOZE_BUSY
-        when it worked over the look (the reclaimer asks again one idle threshold later)."""
+        when it worked over the look (the reclaimer asks again one idle threshold later).
+        `pageout=False`: stop its CPU only (the host is short of CPU, not memory); asked again
+        with pageout while it still dozes, it pushes the memory out then (D100)."""
 
     @abstractmethod
     async def wake(self, sandbox_id: str) -> bool:

@@ -66,7 +66,12 @@ class PressureHigh(CapacityExceeded):
 
 class MemoryShort(PressureHigh):
     """MemAvailable is below the reserve: what idle reclaim can give back (the edge waits for
-    it a few seconds, edge/lifecycle.py) before this refusal stands."""
+    it a few seconds, edge/lifecycle.py) before this refusal stands. `claims_only`: MemAvailable
+    itself suffices, only the claims of creates admitted a moment ago do not fit (admit_wait)."""
+
+    def __init__(self, message: str, *, claims_only: bool = False, **kw: str | None):
+        super().__init__(message, **kw)
+        self.claims_only = claims_only
 
 
 class StorageLow(Unavailable):
@@ -180,11 +185,13 @@ class Admission:
         return round(max((p.ratio(reading) for p in self.psi), default=0.0), 3)
 
     # -- the check ---------------------------------------------------------------------
-    def admit(self, status: NodeStatus, cpu_cores: float, memory_mb: int) -> None:
+    def admit(self, status: NodeStatus, cpu_cores: float, memory_mb: int, claimed_mb: int = 0) -> None:
+        """`claimed_mb`: memory of creates admitted a moment ago that MemAvailable does not show
+        yet (admit_wait.Claims): counted as gone."""
         self._check_commitments(status, cpu_cores, memory_mb)
         reading = self.probe.read()
         self._check_pressure(status.node_id, reading)
-        self._check_memory(status.node_id, reading)
+        self._check_memory(status.node_id, reading, claimed_mb)
         for disk in self.disks:
             problem = disk.problem()
             if problem:
@@ -225,14 +232,17 @@ class Admission:
                     fix=f"retry in {PRESSURE_RETRY_AFTER_S} s or on another node, stop busy sandboxes; "
                         f"or raise {p.setting} (100 turns the check off)")
 
-    def _check_memory(self, node: str, reading: Reading) -> None:
+    def _check_memory(self, node: str, reading: Reading, claimed_mb: int = 0) -> None:
         avail, need = reading.mem_available_mb, self.mem_reserve_mb + self.sandbox_mb
-        if avail is not None and avail < need:
+        if avail is not None and avail - claimed_mb < need:
+            claimed = (f" ({claimed_mb} MiB of it claimed by creates admitted in the last seconds)"
+                       if claimed_mb else "")
             raise MemoryShort(
-                f"node {node} is short of memory: MemAvailable {avail} MiB < reserve {self.mem_reserve_mb} "
+                f"node {node} is short of memory: MemAvailable {avail} MiB{claimed} < reserve {self.mem_reserve_mb} "
                 f"MiB (DSEC_MEM_RESERVE_MB) + {self.sandbox_mb} MiB a new sandbox needs (DSEC_ADMIT_SANDBOX_MB)",
                 field="memory_mb",
-                fix="stop or park idle sandboxes, place it on another node, or lower DSEC_MEM_RESERVE_MB")
+                fix="stop or park idle sandboxes, place it on another node, or lower DSEC_MEM_RESERVE_MB",
+                claims_only=avail >= need)
 
 
 def _setting(basis: str, explicit: str) -> str:

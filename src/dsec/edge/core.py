@@ -19,6 +19,7 @@ from dsec.edge.deadlines import Deadlines
 from dsec.edge.event_log import EventLog
 from dsec.edge.live import LiveSandbox
 from dsec.edge.load import NodeLoad
+from dsec.edge.admit_wait import Claims
 from dsec.edge.reclaim import Reclaimer
 from dsec.edge.warm_pool import WarmPools
 from dsec.edge.records import EdgeRecords, SandboxRecord
@@ -92,6 +93,7 @@ class EdgeCore:
     _purge_next: float
     _watches: Counter[str]
     _reclaimer: Reclaimer
+    _claims: Claims              # memory of creates admitted a moment ago (admit_wait.py)
     _pools: WarmPools
     _usage: "UsageBook"            # per-sandbox usage rings (usage.py)
     events: EventLog               # lifecycle events, pulled by the apiserver (event_log.py)

@@ -27,6 +27,7 @@ from dsec.edge.admission import Admission
 from dsec.edge.deadlines import Deadlines
 from dsec.edge.live import LiveSandbox
 from dsec.edge.load import NodeLoad
+from dsec.edge.admit_wait import Claims
 from dsec.edge.reclaim import Reclaimer
 from dsec.edge.warm_auto import AutoPools
 from dsec.edge.warm_pool import WarmPools, parse_targets
@@ -90,6 +91,7 @@ class Edge(Lifecycle, WarmHooks, ParkingVerbs, CapabilityVerbs, AgentChannel, Ex
         self._purge_next = 0.0                 # monotonic: ended records are purged once a minute
         self._watches: Counter[str] = Counter()   # open directory watches per project
         self._reclaimer = Reclaimer.from_settings(self._live, self.admission.probe, self.conf.edge)   # idle memory out (reclaim.py)
+        self._claims = Claims()      # paces admissions near the memory floor (admit_wait.py)
         # warm pools of idle containers per environment, claimed by creates (warm_pool.py)
         # and automatic ones, of the burst shapes the node sees (warm_auto.py, D99)
         self._pools = WarmPools(parse_targets(self.conf.edge.warm_pool), self._warm_start, self._warm_key_of,

@@ -142,9 +142,10 @@ class Lifecycle(EdgeCore):
         if warm is not None:   # its share of the node passes to this sandbox
             self._load.update(warm.rec, live=False)
         try:
-            # short of memory: waits (bounded) for idle reclaim under way (admit_wait.py, D95);
-            # the node's automatic warm pools give way first (warm.py)
-            await self._admit_tenant(args.cpu_cores, args.memory_mb)
+            # short of memory: waits (bounded) for idle reclaim under way (admit_wait.py, D95),
+            # paced by what was admitted a moment ago (D100); the node's automatic warm pools
+            # give way first (warm.py)
+            await self._admit_tenant(args.cpu_cores, args.memory_mb, getattr(backend, "start_resident_mb", 0))
         except DsecError as e:
             self._give_back_warm(warm)
             stages.refuse(e)

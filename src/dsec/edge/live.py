@@ -47,6 +47,7 @@ class LiveSandbox:
     agent: AgentClient | None = None
     next_chan: int = 1            # chan 0 is the agent's control channel
     ping_misses: int = 0          # unanswered liveness pings in a row (LivenessWatched backends)
+    ping_missed_since: float = 0.0   # monotonic time of the first of them
     execs: int = 0                # execs running now (exec_slot)
     exec_bytes: int = 0           # output they reserved
     parked_where: str = "memory"  # a parked one's memory: "memory" (RAM/swap) or "disk" (metrics)

@@ -78,9 +78,36 @@ class Reaping(EdgeCore):
             # the connection stays: requests in flight keep it, and a late PONG goes to its own
             # (abandoned) chan and is dropped; a dead connection is replaced by the next connect()
             live.ping_misses += 1
-            if live.ping_misses >= b.ping_misses and live.rec.state == SandboxState.running:
-                await self._fail(live, f"the guest stopped answering (hung): no reply to {live.ping_misses} "
-                                       f"pings {b.ping_interval_s:.0f}s apart")
+            now = time.monotonic()
+            if live.ping_misses == 1:
+                live.ping_missed_since = now
+            if live.ping_misses < b.ping_misses or live.rec.state != SandboxState.running:
+                return
+            silent = now - live.ping_missed_since
+            stall = self._host_stall()
+            if stall is not None and silent < self.conf.edge.liveness_stall_max_s:
+                # a starved or thrashing host delays every guest's answer: failing them then
+                # turns a slow host into hundreds of lost sandboxes (D100). Asked again at the
+                # next ping; a guest still silent once the stall is over (or after the bound) fails
+                log.info("guest not answering while the host is stalled: not failed yet",
+                         extra={"sandbox": live.id, "misses": live.ping_misses, "silent_s": round(silent, 1),
+                                "stall": stall})
+                return
+            await self._fail(live, f"the guest stopped answering (hung): no reply to {live.ping_misses} "
+                                   f"pings {b.ping_interval_s:.0f}s apart")
+
+    def _host_stall(self) -> str | None:
+        """'cpu some 97%' when the host's PSI cpu or memory some avg10 is at or above
+        DSEC_LIVENESS_STALL_PSI, else None."""
+        limit = self.conf.edge.liveness_stall_psi
+        if limit >= 100:
+            return None
+        reading = self.admission.probe.read()
+        for resource in ("cpu", "memory"):
+            v = reading.stall(resource, "some")
+            if v is not None and v >= limit:
+                return f"{resource} some {v:g}%"
+        return None
 
     def _schedule(self, rec: SandboxRecord) -> None:
         """Tell the reaper when to look at this sandbox next: the earliest of its idle TTL, idle

@@ -60,6 +60,7 @@ PER_TICK = 4             # DSEC_RECLAIM_PER_TICK
 MEM_LOW_MB = 2048        # DSEC_RECLAIM_MEM_LOW_MB: MemAvailable below this squeezes (0: off)
 SQUEEZE_IDLE_S = 2.0     # DSEC_RECLAIM_SQUEEZE_IDLE_S: the threshold while squeezing
 SQUEEZE_BATCH = 8        # sandboxes reclaimed together while squeezing (at least per_tick)
+CPU_PSI = 50.0           # DSEC_RECLAIM_CPU_PSI: cpu some avg10 (%) above which idle VMs doze early
 
 
 class Reclaimer:
@@ -67,11 +68,16 @@ class Reclaimer:
                  idle_s: float = IDLE_S, pressed_idle_s: float = PRESSED_IDLE_S,
                  psi_limit: float = PSI_LIMIT, per_tick: int = PER_TICK,
                  mem_available: Callable[[], int | None] = lambda: None, mem_low_mb: int = 0,
-                 squeeze_idle_s: float = SQUEEZE_IDLE_S):
+                 squeeze_idle_s: float = SQUEEZE_IDLE_S,
+                 cpu_pressure: Callable[[], float | None] = lambda: None, cpu_psi: float = 0.0):
         self._live = live              # the edge's live sandboxes (read only)
         self.pressure = pressure       # memory some avg10 in %, None where unknown
         self.mem_available = mem_available   # MemAvailable in MiB, None where unknown
         self.mem_low_mb = mem_low_mb
+        self.cpu_pressure = cpu_pressure       # cpu some avg10 in %, None where unknown
+        self.cpu_psi = cpu_psi                 # DSEC_RECLAIM_CPU_PSI (0: off)
+        self.cpu_squeezed = 0                  # dozes done because the CPU was saturated
+        self._wanted_until = 0.0               # a create waits for memory (squeeze()) until then
         self.squeeze_idle_s = min(squeeze_idle_s, idle_s)
         self.squeezed = 0                        # reclaims done while memory was short (since start)
         self.idle_s = idle_s
@@ -82,6 +88,8 @@ class Reclaimer:
         self._queue: dict[str, None] = {}       # due, waiting for a slot (in order, no repeats)
         self._done: dict[str, float] = {}       # id -> its last_active_at when it was reclaimed
         self._reclaimed: dict[str, float] = {}  # ... when reclaimed but its doze found it busy
+        self._light: dict[str, float] = {}      # ... when dozed for CPU only (memory not out yet)
+        self._cpu_skipped: dict[str, None] = {}  # due, but left while the CPU alone was short
         self._task: asyncio.Task[list[tuple[str, int]]] | None = None
         self.reclaimed_bytes = 0                 # totals since the edge started
         self.reclaims = 0
@@ -91,7 +99,8 @@ class Reclaimer:
         return cls(live, lambda: probe.read().stall("memory", "some"), idle_s=s.reclaim_idle_s,
                    pressed_idle_s=s.reclaim_pressed_idle_s, psi_limit=s.reclaim_psi, per_tick=s.reclaim_per_tick,
                    mem_available=lambda: probe.read().mem_available_mb, mem_low_mb=s.reclaim_mem_low_mb,
-                   squeeze_idle_s=s.reclaim_squeeze_idle_s)
+                   squeeze_idle_s=s.reclaim_squeeze_idle_s,
+                   cpu_pressure=lambda: probe.read().stall("cpu", "some"), cpu_psi=s.reclaim_cpu_psi)
 
     @property
     def enabled(self) -> bool:
@@ -102,9 +111,24 @@ class Reclaimer:
         avail = self.mem_available() if self.mem_low_mb > 0 else None
         return avail is not None and avail < self.mem_low_mb
 
+    def cpu_short(self) -> bool:
+        """The host's CPU is saturated (PSI cpu some avg10 >= cpu_psi) and memory is not short:
+        only sandboxes that can doze are squeezed, the ones whose idling costs CPU (D100)."""
+        if self.cpu_psi <= 0:
+            return False
+        psi = self.cpu_pressure()
+        return psi is not None and psi >= self.cpu_psi
+
+    def memory_wanted(self) -> bool:
+        """Memory is short, or a create waited for it a moment ago (squeeze())."""
+        return self.short() or time.monotonic() < self._wanted_until
+
+    def squeezing(self) -> bool:
+        return self.memory_wanted() or self.cpu_short()
+
     def threshold(self) -> float:
         """The idle seconds after which a sandbox is reclaimed now."""
-        if self.short():
+        if self.squeezing():
             return self.squeeze_idle_s
         psi = self.pressure()
         return self.pressed_idle_s if psi is not None and psi > self.psi_limit else self.idle_s
@@ -131,22 +155,43 @@ class Reclaimer:
         False when nothing is left to reclaim now (the caller refuses)."""
         if not self.enabled:
             return False
+        self._wanted_until = time.monotonic() + 1.0     # creates poll every 0.2 s while they wait
         if self._task is not None and not self._task.done():
             return True
-        return self._start(self.squeeze_idle_s) is not None
+        # VMs stopped for the CPU alone still hold their memory: due again within a threshold
+        return self._start(self.squeeze_idle_s) is not None or self._light_left()
+
+    def _light_left(self) -> bool:
+        """A sandbox dozes for the CPU alone and was not used since (its memory can go out)."""
+        for sid, mark in list(self._light.items()):
+            live = self._live.get(sid)
+            if live is not None and live.rec.state == SandboxState.running and live.rec.last_active_at == mark:
+                return True
+            del self._light[sid]        # gone or used since: its entry is stale
+        return False
 
     def _start(self, threshold: float) -> asyncio.Task[list[tuple[str, int]]] | None:
-        picked = self._pick(time.time(), threshold, self._batch_size(threshold))
+        light = self._doze_only(threshold)
+        picked = self._pick(time.time(), threshold, self._batch_size(threshold), light)
         if not picked:
             return None
-        self._task = asyncio.create_task(self._run(picked, threshold), name="edge-reclaim")
+        self._task = asyncio.create_task(self._run(picked, threshold, light), name="edge-reclaim")
         return self._task
+
+    def _doze_only(self, threshold: float) -> bool:
+        """Squeezing for CPU alone: sandboxes that cannot doze use no CPU idle and are left to
+        the idle threshold (a reclaim would cost CPU and give none back)."""
+        return threshold <= self.squeeze_idle_s and not self.memory_wanted() and self.cpu_short()
 
     def _batch_size(self, threshold: float) -> int:
         return max(self.per_tick, SQUEEZE_BATCH) if threshold <= self.squeeze_idle_s else self.per_tick
 
-    def _pick(self, now: float, threshold: float, size: int) -> list[LiveSandbox]:
-        """Up to `size` sandboxes due at this threshold, the longest idle first."""
+    def _pick(self, now: float, threshold: float, size: int, doze_only: bool = False) -> list[LiveSandbox]:
+        """Up to `size` sandboxes due at this threshold, the longest idle first (only those that
+        can doze when `doze_only`)."""
+        if not doze_only and self._cpu_skipped:       # looked at again, first
+            self._queue = {**self._cpu_skipped, **self._queue}
+            self._cpu_skipped.clear()
         if not self._queue and not len(self._deadlines):
             return []
         for sid in self._deadlines.due(now - threshold):
@@ -156,6 +201,9 @@ class Reclaimer:
             sid = next(iter(self._queue))
             del self._queue[sid]
             live = self._check(sid, now, threshold)
+            if live is not None and doze_only and not isinstance(live.backend, Doze):
+                self._cpu_skipped[sid] = None   # no CPU to gain: looked at once the CPU squeeze ends
+                continue
             if live is not None:
                 picked.append(live)
         return picked
@@ -177,36 +225,45 @@ class Reclaimer:
         if live is None or live.rec.state != SandboxState.running or not isinstance(live.backend, Reclaim):
             self._done.pop(sid, None)     # gone or parked (a resume schedules it again)
             self._reclaimed.pop(sid, None)
+            self._light.pop(sid, None)
             return None
         rec = live.rec
         if now - rec.last_active_at < threshold:
             self._deadlines.push(sid, rec.last_active_at)        # used since
-        elif rec.in_flight or self._done.get(sid) == rec.last_active_at:
-            self._deadlines.push(sid, now)                       # busy, or reclaimed already
+        elif rec.in_flight or (self._done.get(sid) == rec.last_active_at
+                               and not (self._light.get(sid) == rec.last_active_at and self.memory_wanted())):
+            self._deadlines.push(sid, now)     # busy, or reclaimed already (dozing for CPU only: its
+                                               # memory goes out once memory is short)
         else:
             return live
         return None
 
-    async def _run(self, picked: list[LiveSandbox], threshold: float) -> list[tuple[str, int]]:
+    async def _run(self, picked: list[LiveSandbox], threshold: float, light: bool = False) -> list[tuple[str, int]]:
         """Reclaim `picked`; while memory stays short, the next batch at once (not a tick later)
         and the batch's sandboxes together (a VM's doze mostly waits: its 0.2 s look at the
         CPU, QMP), not one after the other."""
         out: list[tuple[str, int]] = []
         while picked:
             if threshold <= self.squeeze_idle_s:
-                done = [r for r in await asyncio.gather(*(self._one(x, threshold) for x in picked)) if r]
-                self.squeezed += len(done)
+                done = [r for r in await asyncio.gather(*(self._one(x, threshold, light) for x in picked)) if r]
+                if light:
+                    self.cpu_squeezed += len(done)
+                else:
+                    self.squeezed += len(done)
             else:
                 done = [r for x in picked if (r := await self._one(x, threshold))]
             out += done
-            if not self.short():
+            if not self.squeezing():
                 break
             threshold = self.squeeze_idle_s
-            picked = self._pick(time.time(), threshold, self._batch_size(threshold))
+            light = self._doze_only(threshold)
+            picked = self._pick(time.time(), threshold, self._batch_size(threshold), light)
         return out
 
-    async def _one(self, live: LiveSandbox, threshold: float) -> tuple[str, int] | None:
-        """Reclaim (and doze) one sandbox if it is still idle: (its id, bytes), else None."""
+    async def _one(self, live: LiveSandbox, threshold: float, light: bool = False) -> tuple[str, int] | None:
+        """Reclaim (and doze) one sandbox if it is still idle: (its id, bytes), else None.
+        `light` (the CPU alone is short): no reclaim, the doze only stops its CPU; a later
+        pass while memory is short pushes its memory out (doze with pageout)."""
         rec = live.rec
         async with live.park_lock:            # no suspend/resume meanwhile
             mark = rec.last_active_at
@@ -220,14 +277,20 @@ class Reclaimer:
             t0 = time.monotonic()
             busy = False
             try:
-                # reclaimed already in this idle period (its doze found it busy): doze only
-                n = 0 if self._reclaimed.get(rec.id) == mark else await backend.reclaim(rec.id)
+                # reclaimed already in this idle period (its doze found it busy), dozing for CPU
+                # only (its memory goes out now), or the CPU alone is short: doze only
+                n = 0 if (light or self._reclaimed.get(rec.id) == mark or self._light.get(rec.id) == mark) \
+                    else await backend.reclaim(rec.id)
                 # a backend that can stop an idle sandbox's CPU (Doze) does now, if still
                 # untouched (checked with no await between the check and the doze's mark)
                 if (isinstance(backend, Doze) and n >= 0 and not rec.in_flight
                         and rec.last_active_at == mark and rec.state == SandboxState.running):
-                    dozed = await backend.doze(rec.id)
+                    dozed = await (backend.doze(rec.id, pageout=False) if light else backend.doze(rec.id))
                     busy = dozed == DOZE_BUSY
+                    if light and dozed >= 0:
+                        self._light[rec.id] = mark
+                    elif not busy:
+                        self._light.pop(rec.id, None)
                     n += max(0, dozed)
             except Exception as e:   # its cgroup went, a kernel refusal: not again this idle period
                 log.warning("idle reclaim failed", extra={"sandbox": rec.id, "error": str(e) or repr(e)})

@@ -50,7 +50,7 @@ class WarmHooks(EdgeCore):
             self._load.update(w.rec, live=False)
         return bool(freed)
 
-    async def _admit_tenant(self, cpu_cores: float, memory_mb: int) -> None:
+    async def _admit_tenant(self, cpu_cores: float, memory_mb: int, claim_mb: int = 0) -> None:
         """Admission of a tenant's create. The node's automatic pools never cost a tenant a
         sandbox or a wait: refused, they are dropped and it is asked once more; short of memory,
         they are dropped before the create waits for reclaim (admit_wait.py)."""
@@ -58,12 +58,12 @@ class WarmHooks(EdgeCore):
             self._drop_auto_pools("a create waited for memory")
         try:
             await admit_wait.admit(self.admission, self._node_status, self._reclaimer, cpu_cores, memory_mb,
-                                   self.conf.edge.admit_reclaim_wait_s, on_short=short)
+                                   self.conf.edge.admit_reclaim_wait_s, self._claims, claim_mb, on_short=short)
         except DsecError as e:
             if not self._drop_auto_pools(f"a create was refused: {e.message}"):
                 raise
             await admit_wait.admit(self.admission, self._node_status, self._reclaimer, cpu_cores, memory_mb,
-                                   self.conf.edge.admit_reclaim_wait_s)
+                                   self.conf.edge.admit_reclaim_wait_s, self._claims, claim_mb)
 
     async def _auto_room(self, t: PoolTarget) -> str | None:
         """Why an automatic pool may not start one more sandbox now: it must leave admission

@@ -125,6 +125,9 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
         self.paths = paths
         self.settings = settings or VMSettings()      # the composition root's (dsec.settings)
         self.ping_interval_s = self.settings.ping_s   # liveness check of idle VMs' guests
+        # what a new VM holds resident once started (an awake clone: 37-50 MiB, D96): admission
+        # near the memory floor counts it as taken until MemAvailable shows it (admit_wait.py)
+        self.start_resident_mb = 48
         self.qemu = qemu_binary()               # Unavailable (names the fix) if QEMU is missing
         self.root = paths.vm_sandboxes
         self.snapshots = paths.vm_snapshots
@@ -157,6 +160,7 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
         self.network = network        # the node's sandbox networks (None: VMs cannot have a NIC here)
         self._net_cgroups: dict[str, Path] = {}   # sandbox id -> the cgroup its next QEMU starts in
         self._dozing: set[str] = set()            # vCPUs stopped while idle (doze.py)
+        self._unpaged: set[str] = set()           # ... of those, memory not paged out yet (D100)
         self._doze_locks: dict[str, asyncio.Lock] = {}
         if network is not None:       # their rows survive the container backend's recover()
             network.node.add_live_source(self._networked_live)
@@ -584,15 +588,24 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
 
     def _undoze(self, sandbox_id: str) -> None:
         self._dozing.discard(sandbox_id)
+        self._unpaged.discard(sandbox_id)
         self._doze_locks.pop(sandbox_id, None)
 
-    async def doze(self, sandbox_id: str) -> int:
+    async def doze(self, sandbox_id: str, pageout: bool = True) -> int:
         """Stop an idle VM's vCPUs and push its QEMU's private memory out (doze.py). Not VMs
         with a NIC (a server in the guest must answer its connections), nor a guest that used
         CPU over a short look (something of its own runs). Returns the bytes that left RAM, -1
-        when it did not doze."""
+        when it did not doze. `pageout=False` only stops it (the host is short of CPU, not of
+        memory, D100); a later doze of it with pageout pushes its memory out."""
         d = self.sandbox_dir(sandbox_id)
         pid = self._pid(sandbox_id)
+        if pageout and pid is not None and sandbox_id in self._dozing and sandbox_id in self._unpaged:
+            self._unpaged.discard(sandbox_id)     # stopped already: its memory now (a wake meanwhile
+            t0 = time.monotonic()                 # only faults back what it touches)
+            out = await asyncio.to_thread(doze.pageout, pid) if self.settings.idle_pageout else 0
+            log.info("vm dozing, paged out", extra={"sandbox": sandbox_id, "paged_out": out,
+                                                    "pageout_ms": round((time.monotonic() - t0) * 1000, 1)})
+            return out
         if not self.settings.idle_stop or pid is None or sandbox_id in self._dozing or _has_nic(d):
             return -1
         # dozing from here on (before any await): a request arriving now waits in wake() for
@@ -610,6 +623,10 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
             except BaseException:
                 self._dozing.discard(sandbox_id)
                 raise
+        if not pageout:
+            self._unpaged.add(sandbox_id)
+            log.info("vm dozing", extra={"sandbox": sandbox_id, "busy_pct": round(busy, 2), "paged_out": 0})
+            return 0
         t0 = time.monotonic()
         # outside the lock: a wake meanwhile only faults back what it touches
         out = await asyncio.to_thread(doze.pageout, pid) if self.settings.idle_pageout else 0
@@ -627,12 +644,14 @@ class VMDriver(Backend, Snapshots, Parking, Console, MemoryUsage, UsageStats, Li
             pid = self._pid(sandbox_id)
             if pid is None or not pid_alive(pid, sandbox_id):     # died dozing: the caller's use fails it
                 self._dozing.discard(sandbox_id)
+                self._unpaged.discard(sandbox_id)
                 return False
             try:
                 async with Qmp(self.sandbox_dir(sandbox_id) / "qmp.sock", sandbox_id) as q:
                     await q.run("cont")
             finally:
                 self._dozing.discard(sandbox_id)   # QEMU gone: the caller's agent use fails it
+                self._unpaged.discard(sandbox_id)
             return True
 
     # -- network (Egress) ------------------------------------------------------------------------

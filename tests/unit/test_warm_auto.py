@@ -80,10 +80,17 @@ async def test_a_create_short_of_memory_calls_on_short_once_before_it_waits():
     from dsec.edge.admission import MemoryShort
     from dsec.types import NodeCapacity, NodeStatus
 
+    class Probe:
+        def read(self):
+            return type("Read", (), {"mem_available_mb": None})()
+
     class Short:            # short twice, then room
         calls = 0
+        sandbox_mb = 0
+        mem_reserve_mb = 0
+        probe = Probe()
 
-        def admit(self, status, cpu, mem):
+        def admit(self, status, cpu, mem, held_mb=0):
             self.calls += 1
             if self.calls <= 2:
                 raise MemoryShort("short", field="memory_mb")

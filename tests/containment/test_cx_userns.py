@@ -51,6 +51,20 @@ async def test_sandbox_root_is_an_unprivileged_host_uid(client, server):
         await b.stop()
 
 
+def _host_pid_of(sandbox_id: str, inner: int) -> int:
+    """The host pid of the sandbox's process `inner` (its pid inside, as `$!` printed it): the
+    last NSpid field. Not the largest host pid: pids wrap at pid_max (32768 here) in a long run."""
+    for pid in pids_by_sandbox()[sandbox_id]:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        ns = next((line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:")), [])
+        if ns and int(ns[-1]) == inner:
+            return pid
+    raise AssertionError(f"no process {inner} of {sandbox_id} on the host")
+
+
 async def test_setuid_root_binary_inside_gives_no_host_root(client, server):
     """A setuid-root binary made by root inside (a copy of busybox, chmod 4755) is setuid to the sandbox's root only: on the host it is owned by the range's base uid, and run by the default user it gains nothing (no_new_privs): the process stays at host uid base+1000."""
     sb = await client.create_container(image="busybox")
@@ -61,7 +75,7 @@ async def test_setuid_root_binary_inside_gives_no_host_root(client, server):
         assert st.st_uid == base and st.st_mode & 0o4000, (st.st_uid, oct(st.st_mode))
         r = await sh(sb, "/work/s/busybox id -u; /work/s/busybox sleep 30 >/dev/null 2>&1 & echo $!", user=None)
         assert r.stdout.split()[0] == "1000", r
-        uids, _ = host_ids(max(pids_by_sandbox()[sb.id]))
+        uids, _ = host_ids(_host_pid_of(sb.id, int(r.stdout.split()[1])))
         assert 0 not in uids and all(u == base + 1000 for u in uids), uids
     finally:
         await sb.stop()

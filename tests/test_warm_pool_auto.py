@@ -10,6 +10,7 @@ import asyncio
 import signal
 import subprocess
 
+import httpx
 import pytest
 
 from conftest import ServerProc, _cleanup_home, side_home
@@ -89,6 +90,11 @@ async def test_a_burst_makes_an_automatic_pool_and_the_next_burst_claims_it(auto
         st = await wait_until(lambda: _auto_full(c), timeout_s=120, every_s=0.3, what="the automatic pool to fill")
         pooled = await _pool_ids(auto_server, c)
         assert len(pooled) == AUTO and not pooled & {sb.id for sb in first}
+        # the metric shows the node's own pool apart from configured ones
+        text = httpx.get(auto_server.url + "/metrics", headers={"Authorization": f"Bearer {auto_server.key}"},
+                         timeout=30).text
+        assert f'dsec_warm_pool_idle{{image="busybox",node="local",of="idle",pool="auto"}} {AUTO}.0' in text, \
+            [line for line in text.splitlines() if line.startswith("dsec_warm_pool_idle")]
         before = st.claims
         # the next step's burst: every create claimed from the pool, each with its own settings
         second = await asyncio.gather(*(c.create_container(image="busybox", labels={"step": "2", "i": str(i)},

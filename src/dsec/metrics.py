@@ -164,11 +164,12 @@ class EdgeCollector(Collector):
         except OSError:
             pass
         pools = e._pools.status()
-        idle = fam("dsec_warm_pool_idle", "idle warm-pool sandboxes waiting per image, and the pool's target size",
-                   ["node", "image", "of"])
-        for image, p in pools["pools"].items():     # type: ignore[union-attr]
-            idle.add_metric([node, image, "idle"], p["idle"])
-            idle.add_metric([node, image, "target"], p["size"])
+        idle = fam("dsec_warm_pool_idle", "idle warm-pool sandboxes waiting per image, and the pool's target size; "
+                   "pool: the operator's (configured) or the node's own (auto, D99)", ["node", "image", "of", "pool"])
+        for source, items in (("configured", pools["pools"]), ("auto", pools["auto"])):
+            for image, p in items.items():     # type: ignore[union-attr]
+                idle.add_metric([node, image, "idle", source], p["idle"])
+                idle.add_metric([node, image, "target", source], p["size"])
         claims = fam("dsec_warm_pool_lookups", "creates that matched a warm pool: claimed one (hit) or found it "
                      "empty (miss), since the edge started", ["node", "result"])
         claims.add_metric([node, "hit"], float(pools["claims"]))    # type: ignore[arg-type]

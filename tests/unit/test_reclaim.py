@@ -291,3 +291,32 @@ async def test_cpu_saturated_stops_dozers_only_and_memory_short_pages_them_out(
         await node.stop_edge()
         await fake.close()
         await plain.close()
+
+
+async def test_squeeze_counts_a_vm_stopped_for_the_cpu_alone(
+        image_service: ImageService, short_tmp: Path, proc: Path, rclock: Clock, monkeypatch: pytest.MonkeyPatch):
+    """D100: a create that waits for memory asks squeeze(); a VM stopped for the CPU alone a
+    moment ago is not due again yet, but its memory can still go out: squeeze() says so (True:
+    the create waits) instead of False (refused at once), and pages it out once due."""
+    monkeypatch.setenv("DSEC_RECLAIM_IDLE_S", str(IDLE))
+    monkeypatch.setenv("DSEC_RECLAIM_MEM_LOW_MB", "0")                  # memory short only when asked
+    fake = DozeFake(short_tmp / "dz", busy=0)
+    node = Node(image_service.paths, image_service, [fake])
+    try:
+        edge = await start(node, proc)
+        vm = (await edge.create("p", ContainerArgs(image="busybox", ttl_idle_s=3600))).id
+        (proc / "pressure/cpu").write_text("some avg10=95.00 avg60=0.00 avg300=0.00 total=1\n")
+        rclock.advance(3)
+        await edge._reclaimer.run_once()
+        assert fake.calls[-1] == ("doze-cpu", vm) and fake.dozing(vm)
+        (proc / "pressure/cpu").write_text("some avg10=0.00 avg60=0.00 avg300=0.00 total=1\n")
+        assert edge._reclaimer.squeeze()          # nothing due now, but the stopped VM's memory can go
+        rclock.advance(3)
+        assert edge._reclaimer.squeeze()          # due: its pageout starts
+        assert edge._reclaimer._task is not None
+        await edge._reclaimer._task
+        assert fake.calls[-1] == ("doze", vm) and fake.reclaimed() == []
+        assert not edge._reclaimer.squeeze()      # paged out: nothing left to give
+    finally:
+        await node.stop_edge()
+        await fake.close()

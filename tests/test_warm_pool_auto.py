@@ -7,13 +7,12 @@ labels, env and limits."""
 from __future__ import annotations
 
 import asyncio
-import signal
 import subprocess
 
 import httpx
 import pytest
 
-from conftest import ServerProc, _cleanup_home, side_home
+from conftest import ServerProc, side_server
 from dsec.sdk.client import Client, Sandbox
 from dsec.testing.waiting import wait_until
 from dsec.types import WarmPools
@@ -27,18 +26,11 @@ START_S = 180
 @pytest.fixture(scope="module")
 def auto_server(images, dsec_home, tmp_path_factory):
     """A server that keeps up to 8 sandboxes warm on its own, at most 24 sandboxes in all."""
-    home = side_home(dsec_home, tmp_path_factory, "warmauto")
-    srv = ServerProc(home, env={"DSEC_WARM_POOL_AUTO": str(AUTO), "DSEC_WARM_POOL_AUTO_IDLE_S": str(IDLE_S),
-                                "DSEC_MAX_SANDBOXES": str(MAX_SANDBOXES), "DSEC_WARM_POOL_AUTO_MARGIN_MB": "0"})
-    try:
-        srv.start(timeout_s=START_S)
-    except BaseException:
-        srv.kill(signal.SIGTERM)
-        _cleanup_home(home)
-        raise
-    yield srv
-    srv.kill(signal.SIGTERM)
-    _cleanup_home(home)
+    with side_server(dsec_home, tmp_path_factory, "warmauto",
+                     {"DSEC_WARM_POOL_AUTO": str(AUTO), "DSEC_WARM_POOL_AUTO_IDLE_S": str(IDLE_S),
+                      "DSEC_MAX_SANDBOXES": str(MAX_SANDBOXES), "DSEC_WARM_POOL_AUTO_MARGIN_MB": "0"},
+                     start_timeout_s=START_S) as srv:
+        yield srv
 
 
 def _crun_ids(server: ServerProc) -> set[str]:

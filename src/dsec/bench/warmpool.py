@@ -28,6 +28,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Awaitable
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -145,10 +146,7 @@ class WarmBench:
                     raise RuntimeError(f"the automatic pool did not fill to {n} in 600 s ({err})")
                 out["auto_fill_s"].append(waited)
                 await asyncio.sleep(self.o.settle_s)
-            before = (await self.c.warm_pools()).claims
-            m = await self.run_mode(n, concurrent=True)
-            m["claimed"] = (await self.c.warm_pools()).claims - before
-            out[f"auto_burst{i}"] = m
+            out[f"auto_burst{i}"] = await _claims_counted(self.c, self.run_mode(n, concurrent=True))
         return out
 
     async def serial_warm(self, n: int) -> dict:
@@ -191,23 +189,15 @@ async def bench(srv: BenchServer, o: Opts) -> dict:
             res["raw_burst"] = await b.raw_burst(o.burst)
             console.rule(f"cold: {o.burst} concurrent creates, no pool")
             await asyncio.sleep(o.settle_s)
-            before = (await c.warm_pools()).claims
-            res["cold_burst"] = await b.run_mode(o.burst, concurrent=True)
-            res["cold_burst"]["claimed"] = (await c.warm_pools()).claims - before    # 0: cold
+            res["cold_burst"] = await _claims_counted(c, b.run_mode(o.burst, concurrent=True))    # 0 claimed: cold
             console.rule(f"warm: pool of {o.burst}, then {o.burst} concurrent creates")
             res["pool_fill_s"] = await b.set_pool(o.burst)
             await asyncio.sleep(o.settle_s)
-            before = (await c.warm_pools()).claims
-            res["warm_burst"] = await b.run_mode(o.burst, concurrent=True)
-            res["warm_burst"]["claimed"] = (await c.warm_pools()).claims - before
+            res["warm_burst"] = await _claims_counted(c, b.run_mode(o.burst, concurrent=True))
             await b.set_pool(0)
             console.rule(f"serial: {o.serial} one-at-a-time creates, cold then warm")
-            before = (await c.warm_pools()).claims
-            res["cold_serial"] = await b.run_mode(o.serial, concurrent=False)
-            res["cold_serial"]["claimed"] = (await c.warm_pools()).claims - before
-            before = (await c.warm_pools()).claims
-            res["warm_serial"] = await b.serial_warm(o.serial)
-            res["warm_serial"]["claimed"] = (await c.warm_pools()).claims - before
+            res["cold_serial"] = await _claims_counted(c, b.run_mode(o.serial, concurrent=False))
+            res["warm_serial"] = await _claims_counted(c, b.serial_warm(o.serial))
             nb = max(o.burst, MIN_BURST)     # a smaller burst is no burst to the node
             console.rule(f"auto: raw again, then 3 bursts of {nb}, the node's automatic pool on")
             await b.set_pool(0)      # the serial pool's last refill is not left to overlap what follows
@@ -227,6 +217,15 @@ async def bench(srv: BenchServer, o: Opts) -> dict:
     res["seconds"] = time.perf_counter() - t0
     res["finished_utc"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return res
+
+
+async def _claims_counted(c: Client, mode: Awaitable[dict]) -> dict:
+    """Run a mode (a coroutine not started yet); its result with `claimed`: the creates the
+    node's pools answered meanwhile."""
+    before = (await c.warm_pools()).claims
+    m = await mode
+    m["claimed"] = (await c.warm_pools()).claims - before
+    return m
 
 
 async def _stop_all(made: list[Sandbox]) -> None:
@@ -251,36 +250,36 @@ def rows(res: dict) -> list[tuple[str, str, str, str, str, str]]:
     """(mode, p50 / p99 ms create -> first output, create call p50 ms, the edge's part of it p50
     / p99 ms, x raw p50, x cold p50)."""
     raw, cold = res["raw_burst"]["p50_ms"], res["cold_burst"]["p50_ms"]
-    out = [(f"raw `crun run echo hi`, {res['opts']['burst']} at once", f"{_f(raw)} / {_f(res['raw_burst']['p99_ms'])}",
-            "", "", "1.00", "")]
+    out = [_raw_row(f"raw `crun run echo hi`, {res['opts']['burst']} at once", res["raw_burst"])]
     for key, label in (("cold_burst", "dsec, no pool, burst"), ("warm_burst", "dsec, warm pool, burst"),
                        ("cold_serial", "dsec, no pool, one at a time"), ("warm_serial", "dsec, warm pool, one at a time")):
         m = res[key]
         claimed = f" ({m['claimed']}/{m['n']} claimed)" if "claimed" in m else ""
         base = cold if "burst" in key else res["cold_serial"]["p50_ms"]
-        out.append((label + claimed + (f", {m['failed']} failed" if m["failed"] else ""),
-                    f"{_f(m['p50_ms'])} / {_f(m['p99_ms'])}", _f(m.get("create_p50_ms")),
-                    f"{_f(m.get('edge_create_p50_ms'))} / {_f(m.get('edge_create_p99_ms'))}",
-                    _ratio(m["p50_ms"], raw), _ratio(m["p50_ms"], base)))
+        out.append(_mode_row(label + claimed, m, raw, base))
     if "auto_burst1" in res:   # beside their own raw burst, run just before them
-        raw2 = res["raw_burst_auto"]["p50_ms"]
-        nb = res["raw_burst_auto"]["n"]
-        out.append((f"raw `crun run echo hi`, {nb} at once (again, before the automatic pool's bursts)",
-                    f"{_f(raw2)} / {_f(res['raw_burst_auto']['p99_ms'])}", "", "", "1.00", ""))
-        m = res["cold_burst_again"]
-        out.append(("dsec, no pool, burst (again here: the control)" + (f", {m['failed']} failed" if m["failed"] else ""),
-                    f"{_f(m['p50_ms'])} / {_f(m['p99_ms'])}", _f(m.get("create_p50_ms")),
-                    f"{_f(m.get('edge_create_p50_ms'))} / {_f(m.get('edge_create_p99_ms'))}",
-                    _ratio(m["p50_ms"], raw2), _ratio(m["p50_ms"], res["auto_burst1"]["p50_ms"])))
+        raw2, first = res["raw_burst_auto"]["p50_ms"], res["auto_burst1"]["p50_ms"]
+        out.append(_raw_row(f"raw `crun run echo hi`, {res['raw_burst_auto']['n']} at once (again, before the "
+                            "automatic pool's bursts)", res["raw_burst_auto"]))
+        out.append(_mode_row("dsec, no pool, burst (again here: the control)", res["cold_burst_again"], raw2, first))
         for i, what in ((1, "cold: the node learns the shape"), (2, "from the automatic pool"),
                         (3, "from the automatic pool")):
             m = res[f"auto_burst{i}"]
-            out.append((f"dsec, automatic pool, burst {i} ({what}; {m['claimed']}/{m['n']} claimed)"
-                        + (f", {m['failed']} failed" if m["failed"] else ""),
-                        f"{_f(m['p50_ms'])} / {_f(m['p99_ms'])}", _f(m.get("create_p50_ms")),
-                        f"{_f(m.get('edge_create_p50_ms'))} / {_f(m.get('edge_create_p99_ms'))}",
-                        _ratio(m["p50_ms"], raw2), _ratio(m["p50_ms"], res["auto_burst1"]["p50_ms"])))
+            out.append(_mode_row(f"dsec, automatic pool, burst {i} ({what}; {m['claimed']}/{m['n']} claimed)",
+                                 m, raw2, first))
     return out
+
+
+def _raw_row(label: str, m: dict) -> tuple[str, str, str, str, str, str]:
+    return (label, f"{_f(m['p50_ms'])} / {_f(m['p99_ms'])}", "", "", "1.00", "")
+
+
+def _mode_row(label: str, m: dict, raw: float | None, base: float | None) -> tuple[str, str, str, str, str, str]:
+    """One dsec mode: its figures, x the raw burst and x its no-pool base."""
+    return (label + (f", {m['failed']} failed" if m["failed"] else ""),
+            f"{_f(m['p50_ms'])} / {_f(m['p99_ms'])}", _f(m.get("create_p50_ms")),
+            f"{_f(m.get('edge_create_p50_ms'))} / {_f(m.get('edge_create_p99_ms'))}",
+            _ratio(m["p50_ms"], raw), _ratio(m["p50_ms"], base))
 
 
 def markdown(res: dict, o: Opts) -> str:

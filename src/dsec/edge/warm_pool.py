@@ -122,8 +122,7 @@ class WarmPools:
         self._drains: set[asyncio.Task[None]] = set()   # finished at close, never cancelled: no leak
         self._rechecked = 0.0
         self.claims = 0
-        self._last_take = 0.0
-        self._last_create = 0.0   # any create this node served (claimed or cold): refills wait for a pause
+        self._last_create = 0.0   # monotonic: the last create (claimed or cold): refills wait for a pause
         self.misses = 0        # creates that matched a pool's key but found it empty
 
     @property
@@ -200,7 +199,7 @@ class WarmPools:
         if not q:
             del self._idle[key]
         self.claims += 1
-        self._last_take = time.monotonic()
+        self._last_create = time.monotonic()
         self._wake.set()
         return w
 
@@ -217,12 +216,12 @@ class WarmPools:
 
     def auto_held(self) -> int:
         """Sandboxes the automatic pools hold now (idle or starting): they give way to any create."""
-        n = 0
-        for image in self.auto.pools:
-            if self._is_auto(image):
-                key = self._keys.get(image)
-                n += self._starting.get(image, 0) + (len(self._idle.get(key, ())) if key is not None else 0)
-        return n
+        return sum(self._starting.get(image, 0) + self._idle_of(image) for image in self.auto.pools
+                   if self._is_auto(image))
+
+    def _idle_of(self, image: str) -> int:
+        key = self._keys.get(image)
+        return len(self._idle.get(key, ())) if key is not None else 0
 
     def drop_auto(self, reason: str) -> list[WarmSandbox]:
         """A tenant's create was refused or waited: every automatic pool ends now. Returns the
@@ -253,8 +252,7 @@ class WarmPools:
         out: dict[str, dict[str, object]] = {}
         auto: dict[str, dict[str, object]] = {}
         for image, t in self._targets.items():
-            key = self._keys.get(image)
-            one: dict[str, object] = {"size": t.size, "idle": len(self._idle.get(key, ())) if key is not None else 0,
+            one: dict[str, object] = {"size": t.size, "idle": self._idle_of(image),
                                       "starting": self._starting.get(image, 0), "error": self._errors.get(image)}
             if self._is_auto(image):
                 one["burst"] = self.auto.pools[image].burst
@@ -284,9 +282,6 @@ class WarmPools:
             log.exception("could not free a warm pool sandbox", extra={"sandbox": w.id})
 
     # -- refill ------------------------------------------------------------------------------
-    def _last_activity(self) -> float:
-        return max(self._last_take, self._last_create)
-
     async def _refill_loop(self) -> None:
         while not self._closing:
             try:
@@ -301,7 +296,7 @@ class WarmPools:
             if self.auto.expire():
                 self._merge()
             deferred = time.monotonic()
-            while time.monotonic() - self._last_activity() < QUIET_S and time.monotonic() - deferred < DEFER_MAX_S:
+            while time.monotonic() - self._last_create < QUIET_S and time.monotonic() - deferred < DEFER_MAX_S:
                 await asyncio.sleep(QUIET_S)
             try:
                 await self._refill_once()
@@ -333,7 +328,7 @@ class WarmPools:
         self._drain()
         # automatic pools start only while no create comes (uncapped: a refill of the node's own
         # choosing never shares the CPU with a burst)
-        quiet = now - self._last_activity() >= QUIET_S
+        quiet = now - self._last_create >= QUIET_S
         for image, t in self._targets.items():
             key = self._keys.get(image)
             if key is None or now < self._retry_at.get(image, 0.0):
@@ -354,7 +349,7 @@ class WarmPools:
                     return
                 if self._is_auto(t.image):
                     # the node's own choice: only while creates pause and the node has room to spare
-                    if time.monotonic() - self._last_activity() < QUIET_S:    # creates resumed
+                    if time.monotonic() - self._last_create < QUIET_S:    # creates resumed
                         self._retry_at[t.image] = time.monotonic() + QUIET_S
                         return
                     why = await self._room(t) if self._room is not None else None

@@ -285,7 +285,7 @@ class Reclaimer:
                 # untouched (checked with no await between the check and the doze's mark)
                 if (isinstance(backend, Doze) and n >= 0 and not rec.in_flight
                         and rec.last_active_at == mark and rec.state == SandboxState.running):
-                    dozed = await (backend.doze(rec.id, pageout=False) if light else backend.doze(rec.id))
+                    dozed = await backend.doze(rec.id, pageout=not light)
                     busy = dozed == DOZE_BUSY
                     if light and dozed >= 0:
                         self._light[rec.id] = mark

@@ -261,3 +261,30 @@ async def test_lifecycle_events_through_http_edge(split):
     with pytest.raises(EndedByUser) as exc:
         await sb.run("true")
     assert exc.value.reason == "killed"
+
+
+async def test_warm_pools_through_http_edge(split):
+    """A cluster node's warm pools are set and read through the apiserver's admin route over the
+    edge's wire (before, the route answered 404: the HTTP edge had no warm-pool verbs); a create
+    is answered from the pool and the pool drains when set to none."""
+    client, *_ = split
+    pools = await client.set_warm_pools("busybox:1", node=NODE, auto=0)
+    assert pools.pools["busybox"].size == 1 and pools.auto_max == 0
+    for _ in range(120):
+        st = (await client.warm_pools(node=NODE)).pools["busybox"]
+        if st.idle == 1 and st.starting == 0:
+            break
+        await asyncio.sleep(0.5)
+    else:
+        pytest.fail(f"the pool did not fill: {st}")
+    claims = (await client.warm_pools(node=NODE)).claims
+    sb = await client.create_container(image="busybox")
+    try:
+        assert (await sb.run("echo warm")).stdout == "warm\n"
+        assert (await client.warm_pools(node=NODE)).claims == claims + 1
+    finally:
+        await sb.stop()
+    assert (await client.set_warm_pools("", node=NODE)).pools == {}
+    with pytest.raises(NotFound) as e:
+        await client.warm_pools(node="no-such-node")
+    assert e.value.field == "node"

@@ -15,7 +15,7 @@ is the node's capacity spent ahead of demand.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
@@ -25,12 +25,7 @@ from dsec.iam import Principal
 from dsec.types import NotFound
 
 if TYPE_CHECKING:
-    from dsec.apiserver.context import ApiContext
-
-
-class WarmPoolHandle(Protocol):
-    async def warm_pools(self) -> dict[str, Any]: ...
-    async def set_warm_pools(self, spec: str | None, auto: int | None = None) -> dict[str, Any]: ...
+    from dsec.apiserver.context import ApiContext, EdgeHandle
 
 
 class WarmPoolConfig(BaseModel):
@@ -43,13 +38,12 @@ class WarmPoolConfig(BaseModel):
 
 
 def add_warm_pool_routes(app: FastAPI, ctx: "ApiContext") -> None:
-    def edge_of(node: str, who: Principal) -> WarmPoolHandle:
+    def edge_of(node: str, who: Principal) -> "EdgeHandle":
         admin_only(ctx, who, "see or set a node's warm pools", "node", fix="ask an admin")
         edge = ctx.edges.get(node)
-        if edge is None or not hasattr(edge, "warm_pools"):
-            raise NotFound(f"no node {node!r} with warm pools", field="node",
-                           fix=f"use one of: {', '.join(ctx.edges)}")
-        return cast(WarmPoolHandle, edge)
+        if edge is None:
+            raise NotFound(f"no node {node!r}", field="node", fix=f"use one of: {', '.join(ctx.edges)}")
+        return edge       # in-process Edge or HttpEdge of a cluster node: both carry the verbs
 
     @app.get("/v1/nodes/{node}/warm-pool")
     async def get_warm_pool(node: str, who: Who) -> dict[str, Any]:
@@ -57,7 +51,4 @@ def add_warm_pool_routes(app: FastAPI, ctx: "ApiContext") -> None:
 
     @app.put("/v1/nodes/{node}/warm-pool")
     async def set_warm_pool(node: str, body: WarmPoolConfig, who: Who) -> dict[str, Any]:
-        h = edge_of(node, who)
-        if body.auto is None:      # an edge handle of before D99 takes the spec alone
-            return await h.set_warm_pools(body.pools)
-        return await h.set_warm_pools(body.pools, body.auto)
+        return await edge_of(node, who).set_warm_pools(body.pools, body.auto)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from dsec.backends.base import Backend, Prepared, Reclaim
@@ -56,14 +56,16 @@ class WarmHooks(EdgeCore):
         they are dropped before the create waits for reclaim (admit_wait.py)."""
         def short() -> None:
             self._drop_auto_pools("a create waited for memory")
-        try:
+
+        async def admit(on_short: Callable[[], None] | None) -> None:
             await admit_wait.admit(self.admission, self._node_status, self._reclaimer, cpu_cores, memory_mb,
-                                   self.conf.edge.admit_reclaim_wait_s, self._claims, claim_mb, on_short=short)
+                                   self.conf.edge.admit_reclaim_wait_s, self._claims, claim_mb, on_short=on_short)
+        try:
+            await admit(short)
         except DsecError as e:
             if not self._drop_auto_pools(f"a create was refused: {e.message}"):
                 raise
-            await admit_wait.admit(self.admission, self._node_status, self._reclaimer, cpu_cores, memory_mb,
-                                   self.conf.edge.admit_reclaim_wait_s, self._claims, claim_mb)
+            await admit(None)
 
     async def _auto_room(self, t: PoolTarget) -> str | None:
         """Why an automatic pool may not start one more sandbox now: it must leave admission

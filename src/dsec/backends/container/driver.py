@@ -226,7 +226,11 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
             raise
 
     def _learn_filter(self, d: Path, sandbox_id: str) -> None:
-        self.filters.learn(json.loads((d / "config.json").read_text()), self.paths.crun_root / sandbox_id)
+        # never fails a create: without a kept filter crun compiles it, as before
+        try:
+            self.filters.learn(json.loads((d / "config.json").read_text()), self.paths.crun_root / sandbox_id)
+        except (OSError, ValueError) as e:
+            log.warning("crun's compiled seccomp filter not kept", extra={"sandbox": sandbox_id, "error": str(e)})
 
     @staticmethod
     def _record_start(run: Path, spec: ContainerSpec, pid: int) -> None:

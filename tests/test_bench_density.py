@@ -56,6 +56,11 @@ async def test_density_bench_tiny(server, client) -> None:
 
     assert burst["dsec"]["n"] == 3 and burst["dsec"]["failed"] == 0, burst["dsec"]
     assert burst["raw"]["n"] == 3 and burst["raw"]["failed"] == 0, burst["raw"]
+    # crun + dsec's containment alone (D103): the driver's bundle replayed with `echo hi`, every part on
+    floor = burst["floor"]
+    assert floor["n"] == 3 and floor["failed"] == 0 and floor["variant"] == "full" and floor["off"] == [], floor
+    assert floor["p50_ms"] > 0 and floor["cpu_ms_per_create"] > 0 and burst["raw"]["cpu_ms_per_create"] > 0
+    assert floor["cgroups_left"] == []
     # the same burst from a warm pool of its size: every create answered by the pool (issue 29)
     pooled = burst["pooled"]
     assert pooled["n"] == 3 and pooled["failed"] == 0 and pooled["claimed"] == 3, pooled
@@ -67,8 +72,13 @@ async def test_density_bench_tiny(server, client) -> None:
     assert res["live_left"] == []
 
     table = rows(res)
-    assert all(len(r) == 6 for r in table)
+    assert all(len(r) == 7 for r in table)
+    # the cold burst's row carries three columns: dsec, crun + dsec's containment, raw crun
+    cold = next(r for r in table if r[0].startswith("burst of 3: create -> first output"))
+    assert all(" / " in cell for cell in cold[1:4]), cold
+    assert any(r[0].startswith("burst of 3: crun + dsec's containment alone") for r in table)
     md = markdown(res, o)
     assert "dsec bench density --n 5 --park 3" in md
     assert "from a warm pool of 3 (3 claimed)" in md and "p50 <= 1.3x raw" in md
-    assert all(line.count("|") == 7 for line in md.splitlines() if line.startswith("|"))
+    assert "| metric | dsec | crun + dsec's containment | raw crun |" in md
+    assert all(line.count("|") == 8 for line in md.splitlines() if line.startswith("|"))

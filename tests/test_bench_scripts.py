@@ -28,3 +28,14 @@ def test_burst_ab_refuses_a_bad_variant_before_making_a_home() -> None:
                        cwd=ROOT, check=False, env=ENV, capture_output=True, text=True, timeout=120)
     assert "unknown variant part 'bogus'" in r.stderr, r.stderr
     assert r.stdout.split() == ["rc=1"], r.stdout       # and nothing left in /var/tmp
+
+
+def test_burst_floor_imports_quietly_and_refuses_a_bad_variant_before_making_a_home() -> None:
+    r = subprocess.run([sys.executable, "-c", "import burst_floor; print(burst_floor.IMAGE)"],
+                       check=False, env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "debian-python", r.stderr
+    script = 'mount -t tmpfs dsec-test /var/tmp && "$0" benchmarks/burst_floor.py 1 2 no-bogus; echo "rc=$?"; ls -A /var/tmp'
+    r = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, sys.executable],
+                       cwd=ROOT, check=False, env=ENV, capture_output=True, text=True, timeout=120)
+    assert "unknown variant 'no-bogus'" in r.stderr, r.stderr
+    assert r.stdout.split() == ["rc=1"], r.stdout

@@ -17,6 +17,9 @@ side with raw `crun` in the same run, on an isolated server (own DSEC_HOME, Benc
      concurrent foreground `crun run` of `echo hi` (spawn -> first output). Cold (every create
      starts a container) is the headline; then, unless --no-burst-pool, the same burst answered
      by a warm pool of B (edge/warm_pool.py, set through the admin route and waited full).
+     Beside them, the floor: the same burst as crun with dsec's containment alone (floor.py: the
+     driver's config.json and nsexec replayed with `echo hi`, no server, no agent), each
+     baseline burst on quiet CPUs.
   6. teardown: stop everything; nothing of the run may be left (crun containers, cgroups).
 
 Host memory is MemAvailable as the kernel reports it (median of reads a second apart); on a
@@ -46,6 +49,7 @@ from dsec.backends.container import cgroups
 from dsec.backends.container.hibernate import on_disk
 from dsec.backends.container.spec import cgroup_path
 from dsec.bench.core import RawCrun, _pct
+from dsec.bench.floor import Kit, floor_burst, quiet, run_burst
 from dsec.bench.hostmem import meminfo_mib, settled_mem_available_mib
 from dsec.bench.server import BenchServer
 from dsec.bench.warm_fill import wait_full
@@ -129,31 +133,14 @@ async def create_echo(c: Client, args: ContainerArgs, created: Callable[[Sandbox
 
 async def crun_burst(raw: Raw, cids: list[str], done: Callable[[], None] = lambda: None) -> dict:
     """The raw-crun baseline: `crun run` of the same rootfs once per id, all at once; time to
-    the first line of output each (and the wall time), bundles removed after."""
-    ttfo: list[float] = []
-    errs: list[str] = []
-
-    async def one(cid: str) -> None:
-        t0 = time.perf_counter()
-        p = await asyncio.create_subprocess_exec(*raw.crun("run", "--bundle", str(raw.root / "bundles" / cid), cid),
-                                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                                 stderr=subprocess.PIPE)
-        assert p.stdout is not None
-        line = await p.stdout.readline()
-        if line:
-            ttfo.append((time.perf_counter() - t0) * 1000)
-        _, err = await p.communicate()
-        if p.returncode != 0 or not line:
-            errs.append(f"{cid}: exit {p.returncode} {err.decode(errors='replace')[-200:]!r}")
-        done()
+    the first line of output each, the wall time and the children's CPU (floor.run_burst),
+    bundles removed after."""
     try:
         await asyncio.to_thread(lambda: [raw._bundle(cid) for cid in cids])
-        t0 = time.perf_counter()
-        await asyncio.gather(*(one(cid) for cid in cids))
-        wall = time.perf_counter() - t0
+        return await run_burst([raw.crun("run", "--bundle", str(raw.root / "bundles" / cid), cid) for cid in cids],
+                               done)
     finally:
         await asyncio.to_thread(raw.cleanup)
-    return {**_stats(ttfo), "wall_s": wall, "failed": len(errs), "errors": errs[:5], "ttfo_ms": ttfo}
 
 
 def _err(e: BaseException) -> str:
@@ -545,9 +532,14 @@ class Bench:
                              labels={**self.labels, "burst": "1"})
         cold = await self._dsec_burst(args, f"dsec: {o.burst} x create + echo hi")
         pooled = await self._pooled_burst(args) if o.burst_pool else None
+        # each baseline burst starts on quiet CPUs: the previous burst's teardown (netns and cgroup
+        # release in kernel workers) would otherwise land in it
+        await quiet()
         raw = await self._raw_burst()
+        await quiet()
+        floor = await self._floor_burst()
         self.res["burst"] = {"n": o.burst, "made_room_by_stopping": made_room, "dsec": cold, "raw": raw,
-                             **({"pooled": pooled} if pooled is not None else {})}
+                             "floor": floor, **({"pooled": pooled} if pooled is not None else {})}
 
     async def _dsec_burst(self, args: ContainerArgs, label: str,
                           after: Callable[[], Awaitable[None]] | None = None) -> dict:
@@ -610,6 +602,14 @@ class Bench:
         self.raw_ids += cids
         task = self.task(f"raw: {o.burst} x crun run echo hi", o.burst)
         return await crun_burst(raw, cids, lambda: self.progress.advance(task))
+
+    async def _floor_burst(self) -> dict:
+        """The same burst as crun with dsec's containment alone (floor.py: the driver's bundle
+        and nsexec replayed with `echo hi`, no server, no agent): what containment costs crun."""
+        task = self.task(f"crun + dsec's containment: {self.o.burst} x echo hi", self.o.burst)
+        kit = await asyncio.to_thread(Kit, self.paths, self._rootfs())
+        return await floor_burst(kit, self.o.burst, "full", tag=f"f{self.run_id}-",
+                                 done=lambda: self.progress.advance(task))
 
     # -- 6. teardown -------------------------------------------------------------------------
     async def teardown(self) -> None:

@@ -36,91 +36,128 @@ def _met_parked(x: float | None, freed: float | None, idle: float) -> str:
     return _met_mem(x, GOAL_PARKED_MIB)
 
 
-def rows(res: dict) -> list[tuple[str, str, str, str, str, str]]:
-    """(metric, dsec, raw crun, ratio, goal, met) rows of the summary."""
+Row = tuple[str, str, str, str, str, str, str]
+
+
+def _row(metric: str, dsec: str, raw: str, ratio: str, goal: str, met: str, floor: str = "") -> Row:
+    """A row in the table's column order; `floor` is the crun + dsec's containment column
+    (filled for the burst only: floor.py)."""
+    return (metric, dsec, floor, raw, ratio, goal, met)
+
+
+def _floor_rows(burst: dict) -> list[Row]:
+    """The cold burst's floor: what crun with dsec's containment alone takes, against raw crun
+    (is the 1.3x goal within containment's reach?) and what dsec adds above it."""
+    f, rw, d = burst.get("floor"), burst["raw"], burst["dsec"]
+    if not f:
+        return []
+    fx = f["p50_ms"] / rw["p50_ms"] if f["p50_ms"] and rw["p50_ms"] else None
+    above = d["p50_ms"] / f["p50_ms"] if d["p50_ms"] and f["p50_ms"] else None
+    return [
+        _row(f"burst of {burst['n']}: crun + dsec's containment alone (no server, no agent), p50 x raw", "",
+             "1.00", _f(fx, ".2f"), f"p50 <= {GOAL_BURST_X:g}x raw (issue 29)",
+             _met(None if fx is None else fx <= GOAL_BURST_X), _f(fx, ".2f")),
+        _row(f"burst of {burst['n']}: dsec above its floor, p50 dsec / crun + containment", _f(above, ".2f"), "", "",
+             "", ""),
+        _row(f"burst of {burst['n']}: children's CPU ms per create (crun, nsexec, the container; not dsec's)", "",
+             _f(rw.get("cpu_ms_per_create")), _f(f["cpu_ms_per_create"] / rw["cpu_ms_per_create"]
+                                                 if rw.get("cpu_ms_per_create") else None, ".2f"),
+             "", "", _f(f["cpu_ms_per_create"])),
+    ]
+
+
+def rows(res: dict) -> list[Row]:
+    """(metric, dsec, crun + dsec's containment, raw crun, ratio, goal, met) rows of the summary."""
     raw, cr, idle, park, burst = res["raw"], res["create"], res["idle"], res["park"], res["burst"]
     out = []
     held = cr["created"]
-    out.append((f"idle sandboxes held (target {cr['target']})", f"{held}", "", "",
+    out.append(_row(f"idle sandboxes held (target {cr['target']})", f"{held}", "", "",
                 f">= {GOAL_N:,} idle debian-python", _met(held >= GOAL_N)))
     w = cr["windows"]
     wtxt = ", ".join(_f(x["per_s"], ".0f") for x in w)
-    out.append((f"creations/s, whole fleet ({res['opts']['concurrency']} in flight)", _f(cr["per_s"]),
+    out.append(_row(f"creations/s, whole fleet ({res['opts']['concurrency']} in flight)", _f(cr["per_s"]),
                 _f(raw["create_per_s"]), _f(cr["per_s"] / raw["create_per_s"] if cr["per_s"] else None, ".2f"),
                 "", ""))
-    out.append((f"creations/s per {WINDOW} (in order)", wtxt, "", "", "", ""))
+    out.append(_row(f"creations/s per {WINDOW} (in order)", wtxt, "", "", "", ""))
     ex = idle["exec_true"]
-    out.append((f"`exec true` p50 / p99 ms, {ex['n']} random idle sandboxes at {held}",
+    out.append(_row(f"`exec true` p50 / p99 ms, {ex['n']} random idle sandboxes at {held}",
                 f"{_f(ex['p50_ms'])} / {_f(ex['p99_ms'])}", "", "", f"exec p99 <= {GOAL_EXEC_P99_MS:g} ms at that count",
                 _met(ex["p99_ms"] <= GOAL_EXEC_P99_MS if ex["p99_ms"] is not None else None)))
-    out.append((f"host MiB per idle sandbox (MemAvailable; raw: {raw['n']} containers)",
+    out.append(_row(f"host MiB per idle sandbox (MemAvailable; raw: {raw['n']} containers)",
                 _f(idle["mib_per_sandbox"], ".2f"), _f(raw["mib_per_container"], ".2f"),
                 _f(idle["mib_per_sandbox"] / raw["mib_per_container"]
                    if raw["mib_per_container"] > 0 and idle["mib_per_sandbox"] > 0 else None, ".2f"),
                 f"idle <= {GOAL_IDLE_MIB:g} MiB", _met_mem(idle["mib_per_sandbox"], GOAL_IDLE_MIB)))
-    out.append(("of which charged to the sandbox's memory cgroup (mean)", _f(idle["cgroup_charged_mib_mean"], ".2f"),
+    out.append(_row("of which charged to the sandbox's memory cgroup (mean)", _f(idle["cgroup_charged_mib_mean"], ".2f"),
                 _f(raw["cgroup_charged_mib_mean"], ".2f"), "", "", ""))
-    out.append(("of which the server process's RSS growth", _f(idle.get("server_rss_mib_per_sandbox"), ".2f"),
+    out.append(_row("of which the server process's RSS growth", _f(idle.get("server_rss_mib_per_sandbox"), ".2f"),
                 "", "", "", ""))
     if park.get("n"):
-        out.append((f"host MiB per parked sandbox ({park['n']} parked; idle minus freed)",
+        out.append(_row(f"host MiB per parked sandbox ({park['n']} parked; idle minus freed)",
                     _f(park["mib_per_parked_sandbox"], ".2f"), "", "", f"parked <= {GOAL_PARKED_MIB:g} MiB",
                     _met_parked(park["mib_per_parked_sandbox"], park["freed_mib_per_parked"], idle["mib_per_sandbox"])))
-        out.append(("MemAvailable freed per park, MiB", _f(park["freed_mib_per_parked"], ".2f"), "", "", "", ""))
+        out.append(_row("MemAvailable freed per park, MiB", _f(park["freed_mib_per_parked"], ".2f"), "", "", "", ""))
         if "to_disk" in park:
-            out.append(("of them parked to disk (quiescent, D44)", f"{park['to_disk']} of {park['n']}", "", "", "", ""))
+            out.append(_row("of them parked to disk (quiescent, D44)", f"{park['to_disk']} of {park['n']}", "", "", "", ""))
         mem = park.get("in_memory")
         if mem:
             disk_mib, mem_mib = park["mib_per_parked_sandbox"], mem["mib_per_parked_sandbox"]
-            out.append((f"host MiB per parked sandbox, kept in memory by a background process ({mem['in_memory']} "
+            out.append(_row(f"host MiB per parked sandbox, kept in memory by a background process ({mem['in_memory']} "
                         f"of {mem['n']} in memory; its sleep's {_f(mem['sleep_mib_per_sandbox'], '.2f')} MiB included)",
                         _f(mem_mib, ".2f"), "", _f(disk_mib / mem_mib if mem_mib and mem_mib > 0 else None, ".2f"),
                         "ratio: to disk / in memory", ""))
             ms, mr = mem["suspend"], mem["resume"]
-            out.append((f"in memory: suspend / resume p50 ms ({mem['n']})",
+            out.append(_row(f"in memory: suspend / resume p50 ms ({mem['n']})",
                         f"{_f(ms['p50_ms'])} / {_f(mr['p50_ms'])}", "", "", "", ""))
         s, r, e = park["suspend"], park["resume"], park["exec_after_resume"]
-        out.append((f"suspend p50 / p99 ms ({park['n']}, {res['opts']['concurrency']} in flight; wall s)",
+        out.append(_row(f"suspend p50 / p99 ms ({park['n']}, {res['opts']['concurrency']} in flight; wall s)",
                     f"{_f(s['p50_ms'])} / {_f(s['p99_ms'])} ({_f(s['wall_s'])} s)", "", "", "", ""))
-        out.append((f"resume p50 / p99 ms ({park['n']}; wall s)",
+        out.append(_row(f"resume p50 / p99 ms ({park['n']}; wall s)",
                     f"{_f(r['p50_ms'])} / {_f(r['p99_ms'])} ({_f(r['wall_s'])} s)", "", "", "", ""))
-        out.append((f"first `exec true` after resume p50 / p99 ms ({e['n']})",
+        out.append(_row(f"first `exec true` after resume p50 / p99 ms ({e['n']})",
                     f"{_f(e['p50_ms'])} / {_f(e['p99_ms'])}", "", "", "", ""))
         bulk = park.get("bulk", {})
         if bulk.get("available"):
             sa, ra = bulk.get("suspend_all", {}), bulk.get("resume_all", {})
             n = bulk["n"]
-            out.append((f"`suspend_all` by label of {n}: s (ms per sandbox)",
+            out.append(_row(f"`suspend_all` by label of {n}: s (ms per sandbox)",
                         sa.get("error") or f"{_f(sa['s'], '.2f')} ({_f(1000 * sa['s'] / max(n, 1), '.1f')})",
                         "", "", "bulk pause of 1,000", ""))
-            out.append((f"`resume_all` by label of {n}: s (ms per sandbox)",
+            out.append(_row(f"`resume_all` by label of {n}: s (ms per sandbox)",
                         ra.get("error") or f"{_f(ra['s'], '.2f')} ({_f(1000 * ra['s'] / max(n, 1), '.1f')})",
                         "", "", "bulk resume of 1,000", ""))
             if "mib_per_parked_sandbox" in bulk:
-                out.append(("host MiB per parked sandbox, parked by `suspend_all`",
+                out.append(_row("host MiB per parked sandbox, parked by `suspend_all`",
                             _f(bulk["mib_per_parked_sandbox"], ".2f"), "", "", f"parked <= {GOAL_PARKED_MIB:g} MiB",
                             _met_parked(bulk["mib_per_parked_sandbox"], bulk["freed_mib_per_parked"],
                                         idle["mib_per_sandbox"])))
             e = bulk["exec_after_resume_all"]
-            out.append((f"first `exec true` after `resume_all` p50 / p99 ms ({e['n']})",
+            out.append(_row(f"first `exec true` after `resume_all` p50 / p99 ms ({e['n']})",
                         f"{_f(e['p50_ms'])} / {_f(e['p99_ms'])}", "", "", "", ""))
     d, rw = burst["dsec"], burst["raw"]
     bursts = [("", d)]
     if "pooled" in burst:
         p = burst["pooled"]
         bursts.append((f", from a warm pool of {burst['n']} ({_f(p['claimed'], 'd')} claimed)", p))
+    f = burst.get("floor") or {}
     for label, b in bursts:
+        # the floor's cells beside the cold burst only (the pooled one is the same raw burst)
+        fp = f"{_f(f.get('p50_ms'), '.0f')} / {_f(f.get('p99_ms'), '.0f')}" if f and b is d else ""
+        fw = _f(f.get("wall_s"), ".2f") if f and b is d else ""
         ratio = b["p50_ms"] / rw["p50_ms"] if b["p50_ms"] and rw["p50_ms"] else None
-        out.append((f"burst of {burst['n']}{label}: create -> first output p50 / p99 ms (raw: `crun run` -> output)",
+        out.append(_row(f"burst of {burst['n']}{label}: create -> first output p50 / p99 ms (raw: `crun run` -> output)",
                     f"{_f(b['p50_ms'], '.0f')} / {_f(b['p99_ms'], '.0f')}",
                     f"{_f(rw['p50_ms'], '.0f')} / {_f(rw['p99_ms'], '.0f')}", _f(ratio, ".2f"),
-                    f"p50 <= {GOAL_BURST_X:g}x raw (issue 29)", _met(None if ratio is None else ratio <= GOAL_BURST_X)))
-        out.append((f"burst of {burst['n']}{label}: wall s until the last output", _f(b["wall_s"], ".2f"),
-                    _f(rw["wall_s"], ".2f"), _f(b["wall_s"] / rw["wall_s"] if rw["wall_s"] else None, ".2f"), "", ""))
+                    f"p50 <= {GOAL_BURST_X:g}x raw (issue 29)", _met(None if ratio is None else ratio <= GOAL_BURST_X),
+                    fp))
+        out.append(_row(f"burst of {burst['n']}{label}: wall s until the last output", _f(b["wall_s"], ".2f"),
+                    _f(rw["wall_s"], ".2f"), _f(b["wall_s"] / rw["wall_s"] if rw["wall_s"] else None, ".2f"), "", "",
+                    fw))
+    out += _floor_rows(burst)
     td = res["teardown"]
     leaks = td["leaks"]
     nleak = sum(len(v) for v in leaks.values()) + len(res.get("live_left", []))
-    out.append((f"teardown: stops/s ({td['n']}); leftovers", f"{_f(td['per_s'])}; {nleak} left", "", "", "nothing left",
+    out.append(_row(f"teardown: stops/s ({td['n']}); leftovers", f"{_f(td['per_s'])}; {nleak} left", "", "", "nothing left",
                 _met(nleak == 0 and td["failed"] == 0)))
     return out
 
@@ -137,11 +174,15 @@ def markdown(res: dict, o: Opts) -> str:
           f"`crun run` of `echo hi`. Host memory = MemAvailable lost (median of 5 reads a second apart after "
           f"{o.settle_s:g} s; no drop_caches, the box is shared). Load average (1 min) before the run: "
           f"{res['load1_before']:.2f}; run took {res['seconds']:.0f} s.\n",
-          "| metric | dsec | raw crun | ratio | goal (density issue) | met |", "|---|---|---|---|---|---|"]
+          "Crun + dsec's containment: the same foreground `crun run` of `echo hi` with the container driver's "
+          "config.json and nsexec (own user namespace, idmapped layers, overlay, masks, seccomp, lxcfs, limits, "
+          "network namespace; bench/floor.py), no server, no agent.\n",
+          "| metric | dsec | crun + dsec's containment | raw crun | ratio | goal (density issue) | met |",
+          "|---|---|---|---|---|---|---|"]
     table = rows(res)
     md += [f"| {' | '.join(r)} |" for r in table]
-    met = list(dict.fromkeys(r[4] for r in table if r[5] == "yes"))
-    missed = list(dict.fromkeys(r[4] for r in table if r[5] == "**no**"))
+    met = list(dict.fromkeys(r[5] for r in table if r[6] == "yes" and r[1]))
+    missed = list(dict.fromkeys(r[5] for r in table if r[6] == "**no**" and r[1]))
     notes = [f"Goals of the density issue met in this run: {', '.join(met) or 'none'}; not met: "
              f"{', '.join(missed) or 'none'}."]
     if res["raw"]["mib_per_container"] < 0:
@@ -172,7 +213,8 @@ def markdown(res: dict, o: Opts) -> str:
 
 
 def print_summary(res: dict, o: Opts) -> None:
-    t = Table("metric", "dsec", "raw crun", "ratio", "goal", "met", title=f"density: {o.command_line()}")
+    t = Table("metric", "dsec", "crun + containment", "raw crun", "ratio", "goal", "met",
+              title=f"density: {o.command_line()}")
     for r in rows(res):
         t.add_row(*(x.replace("**", "") for x in r))
     console.print(t)

@@ -34,6 +34,7 @@ from dsec.backends.base import (PARKED, RUNNING, Backend, Egress, EgressSecrets,
                                 UsageStats)
 from dsec.backends.container import cgroups, hibernate, qos
 from dsec.backends.container.crun_bin import crun_binary
+from dsec.backends.container.seccomp_bpf import CompiledFilters
 from dsec.backends.container import usage as usage_reader
 from dsec.backends.container import claim as warm_claim
 from dsec.backends.container.cpusets import CpuSets
@@ -99,6 +100,7 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
         _make_mask_dir(mask_dir(agent_binary))
         _make_dsec_dir(dsec_dir(agent_binary))
         self.crun = crun_binary(crun)      # the node's read-only bind of crun if any (crun_bin.py)
+        self.filters = CompiledFilters(self.crun)   # crun's seccomp filter, compiled once (seccomp_bpf.py)
         self.nsexec = compile_static(NSEXEC_SOURCE, paths.bin, "dsec-nsexec")
         self.cgroup_v2 = cgroups.is_unified()
         self.cpuset_v1 = cgroups.cpuset_v1_root()   # made before crun, balancing off (cgroups.py)
@@ -212,6 +214,8 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
                 pid = await self._run_crun(sandbox_id, d, spec, listener)
             finally:
                 listener.close()  # the agent holds its own copy (fd 3)
+            if not self.filters.known:     # the first start: keep the filter crun compiled
+                await asyncio.to_thread(self._learn_filter, d, sandbox_id)
             await self.net.setup(sandbox_id, pid, list(spec.network))
             if gen != self._view_gen:        # lxcfs restarted meanwhile: its binds may be the dead one's
                 await self._rebind_views([sandbox_id])
@@ -220,6 +224,13 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
         except BaseException:
             await asyncio.shield(self.destroy(sandbox_id))
             raise
+
+    def _learn_filter(self, d: Path, sandbox_id: str) -> None:
+        # never fails a create: without a kept filter crun compiles it, as before
+        try:
+            self.filters.learn(json.loads((d / "config.json").read_text()), self.paths.crun_root / sandbox_id)
+        except (OSError, ValueError) as e:
+            log.warning("crun's compiled seccomp filter not kept", extra={"sandbox": sandbox_id, "error": str(e)})
 
     @staticmethod
     def _record_start(run: Path, spec: ContainerSpec, pid: int) -> None:
@@ -255,6 +266,7 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
                 (d / VOLUME_STAGING / str(i)).mkdir(mode=0o700)
         cfg = build_config(spec, self.agent_binary, cgroup_v2=self.cgroup_v2, quota_floor=self.quota_floor,
                                view=self.view, bundle=d)
+        self.filters.annotate(cfg)
         (d / "config.json").write_text(json.dumps(cfg))
         self._precreate_cgroups(spec.sandbox_id)
         return spec
@@ -732,6 +744,7 @@ class ContainerDriver(Backend, LayerDiff, Egress, EgressSecrets, PortIngress, Pa
         try:
             cfg = build_config(spec, self.agent_binary, cgroup_v2=self.cgroup_v2, quota_floor=self.quota_floor,
                                view=self.view, bundle=d)      # volumes: the idmapped clones again
+            self.filters.annotate(cfg)
             await asyncio.to_thread((d / "config.json").write_text, json.dumps(cfg))
             await asyncio.to_thread(self._precreate_cgroups, sandbox_id)
             listener = self._listen(self.agent_socket(sandbox_id))

@@ -16,6 +16,12 @@ create that finds the node below its reserve (admission.py) calls `squeeze()` an
 the memory that frees (edge/lifecycle.py, DSEC_ADMIT_RECLAIM_WAIT_S); `squeeze()` says False
 when nothing idle is left to reclaim, and the create is refused at once.
 
+Memory tight (D102). A VM paged out while memory was short takes its memory back when a request
+wakes it. While MemAvailable stays below TIGHT_X times mem_low_mb, such a VM dozes again, paged
+out, after `squeeze_idle_s`: otherwise the memory woken VMs take back brings the node down to
+mem_low_mb, where the squeeze pages out the VMs idle longest, typically ones only stopped so far,
+whose own wake then has to swap in as well.
+
 Cost: a reclaim is CPU and I/O (~2.5-3.5 ms per MiB), so at most `per_tick`
 (DSEC_RECLAIM_PER_TICK, 4) start per reaper tick, one at a time, in a thread (never on the
 event loop); a tick that finds the previous batch still running starts none. Skipped: sandboxes

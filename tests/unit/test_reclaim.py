@@ -355,7 +355,9 @@ async def test_a_vm_paged_out_before_is_paged_out_again_while_memory_is_tight(
         n = len(fake.calls)
         rclock.advance(3)
         await edge._reclaimer.run_once()
-        dozes = lambda: [c for c in fake.calls[n:] if c[0].startswith("doze")]  # noqa: E731
+
+        def dozes() -> list[tuple[str, str]]:
+            return [c for c in fake.calls[n:] if c[0].startswith("doze")]
         assert dozes() == [("doze", paged)] and not fake.dozing(never)  # out again; the other left
         await run(edge, paged)
         (proc / "pressure/cpu").write_text("some avg10=95.00 avg60=0.00 avg300=0.00 total=1\n")

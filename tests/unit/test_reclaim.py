@@ -374,3 +374,34 @@ async def test_a_vm_paged_out_before_is_paged_out_again_while_memory_is_tight(
     finally:
         await node.stop_edge()
         await fake.close()
+
+
+async def test_others_keep_their_idle_threshold_while_a_paged_vm_is_in_use(
+        image_service: ImageService, short_tmp: Path, proc: Path, rclock: Clock, monkeypatch: pytest.MonkeyPatch):
+    """D102: memory tight and a VM paged out before kept in use (never idle for the squeeze
+    threshold): a sandbox idle past its own idle threshold is still reclaimed, not left aside
+    for as long as the re-paging lasts."""
+    monkeypatch.setenv("DSEC_RECLAIM_IDLE_S", str(IDLE))
+    fake = SilentWakeDoze(short_tmp / "dz", busy=0)
+    node = Node(image_service.paths, image_service, [fake])
+    try:
+        edge = await start(node, proc)
+        paged = (await edge.create("p", ContainerArgs(image="busybox", ttl_idle_s=3600))).id
+        (proc / "meminfo").write_text("MemTotal: 8388608 kB\nMemAvailable: 1000000 kB\n")   # short
+        rclock.advance(3)
+        await edge._reclaimer.run_once()
+        assert fake.calls[-1] == ("doze", paged)
+        (proc / "meminfo").write_text("MemTotal: 8388608 kB\nMemAvailable: 3000000 kB\n")   # tight
+        other = (await edge.create("p", ContainerArgs(image="busybox", ttl_idle_s=3600))).id
+        for _ in range(3):                                              # `paged` in use all along
+            await run(edge, paged)
+            rclock.advance(1)
+            await edge._reclaimer.run_once()
+        assert ("reclaim", other) not in fake.calls                     # idle 3 s: not yet
+        rclock.advance(IDLE)
+        await run(edge, paged)
+        await edge._reclaimer.run_once()
+        assert ("reclaim", other) in fake.calls and fake.dozing(other)  # idle past IDLE: reclaimed
+    finally:
+        await node.stop_edge()
+        await fake.close()

@@ -86,6 +86,7 @@ class Opts:
     doze_idle_s: float = 60.0            # DSEC_RECLAIM_IDLE_S of the dozing configurations
     doze_wait_s: float = 900.0           # longest wait for every clone to doze
     doze_per_tick: int = 4               # DSEC_RECLAIM_PER_TICK of the dozing configurations
+    wakes_out: str | None = None         # a JSON file for every wake's (MiB in swap before, ms)
 
     def command(self) -> str:
         tb = f" --tb-size-mb {self.tb_size_mb}" if self.tb_size_mb is not None else ""
@@ -332,8 +333,8 @@ async def _config(server: BenchServer, cfg: Config, o: Opts) -> dict:
             stopped = [ms for mib, ms in wakes if mib < PAGED_MIB]
             res.update(exec_paged_n=len(paged), exec_paged_p50_ms=_pct(paged, 50) if paged else float("nan"),
                        exec_stopped_p50_ms=_pct(stopped, 50) if stopped else float("nan"))
-            if out := os.environ.get("DSEC_BENCH_WAKES_OUT"):
-                Path(out).write_text(json.dumps(wakes))
+            if o.wakes_out:
+                Path(o.wakes_out).write_text(json.dumps(wakes))
             res.update(exec_p50_ms=_pct(rtt, 50), exec_p99_ms=_pct(rtt, 99),
                        exec2_p50_ms=_pct(rtt2, 50), exec2_p99_ms=_pct(rtt2, 99))
         finally:

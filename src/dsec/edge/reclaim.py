@@ -16,7 +16,7 @@ create that finds the node below its reserve (admission.py) calls `squeeze()` an
 the memory that frees (edge/lifecycle.py, DSEC_ADMIT_RECLAIM_WAIT_S); `squeeze()` says False
 when nothing idle is left to reclaim, and the create is refused at once.
 
-Memory tight (D102). A VM paged out while memory was short takes its memory back when a request
+Memory tight (D102). A VM whose doze paged its memory out takes that memory back when a request
 wakes it. While MemAvailable stays below TIGHT_X times mem_low_mb, such a VM dozes again, paged
 out, after `squeeze_idle_s`: otherwise the memory woken VMs take back brings the node down to
 mem_low_mb, where the squeeze pages out the VMs idle longest, typically ones only stopped so far,
@@ -161,6 +161,10 @@ class Reclaimer:
         """The idle seconds after which a sandbox is reclaimed now."""
         if self.squeezing():
             return self.squeeze_idle_s
+        return self._idle_threshold()
+
+    def _idle_threshold(self) -> float:
+        """The threshold when not squeezing (idle_s, or pressed_idle_s under PSI pressure)."""
         psi = self.pressure()
         return self.pressed_idle_s if psi is not None and psi > self.psi_limit else self.idle_s
 
@@ -229,6 +233,12 @@ class Reclaimer:
         if not repage_only and self._repage_skipped:  # looked at again, first
             self._queue = {**self._repage_skipped, **self._queue}
             self._repage_skipped.clear()
+        if repage_only and self._repage_skipped:      # idle past their own threshold by now
+            normal = self._idle_threshold()
+            for sid in [sid for sid in self._repage_skipped if (lv := self._live.get(sid)) is None
+                        or now - lv.rec.last_active_at >= normal]:
+                del self._repage_skipped[sid]
+                self._queue[sid] = None
         if not doze_only and not repage_only and self._cpu_skipped:
             self._queue = {**self._cpu_skipped, **self._queue}
             self._cpu_skipped.clear()
@@ -241,8 +251,9 @@ class Reclaimer:
             sid = next(iter(self._queue))
             del self._queue[sid]
             live = self._check(sid, now, threshold)
-            if live is not None and repage_only and sid not in self._paged:
-                self._repage_skipped[sid] = None   # looked at once something else squeezes
+            if (live is not None and repage_only and sid not in self._paged
+                    and now - live.rec.last_active_at < self._idle_threshold()):
+                self._repage_skipped[sid] = None   # not due at its own threshold yet
                 continue
             if live is not None and doze_only and not isinstance(live.backend, Doze):
                 self._cpu_skipped[sid] = None   # no CPU to gain: looked at once the CPU squeeze ends

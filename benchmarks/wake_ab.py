@@ -4,7 +4,8 @@ D100), two code trees side by side in one run.
 Two isolated servers, one per source tree (PYTHONPATH), each with K busybox clones that doze
 after DSEC_RECLAIM_IDLE_S. Each round waits until every clone of both sides is stopped (QMP
 query-status), then wakes them one at a time, alternating sides, timing `run("true")`: the
-host's noise falls on both sides alike. Prints p50/p99 per side and the ratio.
+host's noise falls on both sides alike. Prints p50/p99 per side and the ratio. Each clone runs
+one untimed `true` before its first doze (as in `dsec bench vm-density`).
 
     python benchmarks/wake_ab.py --old /path/to/old/src --new src --k 20 --rounds 3
 """
@@ -75,6 +76,10 @@ async def main_async(a: argparse.Namespace) -> None:
             first = await clients[name].create_microvm(image="busybox", memory_mb=256)   # the template, untimed
             sbs[name] = [first] + [await clients[name].create_microvm(image="busybox", memory_mb=256)
                                    for _ in range(a.k - 1)]
+            # one command each before the first doze, as vm-density's clones: the first `true`
+            # after a restore translates busybox's code (~100 ms), which is not a wake's cost (D102)
+            for sb in sbs[name]:
+                await sb.run("true")
             print(f"{name}: {a.k} clones on {src}", flush=True)
         for r in range(a.rounds):
             for name in sides:

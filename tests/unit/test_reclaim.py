@@ -320,3 +320,88 @@ async def test_squeeze_counts_a_vm_stopped_for_the_cpu_alone(
     finally:
         await node.stop_edge()
         await fake.close()
+
+
+class SilentWakeDoze(DozeFake):
+    """A wake that needs no guest clock set (the fake's sandboxes run a container agent)."""
+
+    async def wake(self, sandbox_id: str) -> bool:
+        self.dozed.discard(sandbox_id)
+        return False
+
+
+async def test_a_vm_paged_out_before_is_paged_out_again_while_memory_is_tight(
+        image_service: ImageService, short_tmp: Path, proc: Path, rclock: Clock, monkeypatch: pytest.MonkeyPatch):
+    """D102: once memory was short, a VM paged out and then woken by a request takes its memory
+    back. While MemAvailable stays below twice DSEC_RECLAIM_MEM_LOW_MB (tight, not short) it
+    dozes again with a pageout after the squeeze threshold, not after the idle threshold, and
+    even when only the CPU is short (whose squeeze only stops the others); a VM that was never
+    paged out keeps its idle threshold. (Old code: left awake with its memory until the idle
+    threshold, or until memory was short, when the squeeze took the VMs idle longest first.)"""
+    monkeypatch.setenv("DSEC_RECLAIM_IDLE_S", str(IDLE))
+    fake = SilentWakeDoze(short_tmp / "dz", busy=0)
+    node = Node(image_service.paths, image_service, [fake])
+    try:
+        edge = await start(node, proc)
+        paged = (await edge.create("p", ContainerArgs(image="busybox", ttl_idle_s=3600))).id
+        (proc / "meminfo").write_text("MemTotal: 8388608 kB\nMemAvailable: 1000000 kB\n")   # < 2 GiB: short
+        rclock.advance(3)
+        await edge._reclaimer.run_once()
+        assert fake.calls[-1] == ("doze", paged)                        # paged out
+        (proc / "meminfo").write_text("MemTotal: 8388608 kB\nMemAvailable: 3000000 kB\n")   # tight: < 4 GiB
+        never = (await edge.create("p", ContainerArgs(image="busybox", ttl_idle_s=3600))).id
+        await run(edge, paged)                                          # wakes it: its memory comes back
+        await run(edge, never)
+        n = len(fake.calls)
+        rclock.advance(3)
+        await edge._reclaimer.run_once()
+
+        def dozes() -> list[tuple[str, str]]:
+            return [c for c in fake.calls[n:] if c[0].startswith("doze")]
+        assert dozes() == [("doze", paged)] and not fake.dozing(never)  # out again; the other left
+        await run(edge, paged)
+        (proc / "pressure/cpu").write_text("some avg10=95.00 avg60=0.00 avg300=0.00 total=1\n")
+        rclock.advance(3)
+        await edge._reclaimer.run_once()                                # CPU short: stops `never` only,
+        assert sorted(dozes()[1:]) == sorted([("doze", paged), ("doze-cpu", never)])  # pages `paged` out
+        await run(edge, paged)
+        (proc / "pressure/cpu").write_text("some avg10=0.00 avg60=0.00 avg300=0.00 total=1\n")
+        (proc / "meminfo").write_text("MemTotal: 8388608 kB\nMemAvailable: 6000000 kB\n")   # plentiful
+        rclock.advance(3)
+        m = len(dozes())
+        await edge._reclaimer.run_once()
+        assert dozes()[m:] == []                                        # memory back: idle threshold
+    finally:
+        await node.stop_edge()
+        await fake.close()
+
+
+async def test_others_keep_their_idle_threshold_while_a_paged_vm_is_in_use(
+        image_service: ImageService, short_tmp: Path, proc: Path, rclock: Clock, monkeypatch: pytest.MonkeyPatch):
+    """D102: memory tight and a VM paged out before kept in use (never idle for the squeeze
+    threshold): a sandbox idle past its own idle threshold is still reclaimed, not left aside
+    for as long as the re-paging lasts."""
+    monkeypatch.setenv("DSEC_RECLAIM_IDLE_S", str(IDLE))
+    fake = SilentWakeDoze(short_tmp / "dz", busy=0)
+    node = Node(image_service.paths, image_service, [fake])
+    try:
+        edge = await start(node, proc)
+        paged = (await edge.create("p", ContainerArgs(image="busybox", ttl_idle_s=3600))).id
+        (proc / "meminfo").write_text("MemTotal: 8388608 kB\nMemAvailable: 1000000 kB\n")   # short
+        rclock.advance(3)
+        await edge._reclaimer.run_once()
+        assert fake.calls[-1] == ("doze", paged)
+        (proc / "meminfo").write_text("MemTotal: 8388608 kB\nMemAvailable: 3000000 kB\n")   # tight
+        other = (await edge.create("p", ContainerArgs(image="busybox", ttl_idle_s=3600))).id
+        for _ in range(3):                                              # `paged` in use all along
+            await run(edge, paged)
+            rclock.advance(1)
+            await edge._reclaimer.run_once()
+        assert ("reclaim", other) not in fake.calls                     # idle 3 s: not yet
+        rclock.advance(IDLE)
+        await run(edge, paged)
+        await edge._reclaimer.run_once()
+        assert ("reclaim", other) in fake.calls and fake.dozing(other)  # idle past IDLE: reclaimed
+    finally:
+        await node.stop_edge()
+        await fake.close()

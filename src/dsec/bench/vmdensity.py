@@ -86,6 +86,7 @@ class Opts:
     doze_idle_s: float = 60.0            # DSEC_RECLAIM_IDLE_S of the dozing configurations
     doze_wait_s: float = 900.0           # longest wait for every clone to doze
     doze_per_tick: int = 4               # DSEC_RECLAIM_PER_TICK of the dozing configurations
+    wakes_out: str | None = None         # a JSON file for every wake's (MiB in swap before, ms)
 
     def command(self) -> str:
         tb = f" --tb-size-mb {self.tb_size_mb}" if self.tb_size_mb is not None else ""
@@ -104,6 +105,21 @@ def _pct(xs: list[float], p: float) -> float:
 
 
 # -- where the memory of one QEMU goes -----------------------------------------------------
+PAGED_MIB = 4.0       # a dozing QEMU with this much in swap was paged out (D91), not only stopped
+
+
+def vm_swap_mib(pidfile: Path) -> float:
+    """VmSwap of the QEMU named by a pid file, MiB (0 when it cannot be read)."""
+    try:
+        pid = int(pidfile.read_text())
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmSwap:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        pass
+    return 0.0
+
+
 def smaps_breakdown(pid: int, ram_mib: int) -> dict[str, float]:
     """KiB of one QEMU's memory by kind (guest RAM: its anonymous pages; the rest: private
     pages), plus KSM-merged KiB, PSS and page tables. Guest RAM is the mapping of the guest's size; the TCG code cache is the one
@@ -297,17 +313,28 @@ async def _config(server: BenchServer, cfg: Config, o: Opts) -> dict:
             res["idle_cpu_pct_per_vm"] = max(0.0, 100 * (sum(cpu_ns(p) for p in pids) - c0)
                                           / ((time.monotonic() - t0) * 1e9) / max(1, len(pids)))
             rtt, rtt2 = [], []
+            wakes: list[tuple[float, float]] = []    # (its QEMU's VmSwap in MiB before, wake ms)
             for sb in sbs:
                 try:
+                    swap = vm_swap_mib(server.paths.vm_sandboxes / sb.id / "qemu.pid")
                     t = time.perf_counter()
                     await sb.run("true")        # a dozing clone: wakes, swaps in
                     rtt.append((time.perf_counter() - t) * 1000)
+                    wakes.append((swap, rtt[-1]))
                     t = time.perf_counter()
                     await sb.run("true")        # awake
                     rtt2.append((time.perf_counter() - t) * 1000)
                 except Exception:
                     res["lost"] += 1
                     continue
+            # which wakes swapped in (paged out by the memory squeeze) and which only ran a
+            # stopped QEMU again (D100's CPU squeeze): the two costs under one p50 (D102)
+            paged = [ms for mib, ms in wakes if mib >= PAGED_MIB]
+            stopped = [ms for mib, ms in wakes if mib < PAGED_MIB]
+            res.update(exec_paged_n=len(paged), exec_paged_p50_ms=_pct(paged, 50) if paged else float("nan"),
+                       exec_stopped_p50_ms=_pct(stopped, 50) if stopped else float("nan"))
+            if o.wakes_out:
+                Path(o.wakes_out).write_text(json.dumps(wakes))
             res.update(exec_p50_ms=_pct(rtt, 50), exec_p99_ms=_pct(rtt, 99),
                        exec2_p50_ms=_pct(rtt2, 50), exec2_p99_ms=_pct(rtt2, 99))
         finally:
@@ -391,6 +418,9 @@ def _report(rs: list[dict], o: Opts, load_before: float) -> list[str]:
         ("clones dozed", lambda r: str(r.get("dozed", "-"))),
         (f"`run(\"true\")` p50 / p99 ms, all {o.n} alive (a dozing clone: wakes it)",
          lambda r: f"{r['exec_p50_ms']:.1f} / {r['exec_p99_ms']:.1f}"),
+        ("  of those: woken from swap (paged out): count, p50 ms / only stopped: p50 ms",
+         lambda r: f"{r.get('exec_paged_n', 0)}, {r.get('exec_paged_p50_ms', float('nan')):.1f} / "
+                   f"{r.get('exec_stopped_p50_ms', float('nan')):.1f}"),
         ("`run(\"true\")` again right after, p50 / p99 ms", lambda r: f"{r.get('exec2_p50_ms', float('nan')):.1f} / "
                                                                    f"{r.get('exec2_p99_ms', float('nan')):.1f}"),
         ("clones lost while idle (failed liveness pings)", lambda r: str(r.get("lost", 0))),

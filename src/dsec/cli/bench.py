@@ -130,6 +130,8 @@ def bench_vm_density(
         burst: Annotated[int, typer.Option(help="instead: this many clones created at once and kept alive, "
                                                  "then stopped together")] = 0,
         burst_floor_gib: Annotated[float, typer.Option(help="--burst stops creating below this MemAvailable")] = 3.0,
+        wakes_out: Annotated[Optional[str], typer.Option(help="write every wake of the sweep as JSON "
+                                                              "[MiB in swap before, ms] to this file")] = None,
         out: Optional[Path] = Path("docs/benchmarks.md")) -> None:
     """What an idle microVM clone costs the host and how fast clones come, per memory setting,
     side by side (toggles the host's ksmd for the KSM columns and puts it back)."""
@@ -152,7 +154,7 @@ def bench_vm_density(
                                image=image, configs=configs.split(","), tb_size_mb=tb_size_mb,
                                pages_to_scan=pages_to_scan, baseline_src=baseline_src,
                                min_mem_available_mib=min_available_gib * 1024, kind=kind,
-                               doze_idle_s=doze_idle_s, doze_per_tick=doze_per_tick), out=out)
+                               doze_idle_s=doze_idle_s, doze_per_tick=doze_per_tick, wakes_out=wakes_out), out=out)
 
 
 @bench_app.command("qos")

@@ -16,12 +16,6 @@ create that finds the node below its reserve (admission.py) calls `squeeze()` an
 the memory that frees (edge/lifecycle.py, DSEC_ADMIT_RECLAIM_WAIT_S); `squeeze()` says False
 when nothing idle is left to reclaim, and the create is refused at once.
 
-Memory tight (D102). A VM whose doze paged its memory out takes that memory back when a request
-wakes it. While MemAvailable stays below TIGHT_X times mem_low_mb, such a VM dozes again, paged
-out, after `squeeze_idle_s`: otherwise the memory woken VMs take back brings the node down to
-mem_low_mb, where the squeeze pages out the VMs idle longest, typically ones only stopped so far,
-whose own wake then has to swap in as well.
-
 Cost: a reclaim is CPU and I/O (~2.5-3.5 ms per MiB), so at most `per_tick`
 (DSEC_RECLAIM_PER_TICK, 4) start per reaper tick, one at a time, in a thread (never on the
 event loop); a tick that finds the previous batch still running starts none. Skipped: sandboxes
@@ -67,7 +61,6 @@ MEM_LOW_MB = 2048        # DSEC_RECLAIM_MEM_LOW_MB: MemAvailable below this sque
 SQUEEZE_IDLE_S = 2.0     # DSEC_RECLAIM_SQUEEZE_IDLE_S: the threshold while squeezing
 SQUEEZE_BATCH = 8        # sandboxes reclaimed together while squeezing (at least per_tick)
 CPU_PSI = 50.0           # DSEC_RECLAIM_CPU_PSI: cpu some avg10 (%) above which idle VMs doze early
-TIGHT_X = 2              # MemAvailable below this many times mem_low_mb: memory is tight (D102)
 
 
 class Reclaimer:
@@ -97,8 +90,6 @@ class Reclaimer:
         self._reclaimed: dict[str, float] = {}  # ... when reclaimed but its doze found it busy
         self._light: dict[str, float] = {}      # ... when dozed for CPU only (memory not out yet)
         self._cpu_skipped: dict[str, None] = {}  # due, but left while the CPU alone was short
-        self._paged: dict[str, float] = {}      # id -> last_active_at when its memory was paged out
-        self._repage_skipped: dict[str, None] = {}  # due, but left while re-paging only (D102)
         self._task: asyncio.Task[list[tuple[str, int]]] | None = None
         self.reclaimed_bytes = 0                 # totals since the edge started
         self.reclaims = 0
@@ -128,43 +119,17 @@ class Reclaimer:
         psi = self.cpu_pressure()
         return psi is not None and psi >= self.cpu_psi
 
-    def tight(self) -> bool:
-        """MemAvailable is within TIGHT_X times mem_low_mb: not short yet, but the next squeeze
-        is near (D102)."""
-        avail = self.mem_available() if self.mem_low_mb > 0 else None
-        return avail is not None and avail < TIGHT_X * self.mem_low_mb
-
-    def repage_due(self) -> bool:
-        """Memory is tight and a VM whose memory was paged out has been used since (its wake took
-        its memory back): it dozes again, paged out, after the squeeze threshold (D102). Left
-        awake, the memory it took back would bring the node to mem_low_mb, and the squeeze would
-        then page out the VMs idle longest - often ones only stopped, whose next wake it makes
-        slow (a sweep over all of them swaps in twice as often)."""
-        if not self._paged or not self.tight():
-            return False
-        for sid, mark in list(self._paged.items()):
-            live = self._live.get(sid)
-            if live is None or live.rec.state != SandboxState.running:
-                del self._paged[sid]
-            elif live.rec.last_active_at != mark:
-                return True
-        return False
-
     def memory_wanted(self) -> bool:
         """Memory is short, or a create waited for it a moment ago (squeeze())."""
         return self.short() or time.monotonic() < self._wanted_until
 
     def squeezing(self) -> bool:
-        return self.memory_wanted() or self.cpu_short() or self.repage_due()
+        return self.memory_wanted() or self.cpu_short()
 
     def threshold(self) -> float:
         """The idle seconds after which a sandbox is reclaimed now."""
         if self.squeezing():
             return self.squeeze_idle_s
-        return self._idle_threshold()
-
-    def _idle_threshold(self) -> float:
-        """The threshold when not squeezing (idle_s, or pressed_idle_s under PSI pressure)."""
         psi = self.pressure()
         return self.pressed_idle_s if psi is not None and psi > self.psi_limit else self.idle_s
 
@@ -207,7 +172,7 @@ class Reclaimer:
 
     def _start(self, threshold: float) -> asyncio.Task[list[tuple[str, int]]] | None:
         light = self._doze_only(threshold)
-        picked = self._pick(time.time(), threshold, self._batch_size(threshold), light, self._repage_only(threshold))
+        picked = self._pick(time.time(), threshold, self._batch_size(threshold), light)
         if not picked:
             return None
         self._task = asyncio.create_task(self._run(picked, threshold, light), name="edge-reclaim")
@@ -218,28 +183,13 @@ class Reclaimer:
         the idle threshold (a reclaim would cost CPU and give none back)."""
         return threshold <= self.squeeze_idle_s and not self.memory_wanted() and self.cpu_short()
 
-    def _repage_only(self, threshold: float) -> bool:
-        """Squeezing only because a paged-out VM was used while memory is tight: only such VMs
-        are picked (the rest keep their idle threshold)."""
-        return threshold <= self.squeeze_idle_s and not self.memory_wanted() and not self.cpu_short()
-
     def _batch_size(self, threshold: float) -> int:
         return max(self.per_tick, SQUEEZE_BATCH) if threshold <= self.squeeze_idle_s else self.per_tick
 
-    def _pick(self, now: float, threshold: float, size: int, doze_only: bool = False,
-              repage_only: bool = False) -> list[LiveSandbox]:
+    def _pick(self, now: float, threshold: float, size: int, doze_only: bool = False) -> list[LiveSandbox]:
         """Up to `size` sandboxes due at this threshold, the longest idle first (only those that
-        can doze when `doze_only`, only VMs paged out before when `repage_only`)."""
-        if not repage_only and self._repage_skipped:  # looked at again, first
-            self._queue = {**self._repage_skipped, **self._queue}
-            self._repage_skipped.clear()
-        if repage_only and self._repage_skipped:      # idle past their own threshold by now
-            normal = self._idle_threshold()
-            for sid in [sid for sid in self._repage_skipped if (lv := self._live.get(sid)) is None
-                        or now - lv.rec.last_active_at >= normal]:
-                del self._repage_skipped[sid]
-                self._queue[sid] = None
-        if not doze_only and not repage_only and self._cpu_skipped:
+        can doze when `doze_only`)."""
+        if not doze_only and self._cpu_skipped:       # looked at again, first
             self._queue = {**self._cpu_skipped, **self._queue}
             self._cpu_skipped.clear()
         if not self._queue and not len(self._deadlines):
@@ -251,10 +201,6 @@ class Reclaimer:
             sid = next(iter(self._queue))
             del self._queue[sid]
             live = self._check(sid, now, threshold)
-            if (live is not None and repage_only and sid not in self._paged
-                    and now - live.rec.last_active_at < self._idle_threshold()):
-                self._repage_skipped[sid] = None   # not due at its own threshold yet
-                continue
             if live is not None and doze_only and not isinstance(live.backend, Doze):
                 self._cpu_skipped[sid] = None   # no CPU to gain: looked at once the CPU squeeze ends
                 continue
@@ -280,7 +226,6 @@ class Reclaimer:
             self._done.pop(sid, None)     # gone or parked (a resume schedules it again)
             self._reclaimed.pop(sid, None)
             self._light.pop(sid, None)
-            self._paged.pop(sid, None)
             return None
         rec = live.rec
         if now - rec.last_active_at < threshold:
@@ -312,8 +257,7 @@ class Reclaimer:
                 break
             threshold = self.squeeze_idle_s
             light = self._doze_only(threshold)
-            picked = self._pick(time.time(), threshold, self._batch_size(threshold), light,
-                                self._repage_only(threshold))
+            picked = self._pick(time.time(), threshold, self._batch_size(threshold), light)
         return out
 
     async def _one(self, live: LiveSandbox, threshold: float, light: bool = False) -> tuple[str, int] | None:
@@ -341,17 +285,12 @@ class Reclaimer:
                 # untouched (checked with no await between the check and the doze's mark)
                 if (isinstance(backend, Doze) and n >= 0 and not rec.in_flight
                         and rec.last_active_at == mark and rec.state == SandboxState.running):
-                    # paged out before and memory still tight: out again, even when the CPU
-                    # alone is short (its memory came back with its wake, D102)
-                    pageout = not light or (rec.id in self._paged and self.tight())
-                    dozed = await backend.doze(rec.id, pageout=pageout)
+                    dozed = await backend.doze(rec.id, pageout=not light)
                     busy = dozed == DOZE_BUSY
-                    if not pageout and dozed >= 0:
+                    if light and dozed >= 0:
                         self._light[rec.id] = mark
                     elif not busy:
                         self._light.pop(rec.id, None)
-                    if pageout and dozed >= 0:
-                        self._paged[rec.id] = mark
                     n += max(0, dozed)
             except Exception as e:   # its cgroup went, a kernel refusal: not again this idle period
                 log.warning("idle reclaim failed", extra={"sandbox": rec.id, "error": str(e) or repr(e)})

@@ -66,6 +66,12 @@ def side_home(dsec_home: Path, tmp_path_factory, name: str) -> Path:
     import sqlite3
     home = Path(tmp_path_factory.mktemp(name, numbered=True))
     home.chmod(0o711)
+    # crun opens a bind's source (lxcfs's view files in the home) from the host first and, if
+    # that fails, by path inside the sandbox's user namespace: pytest's 0700 temp dirs would
+    # refuse that walk (EACCES) where a real home's parents (/var/lib) allow it. Seen once as
+    # "mount <home>/lxcfs/proc/swaps to proc/swaps: Permission denied" in a full run.
+    for parent in (home.parent, home.parent.parent):     # pytest-N, pytest-of-root
+        parent.chmod(parent.stat().st_mode | 0o011)
     (home / "store").symlink_to(dsec_home / "store")          # same layer files, own mounts
     with sqlite3.connect(dsec_home / "images.db") as src, sqlite3.connect(home / "images.db") as dst:
         src.backup(dst)
